@@ -1,0 +1,139 @@
+"""The `tarsier` command: a thin layer over the library API."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .api import Captioner, CaptionSettings
+from .checkpoints import ModelNotFoundError
+from .engine import SamplingParams
+from .progress import RunStats, make_reporter, print_summary
+from .sinks import OutputExistsError, ParquetSink, check_output_path
+from .sources import InputNotFoundError, discover
+from .tiny import SIZES, make_tiny_model
+
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+app = typer.Typer(
+    help="Batch-caption videos and images with Tarsier video-language models.",
+    rich_markup_mode=None, pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
+dev_app = typer.Typer(help="Developer tools.", rich_markup_mode=None, no_args_is_help=True)
+app.add_typer(dev_app, name="dev")
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"tarsier-batch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
+    """Batch-caption videos and images with Tarsier video-language models."""
+
+
+@app.command(epilog="Examples:\n\n  tarsier caption ./videos --out results.parquet --model omni-research/Tarsier-7b\n\n"
+                    "  tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random\n\n"
+                    "Exit codes: 0 all captioned, 1 some inputs failed (see the error column), "
+                    "2 bad usage (flag, missing input, existing output, unusable model), 130 interrupted.")
+def caption(
+    inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write.", show_default=False)],
+    model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or 'tiny-random'.")]
+    = "omni-research/Tarsier-7b",
+    prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the default 'Describe the video/image in detail.'")] = None,
+    frames: Annotated[int, typer.Option(min=1, help="Frames sampled uniformly from each video or GIF.")] = 8,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Items per batch [default: 4 on CPU, fitted to free memory on CUDA].", show_default=False)] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens generated per caption.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream.")] = 0,
+    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
+    workers: Annotated[int, typer.Option(min=1, help="Threads decoding media ahead of the model.")] = 2,
+    recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
+    with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary.")] = False,
+) -> None:
+    """Caption every video, GIF and image in INPUTS and write one Parquet row per file."""
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        discovery = discover(inputs, recursive)
+        if not discovery.items:
+            _fail(f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)")
+        check_output_path(out, overwrite)
+        settings = CaptionSettings(
+            model=model, prompt=prompt, frames=frames, batch_size=batch_size, dtype=dtype.value, device=device,
+            workers=workers, sampling=SamplingParams(max_new_tokens, temperature, top_p, seed))
+        _quiet_library_logs()
+        with console.status(f"loading {model}", spinner="dots") if console.is_terminal and not quiet else _nothing():
+            captioner = Captioner(settings)
+    except (InputNotFoundError, OutputExistsError, ModelNotFoundError, FileNotFoundError, ValueError) as error:
+        _fail(str(error))
+
+    stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
+    sink = ParquetSink(out, model, captioner.provenance(), with_token_ids, overwrite)
+    try:
+        with sink, make_reporter(stats, console, quiet) as reporter:
+            for result in captioner.caption(discovery.items, reporter.on_tokens):
+                sink.write(result)
+                reporter.on_result(result)
+            sink.commit({"complete": True, **stats.as_dict()})
+    except KeyboardInterrupt:
+        kept = f"{stats.done} finished rows kept in {sink.partial}" if sink.rows_written else "no rows finished"
+        console.print(f"tarsier: interrupted; {kept}; {out} was not written", highlight=False, markup=False)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if not quiet:
+        skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(discovery.skipped.items()))
+        print_summary(console, stats, str(out), skipped)
+    raise typer.Exit(EXIT_SOME_FAILED if stats.failed else EXIT_OK)
+
+
+@dev_app.command("make-tiny-model")
+def make_tiny_model_command(
+    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.", show_default=False)],
+    size: Annotated[str, typer.Option(help=f"Geometry: {' or '.join(SIZES)} (small has the real 601 vectors per frame).")] = "tiny",
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the random weights.")] = 0,
+) -> None:
+    """Write a deterministic random-weight Tarsier v1 checkpoint in the real format (captions are noise)."""
+    if size not in SIZES:
+        _fail(f"--size {size}: choose one of {', '.join(SIZES)}")
+    if directory.exists() and any(directory.iterdir()):
+        _fail(f"{directory} exists and is not empty")
+    typer.echo(make_tiny_model(directory, size, seed))
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"Error: {message}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _quiet_library_logs() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,7 @@
+"""Generation apart from models and I/O: batching, sampling and the prefill/decode loop."""
+
+from .batch import PromptEmbedding
+from .generate import Generation, StepModel, generate
+from .sampling import SamplingParams
+
+__all__ = ["Generation", "PromptEmbedding", "SamplingParams", "StepModel", "generate"]

@@ -1,0 +1,56 @@
+"""Turn sampled frames and an instruction into Tarsier v1 prompt tokens and pixel tensors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoTokenizer, PreTrainedTokenizerBase
+
+from ...media import MediaType
+
+IMAGE_PLACEHOLDER = "<image>"
+DEFAULT_INSTRUCTIONS = {
+    MediaType.VIDEO: "Describe the video in detail.",
+    MediaType.GIF: "Describe the video in detail.",
+    MediaType.IMAGE: "Describe the image in detail.",
+}
+
+
+def default_instruction(media_type: MediaType) -> str:
+    return DEFAULT_INSTRUCTIONS[media_type]
+
+
+def build_prompt(num_frames: int, instruction: str) -> str:
+    """The official prompt: one placeholder per frame, a newline, the instruction, a trailing space."""
+    cleaned = instruction.replace(IMAGE_PLACEHOLDER, "").replace("<video>", "")
+    return f"USER: {IMAGE_PLACEHOLDER * num_frames}\n{cleaned} ASSISTANT: "
+
+
+def stretch_to_square(frame: Image.Image) -> Image.Image:
+    """Stretch (no padding) to a square whose side is the longer side, as the official loader does."""
+    side = max(frame.size)
+    return frame.resize((side, side), resample=Image.Resampling.BICUBIC)
+
+
+class TarsierProcessor:
+    """The checkpoint's own tokenizer and CLIP image processor (PIL backend, as upstream)."""
+
+    def __init__(self, model_dir: Path):
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
+        self.image_processor = AutoImageProcessor.from_pretrained(str(model_dir), backend="pil")
+
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """Tokenise the whole prompt in one call, with the tokenizer's special tokens (`<s>`)."""
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def pixel_values(self, frames: list[Image.Image]) -> torch.Tensor:
+        """Pixels for the vision tower, shape (frames, 3, size, size), float32."""
+        squares = [stretch_to_square(frame) for frame in frames]
+        return self.image_processor(images=squares, return_tensors="pt")["pixel_values"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The caption text: one decode call, special tokens skipped, unknown ids dropped."""
+        known = [token for token in token_ids if token < len(self.tokenizer)]
+        return self.tokenizer.decode(known, skip_special_tokens=True)

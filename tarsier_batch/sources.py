@@ -1,0 +1,77 @@
+"""Find the media to caption from files, directories and glob patterns."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .media import MediaType, media_type_of
+
+
+class InputNotFoundError(Exception):
+    """An input path does not exist or a glob pattern matches nothing."""
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    path: str
+    media_type: MediaType
+
+
+@dataclass
+class Discovery:
+    items: list[MediaItem] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)  # unsupported files by extension
+
+    @property
+    def skipped_count(self) -> int:
+        return sum(self.skipped.values())
+
+
+def discover(inputs: list[str], recursive: bool = True) -> Discovery:
+    """Expand inputs in the order given; each directory or pattern contributes its files sorted.
+
+    Hidden files and folders (names starting with '.') inside directories are ignored. A file
+    reached twice is listed once. Unsupported files are counted by extension, not listed.
+    """
+    found = Discovery()
+    seen: set[str] = set()
+    for entry in inputs:
+        for path in _expand(entry, recursive):
+            key = os.path.realpath(path)
+            if key in seen:
+                continue
+            seen.add(key)
+            media_type = media_type_of(path)
+            if media_type is None:
+                found.skipped[Path(path).suffix.lower() or "(no extension)"] += 1
+            else:
+                found.items.append(MediaItem(path, media_type))
+    return found
+
+
+def _expand(entry: str, recursive: bool) -> list[str]:
+    if os.path.isdir(entry):
+        return _walk(entry, recursive)
+    if os.path.exists(entry):
+        return [entry]
+    if glob.has_magic(entry):
+        matches = sorted(glob.glob(entry, recursive=True))
+        if not matches:
+            raise InputNotFoundError(f"no file matches {entry!r}")
+        return [path for match in matches for path in _expand(match, recursive)]
+    raise InputNotFoundError(f"input not found: {entry}")
+
+
+def _walk(directory: str, recursive: bool) -> list[str]:
+    if not recursive:
+        return sorted(entry.path for entry in os.scandir(directory)
+                      if entry.is_file() and not entry.name.startswith("."))
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
+        files += [os.path.join(root, name) for name in names if not name.startswith(".")]
+    return sorted(files)
