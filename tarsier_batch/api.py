@@ -144,7 +144,7 @@ class Captioner:
         start = time.perf_counter()
         try:
             media = load_media(item.path, item.media_type, self.settings.frames)
-            prepared = self.model.prepare(media, self.settings.prompt)
+            prepared = self.model.prepare(media, item.prompt or self.settings.prompt)
         except Exception as error:  # any decoder failure is this item's problem only
             return _Loaded(item, time.perf_counter() - start, error=_one_line(error))
         return _Loaded(item, time.perf_counter() - start, media, prepared)

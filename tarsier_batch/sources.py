@@ -17,8 +17,11 @@ class InputNotFoundError(Exception):
 
 @dataclass(frozen=True)
 class MediaItem:
+    """One file to caption; `prompt` overrides the run's instruction for this item only."""
+
     path: str
     media_type: MediaType
+    prompt: str | None = None
 
 
 @dataclass

@@ -49,6 +49,9 @@ The scene changes to a close-up of hands typing on a keyboard in a dim room.
 Snow falls steadily; the wind moves the branches and the light fades toward evening.
 In the final shot, the first man raises his arm and points toward the distance.
 """
+# Weights are drawn wider than transformers' default (0.02) so that outputs depend strongly on
+# the input: with the default, every input yields nearly the same tokens, which hides mix-ups.
+_INIT_SCALE = 0.3
 _VOCAB_SIZE = 700  # before the added tokens; the embedding table is then rounded up to 64
 
 
@@ -118,12 +121,13 @@ def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline
         image_size=size["image_size"], patch_size=size["patch_size"], hidden_size=size["vision_hidden"],
         intermediate_size=4 * size["vision_hidden"], num_hidden_layers=size["vision_layers"],
         num_attention_heads=size["vision_heads"], projection_dim=size["vision_hidden"],
-        hidden_act="quick_gelu", layer_norm_eps=1e-5)
+        hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=_INIT_SCALE / 0.02)
     text = LlamaConfig(
         vocab_size=vocab, hidden_size=size["text_hidden"], intermediate_size=3 * size["text_hidden"],
         num_hidden_layers=size["text_layers"], num_attention_heads=size["text_heads"],
         num_key_value_heads=size["text_kv_heads"], max_position_embeddings=8192, rms_norm_eps=1e-5,
-        bos_token_id=1, eos_token_id=2, pad_token_id=pad_token, tie_word_embeddings=False)
+        bos_token_id=1, eos_token_id=2, pad_token_id=pad_token, tie_word_embeddings=False,
+        initializer_range=_INIT_SCALE)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llava",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,9 @@ class SamplingParams:
         if self.greedy:
             return None
         generator = torch.Generator()
-        generator.manual_seed(((self.seed & 0xFFFFFFFF) << 32) | zlib.crc32(key.encode()))
+        # The CPU generator keeps 32 bits of a seed, so mix seed and key into 32 bits.
+        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=4).digest()
+        generator.manual_seed(int.from_bytes(digest, "little"))
         return generator
 
 

@@ -1,0 +1,33 @@
+"""Shared fixtures: a tiny random-weight checkpoint and the media folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tarsier_batch.families import load_caption_model
+from tarsier_batch.families.tarsier import TarsierCaptioner
+from tarsier_batch.tiny import make_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO / "sample_data"
+SHARED_MEDIA = REPO.parent / "shared" / "media"
+
+
+@pytest.fixture(scope="session")
+def shared_media() -> Path:
+    if not (SHARED_MEDIA / "demo_test.mp4").exists():
+        pytest.fail(f"shared media not found at {SHARED_MEDIA}: the tests expect ../shared beside the clone")
+    return SHARED_MEDIA
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir: Path) -> TarsierCaptioner:
+    return load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
