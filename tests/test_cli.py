@@ -1,0 +1,148 @@
+"""`tarsier caption` end to end: the Parquet file, metadata, exit codes and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
+from tarsier_batch.sinks import PROVENANCE_KEY, SUMMARY_KEY
+
+runner = CliRunner()
+COLUMNS = ["path", "media_type", "caption", "model", "prompt", "num_frames", "frame_indices", "width", "height",
+           "duration_s", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s"]
+
+
+def run(*args: str):
+    return runner.invoke(app, ["caption", *args])
+
+
+def media_in(*folders: Path) -> list[Path]:
+    from tarsier_batch.media import media_type_of
+
+    return sorted(path for folder in folders for path in folder.rglob("*") if media_type_of(path))
+
+
+def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    from conftest import SAMPLE_DATA
+
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media), str(SAMPLE_DATA), "--model", str(tiny_model_dir), "--out", str(out),
+                 "--max-new-tokens", "8", "--with-token-ids")
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.column_names == COLUMNS + ["generated_ids"]
+    rows = table.to_pylist()
+    expected = [str(path) for path in media_in(shared_media)] + [str(path) for path in media_in(SAMPLE_DATA)]
+    assert [row["path"] for row in rows] == expected
+    assert len(rows) == 9 + 6
+    assert all(row["caption"] and row["error"] is None and row["finish_reason"] in ("eos", "length") for row in rows)
+    assert all(row["generated_tokens"] == len(row["generated_ids"]) <= 8 for row in rows)
+    by_name = {Path(row["path"]).name: row for row in rows}
+    video = by_name["demo_test.mp4"]
+    assert (video["media_type"], video["num_frames"], video["frame_indices"]) == ("video", 8, [0, 12, 24, 36, 47, 59, 71, 83])
+    assert (video["width"], video["height"], video["duration_s"]) == (1920, 800, 10.5)
+    assert video["prompt"] == "Describe the video in detail." and video["model"] == str(tiny_model_dir)
+    assert video["prompt_tokens"] > 8 * 21  # eight frames of 21 vectors plus the text
+    assert by_name["clip_5f.gif"]["num_frames"] == 5 and by_name["clip_5f.gif"]["media_type"] == "gif"
+    image = by_name["portrait.JPG"]
+    assert (image["media_type"], image["num_frames"], image["duration_s"]) == ("image", 1, None)
+    assert image["prompt"] == "Describe the image in detail."
+    metadata = pq.read_metadata(out).metadata
+    provenance = json.loads(metadata[PROVENANCE_KEY.encode()])
+    assert provenance["model"] == str(tiny_model_dir) and provenance["frames"] == 8
+    assert provenance["generation"] == {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+    assert provenance["dtype"] == "float32" and provenance["device"] == "cpu"
+    assert provenance["frame_decoders"]["video"].startswith("decord")
+    assert provenance["tool_version"]
+    summary = json.loads(metadata[SUMMARY_KEY.encode()])
+    assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 2
+    assert "skipped 2" in result.output and "captioned 15" in result.output
+
+
+def test_corrupt_file_becomes_an_error_row_and_exit_1(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a_broken.mp4").write_bytes(b"this is not a video")
+    (folder / "b_broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    (folder / "c_good.gif").write_bytes((shared_media / "clip_5f.gif").read_bytes())
+    out = tmp_path / "r.parquet"
+    result = run(str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4")
+    assert result.exit_code == 1, result.output
+    rows = pq.read_table(out).to_pylist()
+    assert [Path(row["path"]).name for row in rows] == ["a_broken.mp4", "b_broken.png", "c_good.gif"]
+    for broken in rows[:2]:
+        assert broken["finish_reason"] == "error" and broken["caption"] is None
+        assert broken["error"] and "\n" not in broken["error"]
+    assert rows[2]["error"] is None and rows[2]["caption"]
+    assert "failed 2" in result.output and "a_broken.mp4" in result.output
+
+
+def test_missing_input_stops_with_exit_2(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    result = run(str(tmp_path / "nope"), "--model", str(tiny_model_dir), "--out", str(out))
+    assert result.exit_code == 2
+    assert result.output.strip() == f"Error: input not found: {tmp_path / 'nope'}"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--frames", "0"), ("--batch-size", "0"), ("--top-p", "0"),
+                                             ("--temperature", "-1"), ("--dtype", "float8"),
+                                             ("--device", "tpu"), ("--max-new-tokens", "0")])
+def test_bad_flag_values_stop_with_exit_2(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
+                                          flag: str, value: str) -> None:
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out", str(out), flag, value)
+    assert result.exit_code == 2, result.output
+    assert "Error" in result.output
+    assert not out.exists()
+
+
+def test_existing_output_needs_overwrite(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"precious")
+    args = [str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2"]
+    refused = run(*args)
+    assert refused.exit_code == 2 and "--overwrite" in refused.output
+    assert out.read_bytes() == b"precious"
+    replaced = run(*args, "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert pq.read_table(out).num_rows == 1
+
+
+def test_unusable_model_stops_with_exit_2(shared_media: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty-model"
+    empty.mkdir()
+    result = run(str(shared_media / "clip_5f.gif"), "--model", str(empty), "--out", str(tmp_path / "r.parquet"))
+    assert result.exit_code == 2
+    assert "config.json" in result.output
+
+
+def test_folder_without_media_stops_with_exit_2(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    result = run(str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
+    assert result.exit_code == 2 and "no supported media" in result.output
+
+
+def test_custom_prompt_and_frames(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media / "demo_test.mp4"), "--model", str(tiny_model_dir), "--out", str(out),
+                 "--prompt", "Who is hiding?", "--frames", "3", "--max-new-tokens", "3", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.output == ""
+    row = pq.read_table(out).to_pylist()[0]
+    assert (row["prompt"], row["num_frames"], row["frame_indices"]) == ("Who is hiding?", 3, [0, 42, 83])
+
+
+def test_make_tiny_model_command(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["dev", "make-tiny-model", str(tmp_path / "m"), "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "config.json").exists()
+    again = runner.invoke(app, ["dev", "make-tiny-model", str(tmp_path / "m")])
+    assert again.exit_code == 2 and "not empty" in again.output
+    wrong = runner.invoke(app, ["dev", "make-tiny-model", str(tmp_path / "n"), "--size", "huge"])
+    assert wrong.exit_code == 2

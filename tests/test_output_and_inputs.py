@@ -1,0 +1,130 @@
+"""Input discovery, the Parquet sink's all-or-partial guarantee, model resolution and OOM retries."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tarsier_batch import Captioner, CaptionSettings, SamplingParams
+from tarsier_batch.api import CaptionResult
+from tarsier_batch.checkpoints import ModelNotFoundError, resolve_model
+from tarsier_batch.sinks import OutputExistsError, ParquetSink
+from tarsier_batch.sources import InputNotFoundError, discover
+
+
+def touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+    return path
+
+
+def test_discovery_order_recursion_skips_and_duplicates(tmp_path: Path) -> None:
+    for name in ["b.mp4", "a.GIF", "sub/c.jpg", "sub/deeper/d.webm", "notes.txt", "data.json", ".hidden.mp4",
+                 ".cache/e.mp4", "z.PNG"]:
+        touch(tmp_path / name)
+    found = discover([str(tmp_path), str(tmp_path / "b.mp4")])
+    names = [os.path.relpath(item.path, tmp_path) for item in found.items]
+    assert names == ["a.GIF", "b.mp4", "sub/c.jpg", "sub/deeper/d.webm", "z.PNG"]
+    assert [item.media_type.value for item in found.items] == ["gif", "video", "image", "video", "image"]
+    assert dict(found.skipped) == {".txt": 1, ".json": 1} and found.skipped_count == 2
+    flat = discover([str(tmp_path)], recursive=False)
+    assert [os.path.basename(item.path) for item in flat.items] == ["a.GIF", "b.mp4", "z.PNG"]
+
+
+def test_globs_expand_sorted_and_must_match(tmp_path: Path) -> None:
+    for name in ["x/2.mp4", "x/1.mp4", "x/y/3.mp4", "x/n.txt"]:
+        touch(tmp_path / name)
+    found = discover([str(tmp_path / "x" / "**" / "*.mp4")])
+    assert [os.path.relpath(item.path, tmp_path) for item in found.items] == ["x/1.mp4", "x/2.mp4", "x/y/3.mp4"]
+    with pytest.raises(InputNotFoundError, match="no file matches"):
+        discover([str(tmp_path / "*.avi")])
+    with pytest.raises(InputNotFoundError, match="input not found"):
+        discover([str(tmp_path / "missing.mp4")])
+
+
+def result(path: str) -> CaptionResult:
+    return CaptionResult(path=path, media_type="image", caption="c", finish_reason="length", generated_ids=[1])
+
+
+def test_sink_replaces_output_only_when_committed(tmp_path: Path) -> None:
+    out = tmp_path / "deep" / "r.parquet"
+    with ParquetSink(out, "m", {"k": 1}, with_token_ids=False) as sink:
+        sink.write(result("a"))
+        assert not out.exists()
+        sink.commit({"complete": True})
+    assert pq.read_table(out).column("path").to_pylist() == ["a"]
+    assert not list(out.parent.glob(".*tmp"))
+    with pytest.raises(OutputExistsError):
+        ParquetSink(out, "m", {}, with_token_ids=False)
+
+
+def test_interrupted_run_keeps_finished_rows_in_a_partial_file(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    out.write_bytes(b"old results")
+    with pytest.raises(KeyboardInterrupt):
+        with ParquetSink(out, "m", {}, with_token_ids=True, overwrite=True) as sink:
+            sink.write(result("a"))
+            sink.write(result("b"))
+            raise KeyboardInterrupt
+    assert out.read_bytes() == b"old results"
+    partial = pq.read_table(tmp_path / "r.parquet.partial")
+    assert partial.column("path").to_pylist() == ["a", "b"]
+    assert partial.column("generated_ids").to_pylist() == [[1], [1]]
+    assert b'"complete": false' in pq.read_metadata(tmp_path / "r.parquet.partial").metadata[b"tarsier_batch_summary"]
+
+
+def test_run_stopped_before_any_row_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    with pytest.raises(RuntimeError):
+        with ParquetSink(out, "m", {}, with_token_ids=False):
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_offline_hub_id_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(ModelNotFoundError, match="--model DIR"):
+        resolve_model("omni-research/Tarsier-7b")
+    with pytest.raises(ModelNotFoundError, match="not a checkpoint directory"):
+        resolve_model("./no/such/dir")
+
+
+def test_tiny_random_alias_builds_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TARSIER_BATCH_CACHE", str(tmp_path / "cache"))
+    first = resolve_model("tiny-random")
+    stamp = (first.path / "model.safetensors").stat().st_mtime_ns
+    second = resolve_model("tiny-random")
+    assert first.path == second.path and first.path.parent == tmp_path / "cache"
+    assert (second.path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_out_of_memory_batches_are_retried_in_halves(tiny_model_dir: Path, shared_media: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from tarsier_batch.media import MediaType
+    from tarsier_batch.sources import MediaItem
+
+    settings = CaptionSettings(model=str(tiny_model_dir), batch_size=4, sampling=SamplingParams(max_new_tokens=5),
+                               dtype="float32", device="cpu")
+    items = [MediaItem(str(shared_media / name), MediaType.IMAGE)
+             for name in ["tarsier_logo.jpg", "demo_test_f40.jpg", "portrait_200x333.png"]]
+    expected = [r.generated_ids for r in Captioner(settings).caption(items)]
+    captioner = Captioner(settings)
+    real_embed = captioner.model.embed_prompts
+    sizes: list[int] = []
+
+    def embed_with_tight_memory(inputs):  # only one item fits, and the fifth attempt fails even alone
+        sizes.append(len(inputs))
+        if len(inputs) > 1 or len(sizes) == 5:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_embed(inputs)
+
+    monkeypatch.setattr(captioner.model, "embed_prompts", embed_with_tight_memory)
+    results = list(captioner.caption(items))
+    assert sizes == [3, 1, 2, 1, 1]
+    assert [r.generated_ids for r in results[:2]] == expected[:2]
+    assert results[2].error == "out of memory even alone" and results[2].finish_reason == "error"
