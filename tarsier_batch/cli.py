@@ -137,3 +137,5 @@ class _nothing:
 
     def __exit__(self, *exc: object) -> None:
         return None
+if __name__ == "__main__":
+    app()

@@ -10,6 +10,7 @@ import torch
 
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams
 from tarsier_batch.engine import generate
+from tarsier_batch.engine.prefill import prefill
 from tarsier_batch.families.tarsier import TarsierCaptioner
 from tarsier_batch.media import MediaType, load_media, media_type_of
 
@@ -117,3 +118,23 @@ def test_half_precision_runs_end_to_end(settings: CaptionSettings, shared_media:
     results = list(Captioner(replace(settings, dtype="bfloat16", batch_size=2)).caption(items))
     assert [result.error for result in results] == [None, None]
     assert all(result.generated_tokens == MAX_NEW for result in results)
+
+
+def test_prefill_stacks_rows_left_padded_as_if_alone(tiny_model: TarsierCaptioner, shared_media: Path) -> None:
+    image, gif, video = prompts_for(tiny_model, shared_media)[:3]
+    assert image.length < gif.length < video.length
+    batch = prefill(tiny_model, [image, video, gif])
+    longest = video.length
+    expected_mask = [[0] * (longest - prompt.length) + [1] * prompt.length for prompt in (image, video, gif)]
+    assert batch.attention_mask.tolist() == expected_mask
+    alone = prefill(tiny_model, [image])
+    torch.testing.assert_close(batch.logits[0], alone.logits[0], rtol=0, atol=0)
+    for (keys, values), (own_keys, own_values) in zip(
+            [(layer.keys, layer.values) for layer in batch.cache.layers],
+            [(layer.keys, layer.values) for layer in alone.cache.layers]):
+        assert keys.shape[0] == 3 and keys.shape[2] == longest
+        pad = longest - image.length
+        assert keys[0, :, :pad].abs().sum() == 0 and values[0, :, :pad].abs().sum() == 0
+        torch.testing.assert_close(keys[0, :, pad:], own_keys[0], rtol=0, atol=0)
+        torch.testing.assert_close(values[0, :, pad:], own_values[0], rtol=0, atol=0)
+    assert [image.next_position, video.next_position, gif.next_position] == [image.length, video.length, gif.length]

@@ -12,8 +12,6 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import CLIPVisionModel
 
-from tarsier_batch.engine import PromptEmbedding
-from tarsier_batch.engine.batch import left_pad
 from tarsier_batch.families import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptioner, TarsierConfig, merge_frame_features
 from tarsier_batch.families.tarsier.processing import build_prompt, stretch_to_square
@@ -167,14 +165,3 @@ def test_merge_replaces_each_placeholder_by_its_frame() -> None:
     assert merged.next_position == 10
     with pytest.raises(ValueError, match="2 image placeholders for 1 frames"):
         merge_frame_features(ids, frames[:1], token_embeds, image)
-
-
-def test_left_padding_right_aligns_rows_with_their_own_positions() -> None:
-    short = PromptEmbedding(torch.ones(2, 3), torch.arange(2))
-    long = PromptEmbedding(torch.full((4, 3), 2.0), torch.arange(4))
-    batch = left_pad([short, long])
-    assert batch.attention_mask.tolist() == [[0, 0, 1, 1], [1, 1, 1, 1]]
-    assert batch.position_ids.tolist() == [[0, 0, 0, 1], [0, 1, 2, 3]]
-    assert batch.embeds[0, :2].abs().sum() == 0
-    assert batch.embeds[0, 2:].tolist() == [[1.0] * 3] * 2
-    assert batch.embeds[1].tolist() == [[2.0] * 3] * 4

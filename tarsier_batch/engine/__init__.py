@@ -1,6 +1,6 @@
 """Generation apart from models and I/O: batching, sampling and the prefill/decode loop."""
 
-from .batch import PromptEmbedding
+from .prefill import PromptEmbedding
 from .generate import Generation, StepModel, generate
 from .sampling import SamplingParams
 

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from transformers import Cache
 
-from .batch import PromptEmbedding, left_pad
+from .prefill import PromptEmbedding, prefill
 from .sampling import SamplingParams, select_tokens
 
 
@@ -45,14 +45,11 @@ def generate(model: StepModel, prompts: list[PromptEmbedding], params: SamplingP
     """Generate for every prompt; a row that stops leaves the batch and its cache rows are freed."""
     if generators is None:
         generators = [None] * len(prompts)
-    batch = left_pad(prompts)
-    cache = model.new_cache()
-    logits = model.forward_step(batch.embeds, batch.attention_mask, batch.position_ids, cache)
+    batch = prefill(model, prompts)
+    logits, cache, mask = batch.logits, batch.cache, batch.attention_mask
     results = [Generation() for _ in prompts]
     active = list(range(len(prompts)))   # indices into `prompts` of the rows still in the batch
-    next_positions = torch.tensor([prompt.next_position for prompt in prompts],
-                                  device=batch.position_ids.device)
-    mask = batch.attention_mask
+    next_positions = torch.tensor([prompt.next_position for prompt in prompts], device=mask.device)
     for step in range(params.max_new_tokens):
         tokens = select_tokens(logits, params, [generators[row] for row in active])
         if on_tokens is not None:
