@@ -89,16 +89,18 @@ def caption(
 
     stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
     sink = ParquetSink(out, model, captioner.provenance(), with_token_ids, overwrite)
-    try:
-        with sink, make_reporter(stats, console, quiet) as reporter:
-            for result in captioner.caption(discovery.items, reporter.on_tokens):
-                sink.write(result)
-                reporter.on_result(result)
-            sink.commit({"complete": True, **stats.as_dict()})
-    except KeyboardInterrupt:
-        kept = f"{stats.done} finished rows kept in {sink.partial}" if sink.rows_written else "no rows finished"
-        console.print(f"tarsier: interrupted; {kept}; {out} was not written", highlight=False, markup=False)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+    with sink:  # any other exception also keeps the finished rows in <out>.partial
+        try:
+            with make_reporter(stats, console, quiet) as reporter:
+                for result in captioner.caption(discovery.items, reporter.on_tokens):
+                    sink.write(result)
+                    reporter.on_result(result)
+        except KeyboardInterrupt:
+            partial = sink.abort({"complete": False, "stopped_by": "interrupt", **stats.as_dict()})
+            kept = f"{stats.done} finished rows kept in {partial}" if partial else "no rows had finished"
+            console.print(f"tarsier: interrupted; {kept}; {out} was not written", highlight=False, markup=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        sink.commit({"complete": True, **stats.as_dict()})
     if not quiet:
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(discovery.skipped.items()))
         print_summary(console, stats, str(out), skipped)

@@ -81,6 +81,7 @@ def decoder_versions() -> dict[str, str]:
 def _load_video(path: str, num_frames: int) -> Media:
     import decord
 
+    decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
     reader = decord.VideoReader(path, num_threads=1, ctx=decord.cpu(0))
     total = len(reader)
     indices = frame_indices(total, num_frames)

@@ -146,3 +146,27 @@ def test_make_tiny_model_command(tmp_path: Path) -> None:
     assert again.exit_code == 2 and "not empty" in again.output
     wrong = runner.invoke(app, ["dev", "make-tiny-model", str(tmp_path / "n"), "--size", "huge"])
     assert wrong.exit_code == 2
+
+
+def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
+                                                 monkeypatch) -> None:
+    from tarsier_batch.api import Captioner
+
+    real_caption = Captioner.caption
+
+    def interrupted_after_two(self, items, on_tokens=None):
+        for index, result in enumerate(real_caption(self, items, on_tokens)):
+            if index == 2:
+                raise KeyboardInterrupt
+            yield result
+
+    monkeypatch.setattr(Captioner, "caption", interrupted_after_two)
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
+    assert result.exit_code == 130
+    assert "interrupted; 2 finished rows kept in" in result.output
+    assert not out.exists()
+    partial = tmp_path / "r.parquet.partial"
+    assert pq.read_table(partial).num_rows == 2
+    summary = json.loads(pq.read_metadata(partial).metadata[SUMMARY_KEY.encode()])
+    assert summary["complete"] is False and summary["captioned"] == 2 and summary["total"] == 9
