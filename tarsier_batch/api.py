@@ -166,17 +166,19 @@ class Captioner:
             generations = generate(self.model, prompts, self.settings.sampling, self.model.eos_token_ids,
                                    generators, on_tokens)
         except Exception as error:
-            if is_out_of_memory(error):
-                release_cached_memory(self.device)
-            if len(batch) == 1:
-                message = "out of memory even alone" if is_out_of_memory(error) else _one_line(error)
-                return [_error_result(batch[0], message)]
-            half = len(batch) // 2
-            return self._generate(batch[:half], on_tokens) + self._generate(batch[half:], on_tokens)
-        elapsed = time.perf_counter() - start
-        return [self._result(loaded, prompt.length, generation.token_ids, generation.finish_reason,
-                             loaded.seconds + elapsed)
-                for loaded, prompt, generation in zip(batch, prompts, generations)]
+            # Retry outside this block: the exception's traceback still holds the failed batch's tensors.
+            out_of_memory, message = is_out_of_memory(error), _one_line(error)
+        else:
+            elapsed = time.perf_counter() - start
+            return [self._result(loaded, prompt.length, generation.token_ids, generation.finish_reason,
+                                 loaded.seconds + elapsed)
+                    for loaded, prompt, generation in zip(batch, prompts, generations)]
+        if out_of_memory:
+            release_cached_memory(self.device)
+        if len(batch) == 1:
+            return [_error_result(batch[0], "out of memory even alone" if out_of_memory else message)]
+        half = len(batch) // 2
+        return self._generate(batch[:half], on_tokens) + self._generate(batch[half:], on_tokens)
 
     def _result(self, loaded: _Loaded, prompt_tokens: int, token_ids: list[int], finish_reason: str,
                 elapsed: float) -> CaptionResult:
