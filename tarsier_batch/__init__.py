@@ -1,10 +1,30 @@
-"""tarsier-batch: offline batch captioning of videos and images with Tarsier models."""
+"""tarsier-batch: offline batch captioning of videos and images with Tarsier models.
+
+The public names are imported on first use, so that `tarsier --help` or a bad flag answers
+without first loading torch and transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .api import Captioner, CaptionResult, CaptionSettings  # noqa: E402
-from .engine import SamplingParams  # noqa: E402
-from .sources import MediaItem, discover  # noqa: E402
+_EXPORTS = {"Captioner": "api", "CaptionResult": "api", "CaptionSettings": "api",
+            "SamplingParams": "engine", "MediaItem": "sources", "discover": "sources"}
+
+if TYPE_CHECKING:
+    from .api import Captioner, CaptionResult, CaptionSettings
+    from .engine import SamplingParams
+    from .sources import MediaItem, discover
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["CaptionResult", "CaptionSettings", "Captioner", "MediaItem", "SamplingParams", "__version__",
            "discover"]

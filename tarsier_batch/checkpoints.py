@@ -6,8 +6,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tiny import ensure_tiny_model
-
 TINY_ALIAS = "tiny-random"
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -37,6 +35,8 @@ def cache_dir() -> Path:
 def resolve_model(reference: str) -> ResolvedModel:
     """A local directory, the built-in `tiny-random` alias, or a Hugging Face id (downloaded)."""
     if reference == TINY_ALIAS:
+        from .tiny import ensure_tiny_model
+
         return ResolvedModel(reference, ensure_tiny_model(cache_dir()), None)
     local = Path(reference).expanduser()
     if local.is_dir():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .api import CaptionResult
+if TYPE_CHECKING:
+    from .api import CaptionResult
 
 LOG_INTERVAL_S = 10.0
 

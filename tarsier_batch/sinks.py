@@ -6,12 +6,13 @@ import json
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .api import CaptionResult
+if TYPE_CHECKING:
+    from .api import CaptionResult
 
 PROVENANCE_KEY = "tarsier_batch"
 SUMMARY_KEY = "tarsier_batch_summary"
