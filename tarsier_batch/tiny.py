@@ -62,6 +62,7 @@ def make_tiny_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     tokenizer.save_pretrained(str(out_dir))
+    _write_merges_as_strings(out_dir / "tokenizer.json")
     base = len(tokenizer)  # <image> and <pad> are the last two tokenizer ids
     raw = _config_dict(SIZES[size], image_token=tokenizer.convert_tokens_to_ids("<image>"),
                        pad_token=tokenizer.pad_token_id, newline=base, frame_end=base + 1,
@@ -74,6 +75,11 @@ def make_tiny_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
          "pad_token_id": tokenizer.pad_token_id}, indent=2) + "\n")
     torch.manual_seed(seed)
     model = TarsierModel(TarsierConfig.from_dict(raw)).float()
+    # Llama zeroes the <pad> embedding row at initialisation. The official decoder takes a
+    # cached key of exact zeros for padding, so a generated <pad> would shift its positions;
+    # trained checkpoints have no such row, and neither should ours.
+    with torch.no_grad():
+        model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, _INIT_SCALE)
     save_model(model, out_dir)
     return out_dir
 
@@ -115,6 +121,17 @@ def _build_tokenizer() -> LlamaTokenizer:
     return tokenizer
 
 
+def _write_merges_as_strings(tokenizer_json: Path) -> None:
+    """Store BPE merges as "a b" strings, the form every tokenizers release reads (0.20+ writes pairs).
+
+    Keeps the checkpoint loadable by the transformers 4.4x that the official code pins.
+    """
+    data = json.loads(tokenizer_json.read_text())
+    data["model"]["merges"] = [" ".join(merge) if isinstance(merge, list) else merge
+                               for merge in data["model"]["merges"]]
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+
+
 def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline: int,
                  frame_end: int, vocab: int) -> dict[str, Any]:
     vision = CLIPVisionConfig(
@@ -147,9 +164,15 @@ def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline
 
 
 def _plain_config(config: CLIPVisionConfig | LlamaConfig) -> dict[str, Any]:
-    """A sub-config as the real checkpoints store it: the non-default fields and the model type."""
+    """A sub-config as the real checkpoints store it: the non-default fields and the model type.
+
+    `rope_theta` is spelled out as well, for transformers 4.x, which does not read `rope_parameters`.
+    """
     fields = config.to_diff_dict()
     fields.pop("transformers_version", None)
+    rope = fields.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        fields["rope_theta"] = rope["rope_theta"]
     return {"model_type": config.model_type, **fields}
 
 

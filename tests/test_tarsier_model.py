@@ -41,6 +41,21 @@ def test_tiny_checkpoint_has_the_official_layout(tiny_model_dir: Path) -> None:
         assert (tiny_model_dir / name).exists()
 
 
+def test_tiny_checkpoint_suits_the_official_code_too(tiny_model_dir: Path) -> None:
+    """Readable by the older transformers/tokenizers the official code pins, and no all-zero embedding row.
+
+    The official decoder treats a cached key of exact zeros as padding, so a zero row (Llama
+    zeroes <pad> at initialisation) would make it diverge whenever that token is generated.
+    """
+    merges = json.loads((tiny_model_dir / "tokenizer.json").read_text())["model"]["merges"]
+    assert merges and all(isinstance(merge, str) and merge.count(" ") == 1 for merge in merges)
+    text_config = json.loads((tiny_model_dir / "config.json").read_text())["text_config"]
+    assert text_config["rope_theta"] == text_config["rope_parameters"]["rope_theta"]
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as weights:
+        embeddings = weights.get_tensor("language_model.model.embed_tokens.weight")
+    assert (embeddings.abs().sum(dim=1) > 0).all()
+
+
 def test_special_ids_follow_the_real_models(tiny_model: TarsierCaptioner) -> None:
     tokenizer, config = tiny_model.processor.tokenizer, tiny_model.config
     base = len(tokenizer) - 2
