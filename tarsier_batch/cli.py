@@ -96,6 +96,9 @@ def caption(
     except (InputNotFoundError, OutputExistsError, ModelNotFoundError, FileNotFoundError, ValueError) as error:
         _fail(str(error))
 
+    if not quiet:
+        console.print(f"tarsier: {model} on {captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), "
+                      f"batch size {captioner.batch_size}", highlight=False, markup=False)
     stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
     sink = ParquetSink(out, model, captioner.provenance(), with_token_ids, overwrite)
     with sink:  # any other exception also keeps the finished rows in <out>.partial
