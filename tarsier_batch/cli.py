@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
@@ -53,12 +54,24 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
     """Batch-caption videos and images with Tarsier video-language models."""
 
 
-@app.command(epilog="Examples:\n\n  tarsier caption ./videos --out results.parquet --model omni-research/Tarsier-7b\n\n"
-                    "  tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random\n\n"
-                    "Exit codes: 0 all captioned, 1 some inputs failed (see the error column), "
-                    "2 bad usage (flag, missing input, existing output, unusable model), 130 interrupted.")
+EXAMPLES = """\b
+Examples:
+  tarsier caption ./videos --out results.parquet --model omni-research/Tarsier-7b
+  tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random
+  find /data -name '*.mp4' -mtime -1 | tarsier caption - -o today.parquet
+
+\b
+Exit codes:
+  0    every input was captioned
+  1    some inputs failed (their rows carry an error)
+  2    bad usage: flag value, missing input, existing output, unusable model
+  130  interrupted; finished rows are kept in OUT.partial
+"""
+
+
+@app.command(epilog=EXAMPLES)
 def caption(
-    inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns.", show_default=False)],
+    inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns; '-' reads paths from stdin, one per line.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write.", show_default=False)],
     model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or 'tiny-random'.")]
     = "omni-research/Tarsier-7b",
@@ -80,7 +93,7 @@ def caption(
     """Caption every video, GIF and image in INPUTS and write one Parquet row per file."""
     console = Console(stderr=True, soft_wrap=True)
     try:
-        discovery = discover(inputs, recursive)
+        discovery = discover(_with_stdin_paths(inputs), recursive)
         if not discovery.items:
             _fail(f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)")
         check_output_path(out, overwrite)
@@ -134,6 +147,14 @@ def make_tiny_model_command(
         typer.echo(make_tiny_model(directory, size, seed))
     except ValueError as error:
         _fail(str(error))
+
+
+def _with_stdin_paths(inputs: list[str]) -> list[str]:
+    """Replace `-` by the paths on standard input (one per line, blank lines ignored)."""
+    if "-" not in inputs:
+        return inputs
+    piped = [line.strip() for line in sys.stdin if line.strip()]
+    return [path for entry in inputs for path in (piped if entry == "-" else [entry])]
 
 
 def _fail(message: str) -> NoReturn:

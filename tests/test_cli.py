@@ -170,3 +170,13 @@ def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_m
     assert pq.read_table(partial).num_rows == 2
     summary = json.loads(pq.read_metadata(partial).metadata[SUMMARY_KEY.encode()])
     assert summary["complete"] is False and summary["captioned"] == 2 and summary["total"] == 9
+
+
+def test_dash_reads_paths_from_stdin(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    piped = f"{shared_media / 'clip_5f.gif'}\n\n{shared_media / 'tarsier_logo.jpg'}\n"
+    result = runner.invoke(app, ["caption", "-", str(shared_media / "short_5f.mp4"), "--model", str(tiny_model_dir),
+                                 "--out", str(out), "--max-new-tokens", "2"], input=piped)
+    assert result.exit_code == 0, result.output
+    names = [Path(path).name for path in pq.read_table(out).column("path").to_pylist()]
+    assert names == ["clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4"]
