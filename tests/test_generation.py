@@ -138,3 +138,33 @@ def test_prefill_stacks_rows_left_padded_as_if_alone(tiny_model: TarsierCaptione
         torch.testing.assert_close(keys[0, :, pad:], own_keys[0], rtol=0, atol=0)
         torch.testing.assert_close(values[0, :, pad:], own_values[0], rtol=0, atol=0)
     assert [image.next_position, video.next_position, gif.next_position] == [image.length, video.length, gif.length]
+
+
+def test_decode_steps_continue_each_rows_own_positions(tiny_model: TarsierCaptioner, shared_media: Path) -> None:
+    """Under left padding, row r's n-th generated token sits at position len(r) + n, padding masked."""
+    image, gif, video = prompts_for(tiny_model, shared_media)[:3]
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Recorder:
+        def embed_tokens(self, token_ids):
+            return tiny_model.embed_tokens(token_ids)
+
+        def new_cache(self):
+            return tiny_model.new_cache()
+
+        def forward_step(self, embeds, attention_mask, position_ids, cache):
+            calls.append((attention_mask.clone(), position_ids.clone()))
+            return tiny_model.forward_step(embeds, attention_mask, position_ids, cache)
+
+    generate(Recorder(), [image, gif, video], SamplingParams(max_new_tokens=4), frozenset())
+    prefills, decodes = calls[:3], calls[3:]
+    for (mask, positions), prompt in zip(prefills, (image, gif, video)):
+        assert mask.tolist() == [[1] * prompt.length]
+        assert positions.tolist() == [list(range(prompt.length))]
+    longest = video.length
+    assert len(decodes) == 3  # the 4th token needs no forward step
+    for step, (mask, positions) in enumerate(decodes):
+        assert positions.tolist() == [[image.length + step], [gif.length + step], [video.length + step]]
+        assert mask.shape == (3, longest + step + 1)
+        for row, prompt in enumerate((image, gif, video)):
+            assert mask[row].tolist() == [0] * (longest - prompt.length) + [1] * (prompt.length + step + 1)
