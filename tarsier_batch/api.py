@@ -120,7 +120,8 @@ class Captioner:
 
         Media are decoded in background threads while the model works on the previous batch.
         """
-        with ThreadPoolExecutor(self.settings.workers, thread_name_prefix="tarsier-load") as pool:
+        pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="tarsier-load")
+        try:
             window: list[_Loaded] = []
             for loaded in self._load_ahead(pool, items):
                 window.append(loaded)
@@ -129,6 +130,8 @@ class Captioner:
                     window = []
             if window:
                 yield from self._run_window(window, on_tokens)
+        finally:  # on Ctrl-C or an abandoned iterator, drop the decodes not yet started
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _load_ahead(self, pool: ThreadPoolExecutor, items: Iterable[MediaItem]) -> Iterator[_Loaded]:
         pending: deque[Future[_Loaded]] = deque()
