@@ -16,14 +16,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from . import __version__
 from .checkpoints import resolve_model
-from .devices import auto_batch_size, is_out_of_memory, release_cached_memory, resolve_device, resolve_dtype
+from .devices import (auto_batch_size, is_fatal_device_error, is_out_of_memory, release_cached_memory,
+                      resolve_device, resolve_dtype)
 from .engine import SamplingParams, generate
 from .families import CaptionModel, PreparedInput, load_caption_model
 from .media import Media, decoder_versions, load_media
@@ -125,7 +126,7 @@ class Captioner:
             window: list[_Loaded] = []
             for loaded in self._load_ahead(pool, items):
                 window.append(loaded)
-                if len(window) == self.batch_size:
+                if len(window) >= self.batch_size:
                     yield from self._run_window(window, on_tokens)
                     window = []
             if window:
@@ -150,7 +151,8 @@ class Captioner:
             prepared = self.model.prepare(media, item.prompt or self.settings.prompt)
         except Exception as error:  # any decoder failure is this item's problem only
             return _Loaded(item, time.perf_counter() - start, error=_one_line(error))
-        return _Loaded(item, time.perf_counter() - start, media, prepared)
+        # Keep the facts, not the full-resolution frames, while the item waits for its batch.
+        return _Loaded(item, time.perf_counter() - start, replace(media, frames=[]), prepared)
 
     def _run_window(self, window: list[_Loaded],
                     on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
@@ -159,48 +161,82 @@ class Captioner:
         for loaded in window:
             yield next(captioned) if loaded.error is None else _error_result(loaded, loaded.error)
 
-    def _generate(self, batch: list[_Loaded],
-                  on_tokens: Callable[[int], None] | None) -> list[CaptionResult]:
-        """Caption a batch; on running out of memory, or on an error, retry in halves down to one item."""
-        start = time.perf_counter()
+    def _generate(self, batch: list[_Loaded], on_tokens: Callable[[int], None] | None) -> list[CaptionResult]:
+        """Caption a batch; after an error, retry in halves down to single items.
+
+        Running out of memory also lowers the batch size for the rest of the run. A device
+        error that leaves the accelerator unusable is not an item's fault: it ends the run.
+        """
+        counter = _TokenCounter(on_tokens)
         try:
-            prompts = self.model.embed_prompts([loaded.prepared for loaded in batch])
-            generators = [self.settings.sampling.generator_for(loaded.item.path) for loaded in batch]
-            generations = generate(self.model, prompts, self.settings.sampling, self.model.eos_token_ids,
-                                   generators, on_tokens)
+            return self._attempt(batch, counter)
         except Exception as error:
-            # Retry outside this block: the exception's traceback still holds the failed batch's tensors.
+            if is_fatal_device_error(error):
+                raise
+            # Decide here, retry below: until this block ends, the exception's traceback keeps
+            # the failed attempt's tensors alive.
             out_of_memory, message = is_out_of_memory(error), _one_line(error)
-        else:
-            elapsed = time.perf_counter() - start
-            return [self._result(loaded, prompt.length, generation.token_ids, generation.finish_reason,
-                                 loaded.seconds + elapsed)
-                    for loaded, prompt, generation in zip(batch, prompts, generations)]
+        counter.retract()
         if out_of_memory:
             release_cached_memory(self.device)
+            self.batch_size = max(1, min(self.batch_size, len(batch) // 2))
         if len(batch) == 1:
             return [_error_result(batch[0], "out of memory even alone" if out_of_memory else message)]
         half = len(batch) // 2
         return self._generate(batch[:half], on_tokens) + self._generate(batch[half:], on_tokens)
+
+    def _attempt(self, batch: list[_Loaded], counter: _TokenCounter) -> list[CaptionResult]:
+        start = time.perf_counter()
+        prompts = self.model.embed_prompts([loaded.prepared for loaded in batch])
+        generators = [self.settings.sampling.generator_for(loaded.item.path) for loaded in batch]
+        generations = generate(self.model, prompts, self.settings.sampling, self.model.eos_token_ids,
+                               generators, counter)
+        elapsed = time.perf_counter() - start
+        return [self._result(loaded, prompt.length, generation.token_ids, generation.finish_reason,
+                             loaded.seconds + elapsed)
+                for loaded, prompt, generation in zip(batch, prompts, generations)]
 
     def _result(self, loaded: _Loaded, prompt_tokens: int, token_ids: list[int], finish_reason: str,
                 elapsed: float) -> CaptionResult:
         media, prepared = loaded.media, loaded.prepared
         assert media is not None and prepared is not None
         return CaptionResult(
-            path=loaded.item.path, media_type=media.media_type.value,
+            path=printable(loaded.item.path), media_type=media.media_type.value,
             caption=self.model.decode(token_ids), prompt=prepared.instruction,
-            num_frames=len(media.frames), frame_indices=media.frame_indices,
+            num_frames=len(media.frame_indices), frame_indices=media.frame_indices,
             width=media.width, height=media.height, duration_s=media.duration_s,
             prompt_tokens=prompt_tokens, generated_tokens=len(token_ids),
             finish_reason=finish_reason, elapsed_s=elapsed, generated_ids=token_ids)
 
 
+class _TokenCounter:
+    """Passes token counts on to the caller and can take them back if the batch is retried."""
+
+    def __init__(self, report: Callable[[int], None] | None):
+        self.report = report
+        self.count = 0
+
+    def __call__(self, tokens: int) -> None:
+        self.count += tokens
+        if self.report is not None:
+            self.report(tokens)
+
+    def retract(self) -> None:
+        if self.report is not None and self.count:
+            self.report(-self.count)
+        self.count = 0
+
+
+def printable(text: str) -> str:
+    """`text` with undecodable bytes (from non-UTF-8 file names) shown as escapes, never raising."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _error_result(loaded: _Loaded, message: str) -> CaptionResult:
-    return CaptionResult(path=loaded.item.path, media_type=loaded.item.media_type.value,
+    return CaptionResult(path=printable(loaded.item.path), media_type=loaded.item.media_type.value,
                          error=message, elapsed_s=loaded.seconds)
 
 
 def _one_line(error: BaseException) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
-    return f"{type(error).__name__}: {text}"[:500]
+    return printable(f"{type(error).__name__}: {text}"[:500])

@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
+from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from . import __version__
 from .checkpoints import ModelNotFoundError
 from .progress import RunStats, make_reporter, print_summary
-from .sinks import OutputExistsError, ParquetSink, check_output_path
-from .sources import InputNotFoundError, discover
+from .sinks import OutputExistsError, ParquetSink
+from .sources import InputNotFoundError, MediaItem, discover
 
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
 
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 
 app = typer.Typer(
     help="Batch-caption videos and images with Tarsier video-language models.",
@@ -34,12 +37,6 @@ class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
-
-
-def _top_p_in_range(value: float) -> float:
-    if not 0 < value <= 1:
-        raise typer.BadParameter(f"{value} is not in (0, 1]")
-    return value
 
 
 def _version(value: bool) -> None:
@@ -65,7 +62,9 @@ Exit codes:
   0    every input was captioned
   1    some inputs failed (their rows carry an error)
   2    bad usage: flag value, missing input, existing output, unusable model
-  130  interrupted; finished rows are kept in OUT.partial
+  3    crashed mid-run (a bug or a failed device); finished rows are kept in OUT.partial
+  130  interrupted (Ctrl-C); finished rows are kept in OUT.partial
+  143  terminated (SIGTERM); finished rows are kept in OUT.partial
 """
 
 
@@ -80,7 +79,7 @@ def caption(
     batch_size: Annotated[Optional[int], typer.Option(min=1, help="Items per batch [default: 4 on CPU, fitted to free memory on CUDA].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(callback=_top_p_in_range, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
     seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream.")] = 0,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
@@ -96,40 +95,72 @@ def caption(
         discovery = discover(_with_stdin_paths(inputs), recursive)
         if not discovery.items:
             _fail(f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)")
-        check_output_path(out, overwrite)
-        from .api import Captioner, CaptionSettings
-        from .engine import SamplingParams
-
-        settings = CaptionSettings(
-            model=model, prompt=prompt, frames=frames, batch_size=batch_size, dtype=dtype.value, device=device,
-            workers=workers, sampling=SamplingParams(max_new_tokens, temperature, top_p, seed))
-        _quiet_library_logs()
-        with console.status(f"loading {model}", spinner="dots") if console.is_terminal and not quiet else _nothing():
-            captioner = Captioner(settings)
-    except (InputNotFoundError, OutputExistsError, ModelNotFoundError, FileNotFoundError, ValueError) as error:
+        sink = ParquetSink(out, model, with_token_ids, overwrite)
+    except (InputNotFoundError, OutputExistsError, OSError) as error:
         _fail(str(error))
-
-    if not quiet:
-        console.print(f"tarsier: {model} on {captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), "
-                      f"batch size {captioner.batch_size}", highlight=False, markup=False)
-    stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
-    sink = ParquetSink(out, model, captioner.provenance(), with_token_ids, overwrite)
-    with sink:  # any other exception also keeps the finished rows in <out>.partial
+    with sink:  # whatever happens below, finished rows survive in <out>.partial and <out> stays intact
         try:
-            with make_reporter(stats, console, quiet) as reporter:
-                for result in captioner.caption(discovery.items, reporter.on_tokens):
-                    sink.write(result)
-                    reporter.on_result(result)
-        except KeyboardInterrupt:
-            partial = sink.abort({"complete": False, "stopped_by": "interrupt", **stats.as_dict()})
-            kept = f"{stats.done} finished rows kept in {partial}" if partial else "no rows had finished"
-            console.print(f"tarsier: interrupted; {kept}; {out} was not written", highlight=False, markup=False)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        sink.commit({"complete": True, **stats.as_dict()})
-    if not quiet:
+            captioner = _load_captioner(console, quiet, model=model, prompt=prompt, frames=frames,
+                                        batch_size=batch_size, dtype=dtype.value, device=device, workers=workers,
+                                        sampling=(max_new_tokens, temperature, top_p, seed))
+        except Exception as error:  # anything that stops the model loading means nothing was run
+            sink.abort({"complete": False, "stopped_by": "setup"})
+            _fail(str(error) if isinstance(error, (ModelNotFoundError, ValueError)) else _one_line(error))
+        sink.provenance = captioner.provenance()
+        stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
+        code = _run(captioner, discovery.items, sink, stats, console, quiet)
+    if code in (EXIT_OK, EXIT_SOME_FAILED) and not quiet:
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(discovery.skipped.items()))
         print_summary(console, stats, str(out), skipped)
-    raise typer.Exit(EXIT_SOME_FAILED if stats.failed else EXIT_OK)
+    raise typer.Exit(code)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
+
+
+def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int], **settings: Any) -> Any:
+    from .api import Captioner, CaptionSettings
+    from .engine import SamplingParams
+
+    _quiet_library_logs()
+    loading = console.status(f"loading {escape(settings['model'])}", spinner="dots")
+    with loading if console.is_terminal and not quiet else nullcontext():
+        captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
+    if not quiet:
+        console.print(f"tarsier: {settings['model']} on {captioner.device} "
+                      f"({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}",
+                      highlight=False, markup=False)
+    return captioner
+
+
+def _run(captioner: Any, items: list[MediaItem], sink: ParquetSink, stats: RunStats, console: Console,
+         quiet: bool) -> int:
+    """Caption into `sink`; the exit code says how it ended."""
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        with make_reporter(stats, console, quiet) as reporter:
+            for result in captioner.caption(items, reporter.on_tokens):
+                sink.write(result)
+                reporter.on_result(result)
+        sink.commit({"complete": True, **stats.as_dict()})
+        return EXIT_SOME_FAILED if stats.failed else EXIT_OK
+    except (KeyboardInterrupt, Terminated) as stop:
+        reason, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(stop, KeyboardInterrupt) \
+            else ("terminated", EXIT_TERMINATED)
+    except Exception as error:  # a bug or a dead device: keep what finished, say what happened
+        if not quiet:
+            console.print_exception()
+        reason, code = f"crashed ({_one_line(error)})", EXIT_CRASHED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    partial = sink.abort({"complete": False, "stopped_by": reason, **stats.as_dict()})
+    kept = f"{stats.done} finished rows kept in {partial}" if partial else "no rows had finished"
+    console.print(f"tarsier: {reason}; {kept}; {sink.out} was not written", highlight=False, markup=False)
+    return code
 
 
 @dev_app.command("make-tiny-model")
@@ -162,18 +193,14 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(EXIT_USAGE)
 
 
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
 def _quiet_library_logs() -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 if __name__ == "__main__":
     app()

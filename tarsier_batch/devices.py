@@ -51,9 +51,16 @@ def auto_batch_size(model: CaptionModel, device: torch.device, frames: int, max_
 
 
 def is_out_of_memory(error: BaseException) -> bool:
+    """The device (or host) ran out of memory: smaller batches may succeed."""
     return isinstance(error, torch.OutOfMemoryError)
 
 
+def is_fatal_device_error(error: BaseException) -> bool:
+    """An accelerator error after which the device is unusable (e.g. a device-side assert)."""
+    return isinstance(error, torch.AcceleratorError) and not is_out_of_memory(error)
+
+
 def release_cached_memory(device: torch.device) -> None:
+    """Return cached blocks to the device after a failed batch."""
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -144,7 +145,8 @@ class RichReporter(QuietReporter):
     def on_result(self, result: CaptionResult) -> None:
         super().on_result(result)
         if not result.ok:
-            self.progress.console.print(f"[red]failed[/] {result.path}: {result.error}", highlight=False)
+            self.progress.console.print(f"[red]failed[/] {escape(result.path)}: {escape(result.error or '')}",
+                                        highlight=False)
         self.progress.update(self.task, completed=self.stats.done, **self._fields())
 
     def _fields(self) -> dict[str, str]:
@@ -170,7 +172,7 @@ def print_summary(console: Console, stats: RunStats, written: str, skipped_detai
     if console.is_terminal:
         table = Table(title="tarsier caption", show_header=False)
         for name, value in rows:
-            table.add_row(name, value)
+            table.add_row(name, escape(value))
         console.print(table)
     else:
         console.print("tarsier: done: " + "; ".join(f"{name} {value}" for name, value in rows),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -42,10 +43,9 @@ class OutputExistsError(Exception):
     """The output file exists and overwriting was not asked for."""
 
 
-def output_schema(with_token_ids: bool, provenance: dict[str, Any] | None = None) -> pa.Schema:
-    columns = _COLUMNS + ([_TOKEN_IDS_COLUMN] if with_token_ids else [])
-    metadata = {PROVENANCE_KEY: json.dumps(provenance)} if provenance is not None else None
-    return pa.schema(columns, metadata=metadata)
+def output_schema(with_token_ids: bool) -> pa.Schema:
+    """The output columns, in order; `generated_ids` only when asked for."""
+    return pa.schema(_COLUMNS + ([_TOKEN_IDS_COLUMN] if with_token_ids else []))
 
 
 def check_output_path(out: Path, overwrite: bool) -> None:
@@ -59,21 +59,23 @@ def check_output_path(out: Path, overwrite: bool) -> None:
 class ParquetSink:
     """Rows go to a temporary file beside `out`, which replaces `out` only when the run completes.
 
-    If the run stops early (an exception or Ctrl-C), the rows finished so far are kept in a
-    valid Parquet file `<out>.partial` and `out` is left untouched.
+    If the run stops early (an exception, Ctrl-C, SIGTERM), the rows finished so far are kept in
+    a valid Parquet file `<out>.partial` and `out` is left untouched. The run's provenance and
+    totals are stored as key-value metadata when the file is closed.
     """
 
-    def __init__(self, out: Path, model: str, provenance: dict[str, Any], with_token_ids: bool,
-                 overwrite: bool = False):
+    def __init__(self, out: Path, model: str, with_token_ids: bool, overwrite: bool = False):
         check_output_path(out, overwrite)
         out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_orphaned_temporaries(out)
         self.out = out
         self.partial = out.with_name(out.name + ".partial")
         self.model = model
         self.with_token_ids = with_token_ids
-        self.schema = output_schema(with_token_ids, provenance)
+        self.schema = output_schema(with_token_ids)
+        self.provenance: dict[str, Any] | None = None
         self._temporary = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        self._writer = pq.ParquetWriter(str(self._temporary), self.schema)
+        self._writer: pq.ParquetWriter | None = pq.ParquetWriter(str(self._temporary), self.schema)
         self._buffer: list[dict[str, Any]] = []
         self.rows_written = 0
 
@@ -94,6 +96,10 @@ class ParquetSink:
 
     def abort(self, summary: dict[str, Any]) -> Path | None:
         """Keep finished rows in `<out>.partial` (returned), or remove the file if there are none."""
+        try:
+            self._flush()
+        except (pa.ArrowException, ValueError, UnicodeError):
+            self._buffer = []  # a row that cannot be written must not cost the rows already written
         self._close(summary)
         if self.rows_written == 0:
             self._temporary.unlink(missing_ok=True)
@@ -111,14 +117,37 @@ class ParquetSink:
 
     def _flush(self) -> None:
         if self._buffer:
+            assert self._writer is not None
             self._writer.write_table(pa.Table.from_pylist(self._buffer, schema=self.schema))
             self.rows_written += len(self._buffer)
             self._buffer = []
 
     def _close(self, summary: dict[str, Any]) -> None:
+        assert self._writer is not None
         self._flush()
-        self._writer.add_key_value_metadata({SUMMARY_KEY: json.dumps(summary)})
+        metadata = {SUMMARY_KEY: json.dumps(summary)}
+        if self.provenance is not None:
+            metadata[PROVENANCE_KEY] = json.dumps(self.provenance)
+        self._writer.add_key_value_metadata(metadata)
         self._writer.close()
         self._writer = None
         with open(self._temporary, "rb") as written:
             os.fsync(written.fileno())
+
+
+def _remove_orphaned_temporaries(out: Path) -> None:
+    """Delete temporary files that runs killed outright (SIGKILL, power loss) left beside `out`."""
+    for leftover in out.parent.glob(f".{glob.escape(out.name)}.*.tmp"):
+        pid = leftover.name.removeprefix(f".{out.name}.").removesuffix(".tmp")
+        if pid.isdigit() and not _process_alive(int(pid)):
+            leftover.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -180,3 +180,99 @@ def test_dash_reads_paths_from_stdin(tiny_model_dir: Path, shared_media: Path, t
     assert result.exit_code == 0, result.output
     names = [Path(path).name for path in pq.read_table(out).column("path").to_pylist()]
     assert names == ["clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4"]
+
+
+def test_crash_mid_run_keeps_finished_rows_and_exits_3(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
+                                                      monkeypatch) -> None:
+    from tarsier_batch.api import Captioner
+
+    real_caption = Captioner.caption
+
+    def device_dies_after_two(self, items, on_tokens=None):
+        for index, result in enumerate(real_caption(self, items, on_tokens)):
+            if index == 2:
+                raise RuntimeError("CUDA error: device-side assert triggered")
+            yield result
+
+    monkeypatch.setattr(Captioner, "caption", device_dies_after_two)
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
+    assert result.exit_code == 3
+    assert "crashed (RuntimeError: CUDA error: device-side assert triggered); 2 finished rows kept" in result.output
+    assert not out.exists() and pq.read_table(tmp_path / "r.parquet.partial").num_rows == 2
+
+
+def test_sigterm_stops_like_ctrl_c_and_exits_143(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
+                                                 monkeypatch) -> None:
+    import os
+    import signal
+
+    from tarsier_batch.api import Captioner
+
+    real_caption = Captioner.caption
+
+    def terminated_after_one(self, items, on_tokens=None):
+        for index, result in enumerate(real_caption(self, items, on_tokens)):
+            if index == 1:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield result
+
+    monkeypatch.setattr(Captioner, "caption", terminated_after_one)
+    previous = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
+    assert result.exit_code == 143
+    assert "terminated; 1 finished rows kept" in result.output
+    assert pq.read_table(tmp_path / "r.parquet.partial").num_rows == 1
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_model_that_fails_to_load_is_a_usage_error_and_leaves_nothing(tiny_model_dir: Path, shared_media: Path,
+                                                                      tmp_path: Path) -> None:
+    import shutil
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    out_dir = tmp_path / "out"
+    result = run(str(shared_media / "clip_5f.gif"), "--model", str(broken), "--out", str(out_dir / "r.parquet"))
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: ") and len(result.output.strip().splitlines()) == 1
+    assert list(out_dir.iterdir()) == []
+
+
+def test_odd_file_names_are_stored_and_shown_safely(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
+    import os
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "clip[b].gif").write_bytes((shared_media / "clip_5f.gif").read_bytes())
+    (folder / "[bold]a.png").write_bytes(b"not a png")
+    undecodable = os.fsencode(folder) + b"/bad\xff.gif"
+    with open(undecodable, "wb") as handle:
+        handle.write((shared_media / "clip_5f.gif").read_bytes())
+    out = tmp_path / "r.parquet"
+    result = run(str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
+    assert result.exit_code == 1, result.output
+    rows = pq.read_table(out).to_pylist()
+    assert [Path(row["path"]).name for row in rows] == ["[bold]a.png", "bad\\xff.gif", "clip[b].gif"]
+    assert rows[0]["error"] and rows[1]["caption"] and rows[2]["caption"]
+
+
+def test_rich_display_shows_markup_characters_literally() -> None:
+    import io
+
+    from rich.console import Console
+
+    from tarsier_batch.api import CaptionResult
+    from tarsier_batch.progress import RichReporter, RunStats, print_summary
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, force_terminal=True, width=120)
+    stats = RunStats(total=1)
+    with RichReporter(stats, console) as reporter:
+        reporter.on_result(CaptionResult(path="clips/a[/x].png", media_type="image", error="bad [/red] data"))
+    print_summary(console, stats, "out[1].parquet", "")
+    text = buffer.getvalue()
+    assert "a[/x].png" in text and "bad [/red] data" in text and "out[1].parquet" in text

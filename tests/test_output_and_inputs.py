@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -52,21 +53,25 @@ def result(path: str) -> CaptionResult:
 
 def test_sink_replaces_output_only_when_committed(tmp_path: Path) -> None:
     out = tmp_path / "deep" / "r.parquet"
-    with ParquetSink(out, "m", {"k": 1}, with_token_ids=False) as sink:
+    with ParquetSink(out, "m", with_token_ids=False) as sink:
         sink.write(result("a"))
         assert not out.exists()
+        sink.provenance = {"k": 1}
         sink.commit({"complete": True})
     assert pq.read_table(out).column("path").to_pylist() == ["a"]
+    metadata = pq.read_metadata(out).metadata
+    assert json.loads(metadata[b"tarsier_batch"]) == {"k": 1}
+    assert json.loads(metadata[b"tarsier_batch_summary"]) == {"complete": True}
     assert not list(out.parent.glob(".*tmp"))
     with pytest.raises(OutputExistsError):
-        ParquetSink(out, "m", {}, with_token_ids=False)
+        ParquetSink(out, "m", with_token_ids=False)
 
 
 def test_interrupted_run_keeps_finished_rows_in_a_partial_file(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     out.write_bytes(b"old results")
     with pytest.raises(KeyboardInterrupt):
-        with ParquetSink(out, "m", {}, with_token_ids=True, overwrite=True) as sink:
+        with ParquetSink(out, "m", with_token_ids=True, overwrite=True) as sink:
             sink.write(result("a"))
             sink.write(result("b"))
             raise KeyboardInterrupt
@@ -80,7 +85,7 @@ def test_interrupted_run_keeps_finished_rows_in_a_partial_file(tmp_path: Path) -
 def test_run_stopped_before_any_row_leaves_nothing(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     with pytest.raises(RuntimeError):
-        with ParquetSink(out, "m", {}, with_token_ids=False):
+        with ParquetSink(out, "m", with_token_ids=False):
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == []
 
@@ -128,3 +133,27 @@ def test_out_of_memory_batches_are_retried_in_halves(tiny_model_dir: Path, share
     assert sizes == [3, 1, 2, 1, 1]
     assert [r.generated_ids for r in results[:2]] == expected[:2]
     assert results[2].error == "out of memory even alone" and results[2].finish_reason == "error"
+
+
+def test_orphaned_temporary_files_of_dead_runs_are_removed(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    dead = tmp_path / ".r.parquet.999999999.tmp"   # no such process
+    own_parent = tmp_path / f".r.parquet.{os.getppid()}.tmp"
+    for path in (dead, own_parent):
+        path.write_bytes(b"PAR1")
+    with ParquetSink(out, "m", with_token_ids=False) as sink:
+        sink.write(result("a"))
+        sink.commit({"complete": True})
+    assert not dead.exists() and own_parent.exists()
+
+
+def test_unwritable_row_does_not_cost_the_finished_ones(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    with pytest.raises(KeyboardInterrupt):
+        with ParquetSink(out, "m", with_token_ids=False) as sink:
+            for name in "abc":
+                sink.write(result(name))
+            sink._flush()
+            sink.write(result("bad\udcff"))  # a lone surrogate cannot be stored as UTF-8
+            raise KeyboardInterrupt
+    assert pq.read_table(tmp_path / "r.parquet.partial").column("path").to_pylist() == ["a", "b", "c"]

@@ -62,9 +62,14 @@ def prefill(model: StepModel, prompts: list[PromptEmbedding]) -> PrefilledBatch:
             stacked[layer][0][row, :, start:] = keys[0]
             stacked[layer][1][row, :, start:] = values[0]
         del cache
+    # `update` copies each layer into the cache; release our copy layer by layer so the peak
+    # stays near one batch cache instead of two.
     batch_cache = model.new_cache()
-    for layer, (keys, values) in enumerate(stacked):
+    stacked.reverse()
+    for layer in range(len(stacked)):
+        keys, values = stacked.pop()
         batch_cache.update(keys, values, layer)
+        del keys, values
     return PrefilledBatch(torch.cat(logits), batch_cache, mask)
 
 
