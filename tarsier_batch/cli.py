@@ -93,6 +93,8 @@ def caption(
     console = Console(stderr=True, soft_wrap=True)
     try:
         discovery = discover(_with_stdin_paths(inputs), recursive)
+        for problem in discovery.unreadable:
+            console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
         if not discovery.items:
             _fail(f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)")
         sink = ParquetSink(out, model, with_token_ids, overwrite)

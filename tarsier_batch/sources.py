@@ -26,8 +26,11 @@ class MediaItem:
 
 @dataclass
 class Discovery:
+    """What the inputs expand to: media in order, unsupported files counted, folders that could not be read."""
+
     items: list[MediaItem] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)  # unsupported files by extension
+    unreadable: list[str] = field(default_factory=list)     # "folder: reason"
 
     @property
     def skipped_count(self) -> int:
@@ -43,7 +46,7 @@ def discover(inputs: list[str], recursive: bool = True) -> Discovery:
     found = Discovery()
     seen: set[str] = set()
     for entry in inputs:
-        for path in _expand(entry, recursive):
+        for path in _expand(entry, recursive, found.unreadable):
             key = os.path.realpath(path)
             if key in seen:
                 continue
@@ -56,25 +59,32 @@ def discover(inputs: list[str], recursive: bool = True) -> Discovery:
     return found
 
 
-def _expand(entry: str, recursive: bool) -> list[str]:
+def _expand(entry: str, recursive: bool, unreadable: list[str]) -> list[str]:
     if os.path.isdir(entry):
-        return _walk(entry, recursive)
+        return _walk(entry, recursive, unreadable)
     if os.path.exists(entry):
         return [entry]
     if glob.has_magic(entry):
         matches = sorted(glob.glob(entry, recursive=True))
         if not matches:
             raise InputNotFoundError(f"no file matches {entry!r}")
-        return [path for match in matches for path in _expand(match, recursive)]
+        return [path for match in matches for path in _expand(match, recursive, unreadable)]
     raise InputNotFoundError(f"input not found: {entry}")
 
 
-def _walk(directory: str, recursive: bool) -> list[str]:
+def _walk(directory: str, recursive: bool, unreadable: list[str]) -> list[str]:
+    def note(error: OSError) -> None:
+        unreadable.append(f"{error.filename}: {error.strerror}")
+
     if not recursive:
-        return sorted(entry.path for entry in os.scandir(directory)
-                      if entry.is_file() and not entry.name.startswith("."))
+        try:
+            return sorted(entry.path for entry in os.scandir(directory)
+                          if entry.is_file() and not entry.name.startswith("."))
+        except OSError as error:
+            note(error)
+            return []
     files = []
-    for root, dirs, names in os.walk(directory):
+    for root, dirs, names in os.walk(directory, onerror=note):
         dirs[:] = [name for name in dirs if not name.startswith(".")]
         files += [os.path.join(root, name) for name in names if not name.startswith(".")]
     return sorted(files)

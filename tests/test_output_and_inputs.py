@@ -91,8 +91,12 @@ def test_run_stopped_before_any_row_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_offline_hub_id_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants
+
+    # huggingface_hub reads its environment at import time, so switch the constants themselves:
+    # no traffic leaves this test, and no real cache is consulted.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ModelNotFoundError, match="--model DIR"):
         resolve_model("omni-research/Tarsier-7b")
     with pytest.raises(ModelNotFoundError, match="not a checkpoint directory"):
@@ -157,3 +161,22 @@ def test_unwritable_row_does_not_cost_the_finished_ones(tmp_path: Path) -> None:
             sink.write(result("bad\udcff"))  # a lone surrogate cannot be stored as UTF-8
             raise KeyboardInterrupt
     assert pq.read_table(tmp_path / "r.parquet.partial").column("path").to_pylist() == ["a", "b", "c"]
+
+
+def test_unreadable_folders_are_reported_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    touch(tmp_path / "ok" / "a.mp4")
+    locked = tmp_path / "locked"
+    touch(locked / "b.mp4")
+    real_scandir = os.scandir
+
+    def scandir_refusing_locked(path="."):  # as for a folder without read permission (tests run as root)
+        if os.fspath(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(locked))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir_refusing_locked)
+    found = discover([str(tmp_path)])
+    flat = discover([str(locked)], recursive=False)
+    assert [Path(item.path).name for item in found.items] == ["a.mp4"]
+    assert found.unreadable == [f"{locked}: Permission denied"]
+    assert flat.items == [] and flat.unreadable == [f"{locked}: Permission denied"]
