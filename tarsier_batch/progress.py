@@ -157,6 +157,7 @@ class RichReporter(QuietReporter):
 
 
 def progress_line(stats: RunStats) -> str:
+    """One log line: done/total, failures, rates, elapsed time and ETA."""
     return (f"{stats.done}/{stats.total} items, {stats.failed} failed, {stats.items_per_s:.2f} items/s, "
             f"{stats.tokens_per_s:.1f} tokens/s, elapsed {_duration(stats.elapsed_s)}, "
             f"ETA {_duration(stats.eta_s)}")

@@ -62,6 +62,9 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     summary = json.loads(metadata[SUMMARY_KEY.encode()])
     assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 2
     assert "skipped 2" in result.output and "captioned 15" in result.output
+    log = result.output.splitlines()  # not a terminal: plain log lines for cron
+    assert "tarsier: captioning 15 items" in log
+    assert any(line.startswith("tarsier: 15/15 items, 0 failed,") for line in log)
 
 
 def test_corrupt_file_becomes_an_error_row_and_exit_1(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
@@ -276,3 +279,10 @@ def test_rich_display_shows_markup_characters_literally() -> None:
     print_summary(console, stats, "out[1].parquet", "")
     text = buffer.getvalue()
     assert "a[/x].png" in text and "bad [/red] data" in text and "out[1].parquet" in text
+
+
+def test_dtype_choices_match_the_devices_module() -> None:
+    from tarsier_batch.cli import DType
+    from tarsier_batch.devices import DTYPES
+
+    assert {choice.value for choice in DType} == {"auto", *DTYPES}

@@ -78,5 +78,14 @@ def test_image_is_one_rgb_frame(shared_media: Path) -> None:
 def test_corrupt_video_raises(tmp_path: Path) -> None:
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="Error reading"):  # decord's error for an unreadable container
         load_media(str(broken), MediaType.VIDEO, 8)
+
+
+def test_corrupt_image_raises(tmp_path: Path) -> None:
+    from PIL import UnidentifiedImageError
+
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"\xff\xd8\xff not really a jpeg")
+    with pytest.raises(UnidentifiedImageError):
+        load_media(str(broken), MediaType.IMAGE, 8)

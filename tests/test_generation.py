@@ -115,7 +115,12 @@ def test_half_precision_runs_end_to_end(settings: CaptionSettings, shared_media:
     """bfloat16 weights with float32 pixels and masks: no dtype mismatch anywhere."""
     items = [MediaItem(str(shared_media / "clip_5f.gif"), MediaType.GIF),
              MediaItem(str(shared_media / "tarsier_logo.jpg"), MediaType.IMAGE)]
-    results = list(Captioner(replace(settings, dtype="bfloat16", batch_size=2)).caption(items))
+    captioner = Captioner(replace(settings, dtype="bfloat16", batch_size=2))
+    network = captioner.model.model
+    assert network.language_model.lm_head.weight.dtype == torch.bfloat16
+    assert network.vision_tower.embeddings.patch_embedding.weight.dtype == torch.bfloat16
+    assert network.language_model.model.rotary_emb.inv_freq.dtype == torch.float32
+    results = list(captioner.caption(items))
     assert [result.error for result in results] == [None, None]
     assert all(result.generated_tokens == MAX_NEW for result in results)
 
@@ -168,3 +173,48 @@ def test_decode_steps_continue_each_rows_own_positions(tiny_model: TarsierCaptio
         assert mask.shape == (3, longest + step + 1)
         for row, prompt in enumerate((image, gif, video)):
             assert mask[row].tolist() == [0] * (longest - prompt.length) + [1] * (prompt.length + step + 1)
+
+
+def test_longest_row_leaving_first_does_not_disturb_the_others(tiny_model: TarsierCaptioner,
+                                                               shared_media: Path) -> None:
+    image, gif, video = prompts_for(tiny_model, shared_media)[:3]
+    params = SamplingParams(max_new_tokens=MAX_NEW)
+    eos = frozenset({generate(tiny_model, [video], params, frozenset())[0].token_ids[0]})
+    together = generate(tiny_model, [video, image, gif], params, eos)
+    alone = [generate(tiny_model, [prompt], params, eos)[0] for prompt in (video, image, gif)]
+    assert together[0].finish_reason == "eos" and len(together[0].token_ids) == 1
+    assert [g.token_ids for g in together] == [g.token_ids for g in alone]
+
+
+def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCaptioner) -> None:
+    tokenizer = tiny_model.processor.tokenizer
+    known = tokenizer("a man walks", add_special_tokens=False)["input_ids"]
+    beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx, tiny_model.config.text.vocab_size - 1]
+    mixed = known[:1] + beyond[:2] + known[1:] + beyond[2:] + [tokenizer.eos_token_id]
+    assert tiny_model.decode(mixed) == tiny_model.decode(known) == "a man walks"
+
+
+def test_out_of_memory_while_decoding_retries_and_counts_tokens_once(settings: CaptionSettings, shared_media: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import SAMPLE_DATA
+
+    items = mixed_items(shared_media, SAMPLE_DATA)[:4]
+    expected = caption_ids(replace(settings, batch_size=1), items)
+    captioner = Captioner(replace(settings, batch_size=4))
+    real_step = captioner.model.forward_step
+    steps = {"decode": 0}
+
+    def step_that_runs_out_of_memory(embeds, attention_mask, position_ids, cache):
+        if embeds.shape[0] > 1:  # a batched decode step (prefill runs row by row)
+            steps["decode"] += 1
+            if steps["decode"] == 5:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated, mid-decode)")
+        return real_step(embeds, attention_mask, position_ids, cache)
+
+    monkeypatch.setattr(captioner.model, "forward_step", step_that_runs_out_of_memory)
+    counted: list[int] = []
+    results = list(captioner.caption(items, counted.append))
+    assert [result.generated_ids for result in results] == expected
+    assert captioner.batch_size == 2
+    assert any(count < 0 for count in counted), "the failed attempt's tokens are taken back"
+    assert sum(counted) == sum(result.generated_tokens for result in results)

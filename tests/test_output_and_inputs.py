@@ -180,3 +180,44 @@ def test_unreadable_folders_are_reported_not_hidden(tmp_path: Path, monkeypatch:
     assert [Path(item.path).name for item in found.items] == ["a.mp4"]
     assert found.unreadable == [f"{locked}: Permission denied"]
     assert flat.items == [] and flat.unreadable == [f"{locked}: Permission denied"]
+
+
+def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_media: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from tarsier_batch.media import MediaType
+    from tarsier_batch.sources import MediaItem
+
+    settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1,
+                               sampling=SamplingParams(max_new_tokens=1), dtype="float32", device="cpu")
+    captioner = Captioner(settings)
+    started: list[str] = []
+    real_load = captioner._load
+
+    def slow_load(item):  # long enough that later decodes are still queued when we stop
+        started.append(item.path)
+        time.sleep(0.3)
+        return real_load(item)
+
+    monkeypatch.setattr(captioner, "_load", slow_load)
+    items = [MediaItem(str(shared_media / "clip_5f.gif"), MediaType.GIF)] * 10
+    results = captioner.caption(items)
+    next(results)
+    results.close()  # what Ctrl-C or an abandoned iterator does
+    # Item 1 was captioned and item 2 was being decoded; item 3, queued, never starts.
+    assert len(started) == 2
+
+
+def test_auto_batch_size_fits_free_accelerator_memory(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tarsier_batch.devices import CPU_BATCH_SIZE, auto_batch_size
+
+    per_token = tiny_model.kv_bytes_per_token()
+    text = tiny_model.config.text
+    assert per_token == 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    tokens = 8 * tiny_model.config.tokens_per_frame + 64 + 100
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(10 * tokens * per_token * 1.5), 0))
+    assert auto_batch_size(tiny_model, torch.device("cuda"), 8, 100) == 10
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 0))
+    assert auto_batch_size(tiny_model, torch.device("cuda"), 8, 100) == 1
+    assert auto_batch_size(tiny_model, torch.device("cpu"), 8, 100) == CPU_BATCH_SIZE

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,7 +18,6 @@ class PreparedInput:
     instruction: str
     prompt_ids: list[int]
     pixel_values: torch.Tensor
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class CaptionModel(StepModel, Protocol):

@@ -41,8 +41,6 @@ def merge_frame_features(prompt_ids: torch.Tensor, frame_features: torch.Tensor,
 class TarsierCaptioner:
     """A Tarsier v1 checkpoint loaded for captioning."""
 
-    family = "tarsier"
-
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.config = TarsierConfig.from_file(model_dir / "config.json")
         self.processor = TarsierProcessor(model_dir)

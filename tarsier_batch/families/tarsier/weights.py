@@ -20,12 +20,14 @@ _RECOMPUTED_BUFFERS = ("position_ids", "rotary_emb.inv_freq")
 
 
 def checkpoint_to_module_key(key: str) -> str:
+    """The module name a checkpoint key loads into."""
     if key.startswith(_CHECKPOINT_VISION_PREFIX):
         return _MODULE_VISION_PREFIX + key[len(_CHECKPOINT_VISION_PREFIX):]
     return key
 
 
 def module_to_checkpoint_key(key: str) -> str:
+    """The checkpoint key a module parameter is saved under (the official names)."""
     if key.startswith(_MODULE_VISION_PREFIX):
         return _CHECKPOINT_VISION_PREFIX + key[len(_MODULE_VISION_PREFIX):]
     return key
@@ -46,10 +48,12 @@ def weight_files(model_dir: Path) -> list[Path]:
 def load_model(model_dir: Path, config: TarsierConfig, dtype: torch.dtype, device: torch.device) -> TarsierModel:
     """Build the network without random initialisation and fill it from the checkpoint.
 
-    Tensors go straight from the files to `device` in `dtype`; buffers that are recomputed at
-    construction (rotary frequencies, position ids) keep their own precision.
+    The skeleton's parameters are left uninitialised on the host (untouched memory, never
+    written) and replaced by the checkpoint's tensors, which go straight from the files to
+    `device` in `dtype`. Buffers recomputed at construction (rotary frequencies, position ids)
+    keep their own precision and follow the model to `device`.
     """
-    with no_init_weights(), _default_dtype(dtype):
+    with no_init_weights():
         model = TarsierModel(config)
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
@@ -76,17 +80,3 @@ def save_model(model: TarsierModel, model_dir: Path) -> None:
     state = {module_to_checkpoint_key(name): tensor.detach().contiguous()
              for name, tensor in model.state_dict().items()}
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-
-
-class _default_dtype:
-    """Temporarily make `dtype` torch's default floating dtype."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __enter__(self) -> None:
-        self.previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc: object) -> None:
-        torch.set_default_dtype(self.previous)
