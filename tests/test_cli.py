@@ -21,6 +21,21 @@ def run(*args: str):
     return runner.invoke(app, ["caption", *args])
 
 
+def stop_captioning_at(monkeypatch, index: int, stop) -> None:
+    """Make the run call `stop()` when it reaches result number `index` (0-based)."""
+    from tarsier_batch.api import Captioner
+
+    real_caption = Captioner.caption
+
+    def caption_then_stop(self, items, on_tokens=None):
+        for position, result in enumerate(real_caption(self, items, on_tokens)):
+            if position == index:
+                stop()
+            yield result
+
+    monkeypatch.setattr(Captioner, "caption", caption_then_stop)
+
+
 def media_in(*folders: Path) -> list[Path]:
     from tarsier_batch.media import media_type_of
 
@@ -153,17 +168,10 @@ def test_make_tiny_model_command(tmp_path: Path) -> None:
 
 def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
                                                  monkeypatch) -> None:
-    from tarsier_batch.api import Captioner
+    def interrupt() -> None:
+        raise KeyboardInterrupt
 
-    real_caption = Captioner.caption
-
-    def interrupted_after_two(self, items, on_tokens=None):
-        for index, result in enumerate(real_caption(self, items, on_tokens)):
-            if index == 2:
-                raise KeyboardInterrupt
-            yield result
-
-    monkeypatch.setattr(Captioner, "caption", interrupted_after_two)
+    stop_captioning_at(monkeypatch, 2, interrupt)
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 130
@@ -187,17 +195,10 @@ def test_dash_reads_paths_from_stdin(tiny_model_dir: Path, shared_media: Path, t
 
 def test_crash_mid_run_keeps_finished_rows_and_exits_3(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
                                                       monkeypatch) -> None:
-    from tarsier_batch.api import Captioner
+    def device_dies() -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
 
-    real_caption = Captioner.caption
-
-    def device_dies_after_two(self, items, on_tokens=None):
-        for index, result in enumerate(real_caption(self, items, on_tokens)):
-            if index == 2:
-                raise RuntimeError("CUDA error: device-side assert triggered")
-            yield result
-
-    monkeypatch.setattr(Captioner, "caption", device_dies_after_two)
+    stop_captioning_at(monkeypatch, 2, device_dies)
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 3
@@ -210,17 +211,7 @@ def test_sigterm_stops_like_ctrl_c_and_exits_143(tiny_model_dir: Path, shared_me
     import os
     import signal
 
-    from tarsier_batch.api import Captioner
-
-    real_caption = Captioner.caption
-
-    def terminated_after_one(self, items, on_tokens=None):
-        for index, result in enumerate(real_caption(self, items, on_tokens)):
-            if index == 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-            yield result
-
-    monkeypatch.setattr(Captioner, "caption", terminated_after_one)
+    stop_captioning_at(monkeypatch, 1, lambda: os.kill(os.getpid(), signal.SIGTERM))
     previous = signal.getsignal(signal.SIGTERM)
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
