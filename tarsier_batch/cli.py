@@ -8,7 +8,7 @@ import sys
 from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -19,6 +19,9 @@ from .checkpoints import ModelNotFoundError
 from .progress import RunStats, make_reporter, print_summary
 from .sinks import OutputExistsError, ParquetSink
 from .sources import InputNotFoundError, MediaItem, discover
+
+if TYPE_CHECKING:
+    from .api import Captioner
 
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
@@ -105,6 +108,10 @@ def caption(
             captioner = _load_captioner(console, quiet, model=model, prompt=prompt, frames=frames,
                                         batch_size=batch_size, dtype=dtype.value, device=device, workers=workers,
                                         sampling=(max_new_tokens, temperature, top_p, seed))
+        except KeyboardInterrupt:
+            sink.abort({"complete": False, "stopped_by": "interrupted while loading"})
+            console.print("tarsier: interrupted while loading the model; nothing was written", markup=False)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as error:  # anything that stops the model loading means nothing was run
             sink.abort({"complete": False, "stopped_by": "setup"})
             _fail(str(error) if isinstance(error, (ModelNotFoundError, ValueError)) else _one_line(error))
@@ -121,7 +128,8 @@ class Terminated(BaseException):
     """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
 
 
-def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int], **settings: Any) -> Any:
+def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int],
+                    **settings: Any) -> Captioner:
     from .api import Captioner, CaptionSettings
     from .engine import SamplingParams
 
@@ -136,7 +144,7 @@ def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, f
     return captioner
 
 
-def _run(captioner: Any, items: list[MediaItem], sink: ParquetSink, stats: RunStats, console: Console,
+def _run(captioner: Captioner, items: list[MediaItem], sink: ParquetSink, stats: RunStats, console: Console,
          quiet: bool) -> int:
     """Caption into `sink`; the exit code says how it ended."""
     def terminate(signum: int, frame: object) -> None:
