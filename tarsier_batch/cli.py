@@ -176,7 +176,7 @@ def _run(captioner: Captioner, items: list[MediaItem], sink: ParquetSink, stats:
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.", show_default=False)],
-    size: Annotated[str, typer.Option(help="Geometry: tiny or small (small has the real 601 vectors per frame).")] = "tiny",
+    size: Annotated[str, typer.Option(help="Geometry: tiny, small (601 vectors per frame), bench (a ~100M-parameter LM, 73 per frame) or wide (that LM, 601 per frame).")] = "tiny",
     seed: Annotated[int, typer.Option(min=0, help="Seed of the random weights.")] = 0,
 ) -> None:
     """Write a deterministic random-weight Tarsier v1 checkpoint in the real format (captions are noise)."""

@@ -25,14 +25,22 @@ from .families.tarsier.weights import save_model
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
-# (vision: image size, patch, hidden, layers, heads) and (text: hidden, layers, heads, kv heads)
+# (vision: image size, patch, hidden, layers, heads) and
+# (text: hidden, MLP intermediate, layers, heads, kv heads); the vision MLP is 4 x its hidden.
 SIZES: dict[str, dict[str, int]] = {
     # 56 px / patch 14: a 4 x 4 grid, 4 * 5 + 1 = 21 vectors per frame; fast enough for unit tests.
     "tiny": dict(image_size=56, patch_size=14, vision_hidden=32, vision_layers=3, vision_heads=2,
-                 text_hidden=64, text_layers=2, text_heads=4, text_kv_heads=2),
+                 text_hidden=64, text_intermediate=192, text_layers=2, text_heads=4, text_kv_heads=2),
     # The real geometry: 336 px / patch 14, 24 x 24 patches, 601 vectors per frame.
     "small": dict(image_size=336, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
-                  text_hidden=128, text_layers=2, text_heads=4, text_kv_heads=2),
+                  text_hidden=128, text_intermediate=384, text_layers=2, text_heads=4, text_kv_heads=2),
+    # Decode-bound benchmarks: a ~104M-parameter LM (Llama, multi-head like Tarsier-7b, MLP 2.75 x
+    # hidden) behind short prompts: 112 px / patch 14, 8 x 8 patches, 8 * 9 + 1 = 73 vectors per frame.
+    "bench": dict(image_size=112, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
+                  text_hidden=1024, text_intermediate=2816, text_layers=8, text_heads=16, text_kv_heads=16),
+    # Long-video memory benchmarks: the same LM with the real 601 vectors per frame.
+    "wide": dict(image_size=336, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
+                 text_hidden=1024, text_intermediate=2816, text_layers=8, text_heads=16, text_kv_heads=16),
 }
 
 _TRAINING_TEXT = """
@@ -140,7 +148,7 @@ def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline
         num_attention_heads=size["vision_heads"], projection_dim=size["vision_hidden"],
         hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=_INIT_SCALE / 0.02)
     text = LlamaConfig(
-        vocab_size=vocab, hidden_size=size["text_hidden"], intermediate_size=3 * size["text_hidden"],
+        vocab_size=vocab, hidden_size=size["text_hidden"], intermediate_size=size["text_intermediate"],
         num_hidden_layers=size["text_layers"], num_attention_heads=size["text_heads"],
         num_key_value_heads=size["text_kv_heads"], max_position_embeddings=8192, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, pad_token_id=pad_token, tie_word_embeddings=False,

@@ -1,0 +1,69 @@
+"""bench/official_baseline.py (transformers' generate, one item at a time) agrees with our pipeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tarsier_batch import Captioner, CaptionResult, CaptionSettings, MediaItem, SamplingParams
+from tarsier_batch.media import MediaType
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from official_baseline import run_baseline  # noqa: E402
+
+MAX_NEW = 40  # still.png stops at </s> after 37 tokens on the tiny checkpoint; the others run to the limit
+
+
+@pytest.fixture(scope="module")
+def items() -> list[MediaItem]:
+    from conftest import SAMPLE_DATA
+
+    return [MediaItem(str(SAMPLE_DATA / "still.png"), MediaType.IMAGE),
+            MediaItem(str(SAMPLE_DATA / "ball.gif"), MediaType.GIF),
+            MediaItem(str(SAMPLE_DATA / "ball_h264.mp4"), MediaType.VIDEO, "What moves in this clip?")]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir: Path, items: list[MediaItem]) -> list[CaptionResult]:
+    settings = CaptionSettings(model=str(tiny_model_dir), sampling=SamplingParams(max_new_tokens=MAX_NEW),
+                               dtype="float32", device="cpu")
+    results = list(Captioner(settings).caption(items))
+    assert all(result.ok for result in results), [result.error for result in results]
+    assert [result.finish_reason for result in results] == ["eos", "length", "length"], "should cover a stop"
+    return results
+
+
+def test_baseline_greedy_ids_equal_the_pipeline(tiny_model_dir: Path, items: list[MediaItem],
+                                                pipeline: list[CaptionResult]) -> None:
+    baseline = run_baseline(tiny_model_dir, items, MAX_NEW, disable_eos=False)
+    assert baseline["generated_ids"] == [result.generated_ids for result in pipeline]
+    assert baseline["prompt_tokens"] == [result.prompt_tokens for result in pipeline]
+    assert baseline["generated_tokens"] == sum(len(result.generated_ids or []) for result in pipeline)
+
+
+def test_disabled_eos_runs_to_the_limit(tiny_model_dir: Path, items: list[MediaItem],
+                                        pipeline: list[CaptionResult]) -> None:
+    running = run_baseline(tiny_model_dir, items[:1], MAX_NEW, disable_eos=True)
+    stopped_ids = pipeline[0].generated_ids
+    full_ids, = running["generated_ids"]
+    assert stopped_ids is not None and len(stopped_ids) < MAX_NEW == len(full_ids)
+    assert full_ids[:len(stopped_ids)] == stopped_ids  # the same free run, only not cut at </s>
+    assert running["items"] == 1 and running["seconds"] > 0 and running["decode_step_ms"] > 0
+
+
+@pytest.mark.parametrize(("size", "vectors_per_frame"), [("bench", 73), ("wide", 601)])
+def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame: int) -> None:
+    import torch
+
+    from tarsier_batch.families.tarsier import TarsierConfig, TarsierModel
+    from tarsier_batch.tiny import SIZES, _config_dict
+
+    # Ids as in the built checkpoints (702-token tokenizer, table of 704 rows); no weights are made.
+    raw = _config_dict(SIZES[size], image_token=700, pad_token=701, newline=702, frame_end=703, vocab=704)
+    config = TarsierConfig.from_dict(raw)
+    assert config.tokens_per_frame == vectors_per_frame
+    with torch.device("meta"):
+        language_model = TarsierModel(config).language_model
+    assert 95e6 < sum(parameter.numel() for parameter in language_model.parameters()) < 110e6
