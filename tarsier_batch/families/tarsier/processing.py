@@ -45,10 +45,20 @@ class TarsierProcessor:
         """Tokenise the whole prompt in one call, with the tokenizer's special tokens (`<s>`)."""
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
+    def frame_pixels(self, frame: Image.Image) -> torch.Tensor:
+        """One RGB frame's pixels for the vision tower, shape (3, size, size), float32.
+
+        Stretch to a square, then the checkpoint's CLIP processor. The PIL backend treats the
+        images of a list one by one, so this equals that frame's row of the whole-list result
+        bit for bit; `load_media` calls it as each frame is decoded (`frame_transform`), so a
+        full-resolution frame (and its 1920x1920 square) never outlives its own preprocessing.
+        """
+        square = stretch_to_square(frame)
+        return self.image_processor(images=square, return_tensors="pt")["pixel_values"][0]
+
     def pixel_values(self, frames: list[Image.Image]) -> torch.Tensor:
         """Pixels for the vision tower, shape (frames, 3, size, size), float32."""
-        squares = [stretch_to_square(frame) for frame in frames]
-        return self.image_processor(images=squares, return_tensors="pt")["pixel_values"]
+        return torch.stack([self.frame_pixels(frame) for frame in frames])
 
     def decode(self, token_ids: list[int]) -> str:
         """The caption text: one decode call, special tokens skipped, unknown ids dropped."""
