@@ -29,7 +29,7 @@ from tarsier_batch.sources import MediaItem, discover
 from tarsier_batch.tiny import SIZES, make_tiny_model
 
 if TYPE_CHECKING:  # only the two adapters below know the family API's types
-    from tarsier_batch.families.base import PreparedInput
+    from tarsier_batch.families.base import ProcessedPrompt
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_INPUTS = [REPO.parent / "shared" / "media", REPO / "sample_data"]
@@ -48,15 +48,19 @@ class BaselineItem:
     decode_s: float   # generate() after that: one step per further token
 
 
-# The only two calls into our model-family API, which is being rewritten: adapt these when it changes.
-def prepare_item(model: TarsierCaptioner, item: MediaItem, frames: int) -> PreparedInput:
+# The only two calls into our model-family API.
+def prepare_item(model: TarsierCaptioner, item: MediaItem, frames: int) -> ProcessedPrompt:
     """Decode the media and make the prompt tokens and pixels (CPU)."""
-    return model.prepare(load_media(item.path, item.media_type, frames), item.prompt)
+    media = load_media(item.path, item.media_type, frames, frame_transform=model.processor.frame_pixels)
+    return model.processor.process(media, item.prompt)
 
 
-def merged_embeds(model: TarsierCaptioner, prepared: PreparedInput) -> torch.Tensor:
+def merged_embeds(model: TarsierCaptioner, prepared: ProcessedPrompt) -> torch.Tensor:
     """The prompt's input vectors, (length, hidden), each image placeholder replaced by its frame's vectors."""
-    return model.embed_prompts([prepared])[0].embeds
+    embeds = model.embed_tokens(prepared.token_ids.to(model.device))
+    for block, vectors in zip(prepared.vision_blocks, model.encode_vision(list(prepared.pixel_values))):
+        embeds[block.start:block.end] = vectors
+    return embeds
 
 
 class _PrefillClock(LogitsProcessor):

@@ -1,12 +1,12 @@
-"""The library API: load a checkpoint once, then caption media items in batches.
+"""The library API: load a checkpoint once, then caption media items.
 
     from tarsier_batch import Captioner, CaptionSettings, discover
     captioner = Captioner(CaptionSettings(model="tiny-random"))
     for result in captioner.caption(discover(["./videos"]).items):
         print(result.path, result.caption)
 
-This is what the CLI and a Ray worker call. Item-level problems (a corrupt file, a batch that
-runs out of memory at size one) come back as results with an error; run-level problems (no
+This is what the CLI and a Ray worker call. Item-level problems (a corrupt file, an item that
+does not fit in memory even alone) come back as results with an error; run-level problems (no
 such model, bad settings) raise.
 """
 
@@ -23,12 +23,15 @@ import torch
 
 from . import __version__
 from .checkpoints import resolve_model
-from .devices import (auto_batch_size, is_fatal_device_error, is_out_of_memory, release_cached_memory,
-                      resolve_device, resolve_dtype)
-from .engine import SamplingParams, generate
-from .families import CaptionModel, PreparedInput, load_caption_model
+from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
+from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .families import CaptionModel, ProcessedPrompt, load_caption_model
 from .media import Media, decoder_versions, load_media
 from .sources import MediaItem
+from .text import one_line, printable
+
+# Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
+LOOKAHEAD_PIXEL_BYTES = 2**30
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,11 @@ class CaptionSettings:
     model: str = "omni-research/Tarsier-7b"
     prompt: str | None = None          # replaces the default instruction
     frames: int = 8
-    batch_size: int | None = None      # None: chosen for the device
+    batch_size: int | None = None      # rows running at once; None: chosen for the device
+    max_batch_tokens: int = 4096       # positions computed per engine step (decode tokens + prefill chunks)
+    prefill_chunk: int = 2048          # 0: prefill each prompt whole
+    kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
+    offload_kv: bool = False           # keep prefilling rows' KV in host memory
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"
@@ -49,6 +56,13 @@ class CaptionSettings:
             raise ValueError("frames must be at least 1")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError("batch size must be at least 1")
+        if self.batch_size is not None and self.max_batch_tokens < self.batch_size:
+            raise ValueError(f"--max-batch-tokens ({self.max_batch_tokens}) must be at least --batch-size "
+                             f"({self.batch_size}): every running row decodes one token per step")
+        if self.prefill_chunk < 0:
+            raise ValueError("prefill chunk must be 0 (off) or positive")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError("--kv-cache-gb must be positive")
         if self.workers < 1:
             raise ValueError("workers must be at least 1")
         if self.prompt is not None and not self.prompt.strip():
@@ -84,15 +98,17 @@ class CaptionResult:
 class _Loaded:
     """An item after decoding and preprocessing (or the error that stopped it)."""
 
+    index: int
     item: MediaItem
     seconds: float
     media: Media | None = None
-    prepared: PreparedInput | None = None
+    prompt: ProcessedPrompt | None = None
     error: str | None = None
+    queued_at: float = 0.0
 
 
 class Captioner:
-    """A checkpoint loaded on a device, ready to caption batches of media."""
+    """A checkpoint loaded on a device, ready to caption media."""
 
     def __init__(self, settings: CaptionSettings):
         self.settings = settings
@@ -100,17 +116,30 @@ class Captioner:
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.resolved = resolve_model(settings.model)
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
-        self.batch_size = settings.batch_size or auto_batch_size(
-            self.model, self.device, settings.frames, settings.sampling.max_new_tokens)
+        self.batch_size = settings.batch_size or default_max_rows(self.device)
+        bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
+        kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
+        if kv_tokens < 1:
+            raise ValueError(f"no memory left on {self.device} for a KV cache; pass --kv-cache-gb")
+        self.engine_config = EngineConfig(
+            max_rows=self.batch_size, max_batch_tokens=max(settings.max_batch_tokens, self.batch_size),
+            prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
+            # On the CPU the "device" is host memory already: offloading would only add copies.
+            offload_kv=settings.offload_kv and self.device.type != "cpu")
+        # Created once: the KV cache is allocated here, not per run.
+        self.engine = Engine(self.model, self.engine_config, settings.sampling)
 
     def provenance(self) -> dict[str, Any]:
         """How this run's captions were made, stored with the output."""
+        config = self.engine.config
         return {
             "tool": "tarsier-batch", "tool_version": __version__,
             "model": self.settings.model, "model_path": str(self.resolved.path),
             "model_revision": self.resolved.revision, "model_family": type(self.model).__name__,
             "prompt": self.settings.prompt, "frames": self.settings.frames,
             "generation": asdict(self.settings.sampling), "batch_size": self.batch_size,
+            "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
+            "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
         }
@@ -119,124 +148,87 @@ class Captioner:
                 on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
         """Caption `items`, yielding one result per item in input order.
 
-        Media are decoded in background threads while the model works on the previous batch.
+        Media are decoded in background threads while the model works; a decoded item joins
+        the running batch as soon as a row frees up, and finished rows are held back until
+        every earlier item has been yielded.
         """
-        pool = ThreadPoolExecutor(self.settings.workers, thread_name_prefix="tarsier-load")
+        pool = _loader_pool(self.settings.workers)
+        loads: deque[Future[_Loaded]] = deque()
+        ready: dict[int, CaptionResult] = {}
+        next_index = 0
+        items_left = enumerate(iter(items))
+        more_items = True
         try:
-            window: list[_Loaded] = []
-            for loaded in self._load_ahead(pool, items):
-                window.append(loaded)
-                if len(window) >= self.batch_size:
-                    yield from self._run_window(window, on_tokens)
-                    window = []
-            if window:
-                yield from self._run_window(window, on_tokens)
+            while True:
+                while more_items and self._wants_more(loads):
+                    entry = next(items_left, None)
+                    if entry is None:
+                        more_items = False
+                    else:
+                        loads.append(pool.submit(self._load, *entry))
+                # Take every decoded item; wait for one only when the model has nothing to do.
+                while loads and (loads[0].done() or not self.engine.has_work):
+                    self._admit(loads.popleft().result(), ready)
+                if self.engine.has_work:
+                    for seq in self.engine.step(on_tokens):
+                        ready[seq.payload.index] = self._result(seq)
+                elif not loads and not more_items:
+                    break
+                while next_index in ready:
+                    yield ready.pop(next_index)
+                    next_index += 1
         finally:  # on Ctrl-C or an abandoned iterator, drop the decodes not yet started
             pool.shutdown(wait=True, cancel_futures=True)
+            self.engine.abort_all()
 
-    def _load_ahead(self, pool: ThreadPoolExecutor, items: Iterable[MediaItem]) -> Iterator[_Loaded]:
-        pending: deque[Future[_Loaded]] = deque()
-        lookahead = 2 * self.batch_size + self.settings.workers
-        for item in items:
-            pending.append(pool.submit(self._load, item))
-            if len(pending) >= lookahead:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+    def _wants_more(self, loads: deque[Future[_Loaded]]) -> bool:
+        """Decode ahead enough to refill the batch, within a bound on waiting pixels."""
+        queued = len(loads) + self.engine.num_waiting
+        return queued < self.batch_size + 2 * self.settings.workers and \
+            self.engine.waiting_pixel_bytes() < LOOKAHEAD_PIXEL_BYTES
 
-    def _load(self, item: MediaItem) -> _Loaded:
+    def _load(self, index: int, item: MediaItem) -> _Loaded:
         start = time.perf_counter()
         try:
-            media = load_media(item.path, item.media_type, self.settings.frames)
-            prepared = self.model.prepare(media, item.prompt or self.settings.prompt)
+            # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
+            media = load_media(item.path, item.media_type, self.settings.frames,
+                               frame_transform=self.model.processor.frame_pixels)
+            prompt = self.model.processor.process(media, item.prompt or self.settings.prompt)
         except Exception as error:  # any decoder failure is this item's problem only
-            return _Loaded(item, time.perf_counter() - start, error=_one_line(error))
-        # Keep the facts, not the full-resolution frames, while the item waits for its batch.
-        return _Loaded(item, time.perf_counter() - start, replace(media, frames=[]), prepared)
+            return _Loaded(index, item, time.perf_counter() - start, error=one_line(error))
+        return _Loaded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompt)
 
-    def _run_window(self, window: list[_Loaded],
-                    on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
-        good = [loaded for loaded in window if loaded.error is None]
-        captioned = iter(self._generate(good, on_tokens) if good else [])
-        for loaded in window:
-            yield next(captioned) if loaded.error is None else _error_result(loaded, loaded.error)
+    def _admit(self, loaded: _Loaded, ready: dict[int, CaptionResult]) -> None:
+        if loaded.error is not None or loaded.prompt is None:
+            ready[loaded.index] = _error_result(loaded, loaded.error or "not processed")
+            return
+        loaded.queued_at = time.perf_counter()
+        seq = self.engine.add(loaded.prompt, payload=loaded,
+                              generator=self.settings.sampling.generator_for(loaded.item.path))
+        loaded.prompt = None  # the sequence holds it now; freed with the sequence
+        if seq.finish_reason == "error":  # can never fit the KV cache
+            ready[loaded.index] = self._result(seq)
 
-    def _generate(self, batch: list[_Loaded], on_tokens: Callable[[int], None] | None) -> list[CaptionResult]:
-        """Caption a batch; after an error, retry in halves down to single items.
-
-        Running out of memory also lowers the batch size for the rest of the run. A device
-        error that leaves the accelerator unusable is not an item's fault: it ends the run.
-        """
-        counter = _TokenCounter(on_tokens)
-        try:
-            return self._attempt(batch, counter)
-        except Exception as error:
-            if is_fatal_device_error(error):
-                raise
-            # Decide here, retry below: until this block ends, the exception's traceback keeps
-            # the failed attempt's tensors alive.
-            out_of_memory, message = is_out_of_memory(error), _one_line(error)
-        counter.retract()
-        if out_of_memory:
-            release_cached_memory(self.device)
-            self.batch_size = max(1, min(self.batch_size, len(batch) // 2))
-        if len(batch) == 1:
-            return [_error_result(batch[0], "out of memory even alone" if out_of_memory else message)]
-        half = len(batch) // 2
-        return self._generate(batch[:half], on_tokens) + self._generate(batch[half:], on_tokens)
-
-    def _attempt(self, batch: list[_Loaded], counter: _TokenCounter) -> list[CaptionResult]:
-        start = time.perf_counter()
-        prompts = self.model.embed_prompts([loaded.prepared for loaded in batch])
-        generators = [self.settings.sampling.generator_for(loaded.item.path) for loaded in batch]
-        generations = generate(self.model, prompts, self.settings.sampling, self.model.eos_token_ids,
-                               generators, counter)
-        elapsed = time.perf_counter() - start
-        return [self._result(loaded, prompt.length, generation.token_ids, generation.finish_reason,
-                             loaded.seconds + elapsed)
-                for loaded, prompt, generation in zip(batch, prompts, generations)]
-
-    def _result(self, loaded: _Loaded, prompt_tokens: int, token_ids: list[int], finish_reason: str,
-                elapsed: float) -> CaptionResult:
-        media, prepared = loaded.media, loaded.prepared
-        assert media is not None and prepared is not None
+    def _result(self, seq: Sequence) -> CaptionResult:
+        loaded: _Loaded = seq.payload
+        elapsed = loaded.seconds + time.perf_counter() - loaded.queued_at
+        if seq.error is not None:
+            return replace(_error_result(loaded, seq.error), elapsed_s=elapsed)
+        media = loaded.media
+        assert media is not None
         return CaptionResult(
             path=printable(loaded.item.path), media_type=media.media_type.value,
-            caption=self.model.decode(token_ids), prompt=prepared.instruction,
+            caption=self.model.decode(seq.output_ids), prompt=seq.prompt.instruction,
             num_frames=len(media.frame_indices), frame_indices=media.frame_indices,
             width=media.width, height=media.height, duration_s=media.duration_s,
-            prompt_tokens=prompt_tokens, generated_tokens=len(token_ids),
-            finish_reason=finish_reason, elapsed_s=elapsed, generated_ids=token_ids)
+            prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
+            finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
 
 
-class _TokenCounter:
-    """Passes token counts on to the caller and can take them back if the batch is retried."""
-
-    def __init__(self, report: Callable[[int], None] | None):
-        self.report = report
-        self.count = 0
-
-    def __call__(self, tokens: int) -> None:
-        self.count += tokens
-        if self.report is not None:
-            self.report(tokens)
-
-    def retract(self) -> None:
-        if self.report is not None and self.count:
-            self.report(-self.count)
-        self.count = 0
-
-
-def printable(text: str) -> str:
-    """`text` with undecodable bytes (from non-UTF-8 file names) shown as escapes, never raising."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+def _loader_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="tarsier-load")
 
 
 def _error_result(loaded: _Loaded, message: str) -> CaptionResult:
     return CaptionResult(path=printable(loaded.item.path), media_type=loaded.item.media_type.value,
                          error=message, elapsed_s=loaded.seconds)
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return printable(f"{type(error).__name__}: {text}"[:500])

@@ -19,6 +19,7 @@ from .checkpoints import ModelNotFoundError
 from .progress import RunStats, make_reporter, print_summary
 from .sinks import OutputExistsError, ParquetSink
 from .sources import InputNotFoundError, MediaItem, discover
+from .text import one_line
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -79,7 +80,11 @@ def caption(
     = "omni-research/Tarsier-7b",
     prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the default 'Describe the video/image in detail.'")] = None,
     frames: Annotated[int, typer.Option(min=1, help="Frames sampled uniformly from each video or GIF.")] = 8,
-    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Items per batch [default: 4 on CPU, fitted to free memory on CUDA].", show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
+    prefill_chunk: Annotated[int, typer.Option(min=0, help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
+    kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
+    offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
@@ -94,6 +99,9 @@ def caption(
 ) -> None:
     """Caption every video, GIF and image in INPUTS and write one Parquet row per file."""
     console = Console(stderr=True, soft_wrap=True)
+    if batch_size is not None and max_batch_tokens < batch_size:
+        _fail(f"--max-batch-tokens {max_batch_tokens} is below --batch-size {batch_size}: "
+              f"every generating item needs one position per step")
     try:
         discovery = discover(_with_stdin_paths(inputs), recursive)
         for problem in discovery.unreadable:
@@ -106,7 +114,9 @@ def caption(
     with sink:  # whatever happens below, finished rows survive in <out>.partial and <out> stays intact
         try:
             captioner = _load_captioner(console, quiet, model=model, prompt=prompt, frames=frames,
-                                        batch_size=batch_size, dtype=dtype.value, device=device, workers=workers,
+                                        batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+                                        prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
+                                        dtype=dtype.value, device=device, workers=workers,
                                         sampling=(max_new_tokens, temperature, top_p, seed))
         except KeyboardInterrupt:
             sink.abort({"complete": False, "stopped_by": "interrupted while loading"})
@@ -114,7 +124,7 @@ def caption(
             raise typer.Exit(EXIT_INTERRUPTED) from None
         except Exception as error:  # anything that stops the model loading means nothing was run
             sink.abort({"complete": False, "stopped_by": "setup"})
-            _fail(str(error) if isinstance(error, (ModelNotFoundError, ValueError)) else _one_line(error))
+            _fail(str(error) if isinstance(error, (ModelNotFoundError, ValueError)) else one_line(error))
         sink.provenance = captioner.provenance()
         stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
         code = _run(captioner, discovery.items, sink, stats, console, quiet)
@@ -138,8 +148,13 @@ def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, f
     with loading if console.is_terminal and not quiet else nullcontext():
         captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
     if not quiet:
+        config = captioner.engine.config
+        kv_gib = captioner.engine.kv.nbytes / 2**30
+        offload = ", KV offloaded during prefill" if config.offload_kv \
+            else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
         console.print(f"tarsier: {settings['model']} on {captioner.device} "
-                      f"({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}",
+                      f"({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
+                      f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB){offload}",
                       highlight=False, markup=False)
     return captioner
 
@@ -164,7 +179,7 @@ def _run(captioner: Captioner, items: list[MediaItem], sink: ParquetSink, stats:
     except Exception as error:  # a bug or a dead device: keep what finished, say what happened
         if not quiet:
             console.print_exception()
-        reason, code = f"crashed ({_one_line(error)})", EXIT_CRASHED
+        reason, code = f"crashed ({one_line(error)})", EXIT_CRASHED
     finally:
         signal.signal(signal.SIGTERM, previous)
     partial = sink.abort({"complete": False, "stopped_by": reason, **stats.as_dict()})
@@ -201,10 +216,6 @@ def _with_stdin_paths(inputs: list[str]) -> list[str]:
 def _fail(message: str) -> NoReturn:
     typer.echo(f"Error: {message}", err=True)
     raise typer.Exit(EXIT_USAGE)
-
-
-def _one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _quiet_library_logs() -> None:

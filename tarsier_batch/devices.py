@@ -1,18 +1,25 @@
-"""Device and dtype choice, batch sizing and out-of-memory handling."""
+"""Device and dtype choice, memory budgets and out-of-memory handling."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
 
-from .families import CaptionModel
-
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_BATCH_SIZE = 4
-MAX_AUTO_BATCH_SIZE = 64
-# Activations, the vision tower and allocator slack on top of the KV cache, as a factor.
-_MEMORY_HEADROOM = 1.5
+# Rows decoding at once when --batch-size is not given. On CUDA the KV cache decides how many
+# rows really fit; the cap bounds the per-step work that does not grow with the GPU.
+CPU_MAX_ROWS = 16
+CUDA_MAX_ROWS = 32
+# The KV cache on the CPU: at most this much, and at most a quarter of the machine's memory.
+CPU_KV_CACHE_BYTES = 4 * 2**30
+# On CUDA the KV cache takes what is free after loading, less room for the step's activations
+# (per token of --max-batch-tokens: hidden states, MLP and attention outputs, logits) and the
+# vision tower; the cache itself is allocated once, so this is the only headroom there is.
+CUDA_RESERVED_BYTES = 2**30
+CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN = 192 * 2**10
+CUDA_KV_SHARE = 0.9
 
 
 def resolve_device(name: str) -> torch.device:
@@ -40,18 +47,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def auto_batch_size(model: CaptionModel, device: torch.device, frames: int, max_new_tokens: int) -> int:
-    """A batch that fits the free accelerator memory with headroom; a small fixed size on the CPU."""
-    if device.type != "cuda":
-        return CPU_BATCH_SIZE
-    free_bytes, _ = torch.cuda.mem_get_info(device)
-    tokens = model.estimated_prompt_tokens(frames) + max_new_tokens
-    per_item = tokens * model.kv_bytes_per_token() * _MEMORY_HEADROOM
-    return max(1, min(MAX_AUTO_BATCH_SIZE, int(free_bytes // per_item)))
+def default_max_rows(device: torch.device) -> int:
+    return CUDA_MAX_ROWS if device.type == "cuda" else CPU_MAX_ROWS
+
+
+def kv_cache_bytes(device: torch.device, requested_gb: float | None, max_batch_tokens: int) -> int:
+    """Bytes for the KV cache: as requested, else what the device can spare."""
+    if requested_gb is not None:
+        return int(requested_gb * 2**30)
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        activations = CUDA_RESERVED_BYTES + max_batch_tokens * CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN
+        return int(max(0, free_bytes - activations) * CUDA_KV_SHARE)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(CPU_KV_CACHE_BYTES, total // 4)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """The device (or host) ran out of memory: smaller batches may succeed."""
+    """The device (or host) ran out of memory: smaller steps may succeed."""
     return isinstance(error, torch.OutOfMemoryError)
 
 
@@ -61,6 +74,6 @@ def is_fatal_device_error(error: BaseException) -> bool:
 
 
 def release_cached_memory(device: torch.device) -> None:
-    """Return cached blocks to the device after a failed batch."""
+    """Return cached blocks to the device after a failed step."""
     if device.type == "cuda":
         torch.cuda.empty_cache()

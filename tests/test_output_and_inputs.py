@@ -112,8 +112,8 @@ def test_tiny_random_alias_builds_once_into_the_cache(monkeypatch: pytest.Monkey
     assert (second.path / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_out_of_memory_batches_are_retried_in_halves(tiny_model_dir: Path, shared_media: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_out_of_memory_lowers_the_step_budget_and_the_run_completes(tiny_model_dir: Path, shared_media: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from tarsier_batch.media import MediaType
     from tarsier_batch.sources import MediaItem
 
@@ -123,20 +123,20 @@ def test_out_of_memory_batches_are_retried_in_halves(tiny_model_dir: Path, share
              for name in ["tarsier_logo.jpg", "demo_test_f40.jpg", "portrait_200x333.png"]]
     expected = [r.generated_ids for r in Captioner(settings).caption(items)]
     captioner = Captioner(settings)
-    real_embed = captioner.model.embed_prompts
-    sizes: list[int] = []
+    real_encode = captioner.model.encode_vision
+    calls: list[int] = []
 
-    def embed_with_tight_memory(inputs):  # only one item fits, and the fifth attempt fails even alone
-        sizes.append(len(inputs))
-        if len(inputs) > 1 or len(sizes) == 5:
+    def encode_with_tight_memory(blocks):  # the first two attempts run out of memory
+        calls.append(len(blocks))
+        if len(calls) <= 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_embed(inputs)
+        return real_encode(blocks)
 
-    monkeypatch.setattr(captioner.model, "embed_prompts", embed_with_tight_memory)
+    monkeypatch.setattr(captioner.model, "encode_vision", encode_with_tight_memory)
     results = list(captioner.caption(items))
-    assert sizes == [3, 1, 2, 1, 1]
-    assert [r.generated_ids for r in results[:2]] == expected[:2]
-    assert results[2].error == "out of memory even alone" and results[2].finish_reason == "error"
+    assert [r.generated_ids for r in results] == expected
+    assert captioner.engine.scheduler.max_batch_tokens == captioner.engine.config.max_batch_tokens // 4
+    assert sum(calls[2:]) == len(items), "each frame is encoded once the step fits"
 
 
 def test_orphaned_temporary_files_of_dead_runs_are_removed(tmp_path: Path) -> None:
@@ -184,40 +184,53 @@ def test_unreadable_folders_are_reported_not_hidden(tmp_path: Path, monkeypatch:
 
 def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_media: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import time
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
 
+    from tarsier_batch import api
     from tarsier_batch.media import MediaType
     from tarsier_batch.sources import MediaItem
 
     settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1,
                                sampling=SamplingParams(max_new_tokens=1), dtype="float32", device="cpu")
     captioner = Captioner(settings)
-    started: list[str] = []
+    started: list[int] = []
+    second_may_finish = threading.Event()
     real_load = captioner._load
 
-    def slow_load(item):  # long enough that later decodes are still queued when we stop
-        started.append(item.path)
-        time.sleep(0.3)
-        return real_load(item)
+    def gated_load(index, item):  # the second decode holds the only worker until the queue is cancelled
+        started.append(index)
+        if index == 1:
+            second_may_finish.wait()
+        return real_load(index, item)
 
-    monkeypatch.setattr(captioner, "_load", slow_load)
+    class PoolReleasingAfterCancel(ThreadPoolExecutor):
+        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+            super().shutdown(wait=False, cancel_futures=cancel_futures)
+            second_may_finish.set()
+            super().shutdown(wait=wait)
+
+    monkeypatch.setattr(captioner, "_load", gated_load)
+    monkeypatch.setattr(api, "_loader_pool", lambda workers: PoolReleasingAfterCancel(workers))
     items = [MediaItem(str(shared_media / "clip_5f.gif"), MediaType.GIF)] * 10
     results = captioner.caption(items)
-    next(results)
+    first = next(results)
+    assert first.ok
     results.close()  # what Ctrl-C or an abandoned iterator does
-    # Item 1 was captioned and item 2 was being decoded; item 3, queued, never starts.
-    assert len(started) == 2
+    # Item 1 was being decoded when we stopped; the queued items 2 and 3 never start.
+    assert started == [0, 1]
+    assert not captioner.engine.has_work
 
 
-def test_auto_batch_size_fits_free_accelerator_memory(tiny_model, monkeypatch: pytest.MonkeyPatch) -> None:
-    from tarsier_batch.devices import CPU_BATCH_SIZE, auto_batch_size
+def test_kv_cache_takes_what_the_accelerator_can_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tarsier_batch.devices import (CPU_KV_CACHE_BYTES, CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN, CUDA_KV_SHARE,
+                                       CUDA_RESERVED_BYTES, kv_cache_bytes)
 
-    per_token = tiny_model.kv_bytes_per_token()
-    text = tiny_model.config.text
-    assert per_token == 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
-    tokens = 8 * tiny_model.config.tokens_per_frame + 64 + 100
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(10 * tokens * per_token * 1.5), 0))
-    assert auto_batch_size(tiny_model, torch.device("cuda"), 8, 100) == 10
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1, 0))
-    assert auto_batch_size(tiny_model, torch.device("cuda"), 8, 100) == 1
-    assert auto_batch_size(tiny_model, torch.device("cpu"), 8, 100) == CPU_BATCH_SIZE
+    free = 40 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    spare = free - CUDA_RESERVED_BYTES - 4096 * CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN
+    assert kv_cache_bytes(torch.device("cuda"), None, 4096) == int(spare * CUDA_KV_SHARE)
+    assert kv_cache_bytes(torch.device("cuda"), 2.5, 4096) == int(2.5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
+    assert kv_cache_bytes(torch.device("cuda"), None, 4096) == 0
+    assert 0 < kv_cache_bytes(torch.device("cpu"), None, 4096) <= CPU_KV_CACHE_BYTES

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import CLIPVisionModel
 
 from tarsier_batch.families import load_caption_model
-from tarsier_batch.families.tarsier import TarsierCaptioner, TarsierConfig, merge_frame_features
+from tarsier_batch.families.tarsier import TarsierCaptioner, TarsierConfig, merged_layout
 from tarsier_batch.families.tarsier.processing import build_prompt, stretch_to_square
 from tarsier_batch.families.tarsier.weights import load_model
 from tarsier_batch.media import MediaType, load_media
@@ -111,15 +111,23 @@ def test_frames_are_stretched_to_a_square_without_padding() -> None:
 
 
 def test_default_instruction_depends_on_media_type(tiny_model: TarsierCaptioner, shared_media: Path) -> None:
-    video = tiny_model.prepare(load_media(str(shared_media / "short_5f.mp4"), MediaType.VIDEO, 8), None)
-    gif = tiny_model.prepare(load_media(str(shared_media / "clip_5f.gif"), MediaType.GIF, 8), None)
-    image = tiny_model.prepare(load_media(str(shared_media / "tarsier_logo.jpg"), MediaType.IMAGE, 8), None)
-    custom = tiny_model.prepare(load_media(str(shared_media / "tarsier_logo.jpg"), MediaType.IMAGE, 8), "Count.")
+    def process(name: str, media_type: MediaType, instruction: str | None = None):
+        media = load_media(str(shared_media / name), media_type, 8, frame_transform=tiny_model.processor.frame_pixels)
+        return tiny_model.processor.process(media, instruction)
+
+    video = process("short_5f.mp4", MediaType.VIDEO)
+    gif = process("clip_5f.gif", MediaType.GIF)
+    image = process("tarsier_logo.jpg", MediaType.IMAGE)
+    custom = process("tarsier_logo.jpg", MediaType.IMAGE, "Count.")
     assert (video.instruction, gif.instruction) == ("Describe the video in detail.",) * 2
     assert image.instruction == "Describe the image in detail."
     assert custom.instruction == "Count."
     assert video.pixel_values.shape == (8, 3, 56, 56)
     assert gif.pixel_values.shape[0] == 5 and image.pixel_values.shape[0] == 1
+    first = gif.vision_blocks[0].start  # the frames' placeholders stand together after "USER: "
+    assert [(block.start - first, block.length) for block in gif.vision_blocks] == [(21 * f, 21) for f in range(5)]
+    assert set(gif.token_ids[first:first + 5 * 21].tolist()) == {tiny_model.config.image_token_index}
+    assert video.positions.tolist() == [list(range(video.length))] and video.next_position == video.length
 
 
 def test_vision_vectors_are_the_second_to_last_layer(tiny_model_dir: Path, tiny_model: TarsierCaptioner) -> None:
@@ -169,14 +177,8 @@ def test_real_geometry_has_601_vectors_per_frame(tmp_path: Path) -> None:
     assert features.shape == (2, 601, config.text.hidden_size)
 
 
-def test_merge_replaces_each_placeholder_by_its_frame() -> None:
-    image, hidden = 99, 4
-    ids = torch.tensor([1, 5, image, image, 7, 8])
-    token_embeds = torch.arange(6, dtype=torch.float32)[:, None].expand(6, hidden) * -1
-    frames = torch.stack([torch.full((3, hidden), 10.0), torch.full((3, hidden), 20.0)])
-    merged = merge_frame_features(ids, frames, token_embeds, image)
-    assert merged.embeds[:, 0].tolist() == [0, -1, 10, 10, 10, 20, 20, 20, -4, -5]
-    assert merged.positions.tolist() == list(range(10))
-    assert merged.next_position == 10
-    with pytest.raises(ValueError, match="2 image placeholders for 1 frames"):
-        merge_frame_features(ids, frames[:1], token_embeds, image)
+def test_each_placeholder_expands_to_its_frames_positions() -> None:
+    image = 99
+    ids, blocks = merged_layout([1, 5, image, image, 7, 8], image, tokens_per_frame=3)
+    assert ids.tolist() == [1, 5, image, image, image, image, image, image, 7, 8]
+    assert [(block.start, block.end) for block in blocks] == [(2, 5), (5, 8)]

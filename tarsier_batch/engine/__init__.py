@@ -1,7 +1,7 @@
-"""Generation apart from models and I/O: batching, sampling and the prefill/decode loop."""
+"""Generation apart from models and I/O: sequences, scheduler, KV cache, model runner, sampling."""
 
-from .prefill import PromptEmbedding
-from .generate import Generation, StepModel, generate
+from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
+from .sequence import Sequence
 
-__all__ = ["Generation", "PromptEmbedding", "SamplingParams", "StepModel", "generate"]
+__all__ = ["Engine", "EngineConfig", "SamplingParams", "Sequence"]

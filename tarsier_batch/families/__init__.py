@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .base import CaptionModel, PreparedInput
+from .base import CaptionModel, ProcessedPrompt
 from .tarsier import ARCHITECTURE as TARSIER_ARCHITECTURE
 from .tarsier import TarsierCaptioner
 
@@ -24,4 +24,4 @@ def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device
                      f"supported: {TARSIER_ARCHITECTURE} (Tarsier v1)")
 
 
-__all__ = ["CaptionModel", "PreparedInput", "load_caption_model"]
+__all__ = ["CaptionModel", "ProcessedPrompt", "load_caption_model"]

@@ -1,4 +1,16 @@
-"""The small interface every model family implements."""
+"""The interface between model families and the engine.
+
+A family is split in two, so that CPU work can run in loader threads (and, later, worker
+processes) while the weights stay on the device:
+
+- a `Processor` (CPU, picklable results): media + instruction -> `ProcessedPrompt`, the merged
+  prompt laid out position by position, with the pixels of each vision block;
+- a `CaptionModel` (device): encodes vision blocks, embeds tokens, and runs the language model
+  over new tokens given an `Attention` callback that owns the KV cache.
+
+The engine only sees these types. It never learns which family it runs, and a family never
+learns how its rows are batched, chunked or cached.
+"""
 
 from __future__ import annotations
 
@@ -7,37 +19,99 @@ from typing import Protocol
 
 import torch
 
-from ..engine import PromptEmbedding, StepModel
 from ..media import Media
 
 
+@dataclass(frozen=True)
+class VisionBlock:
+    """A unit the vision encoder turns into `length` consecutive prompt vectors (a frame in v1).
+
+    A block is always encoded whole; a prefill chunk may still take only part of its vectors.
+    """
+
+    start: int   # position in the merged prompt of the block's first vector
+    length: int  # vectors the block yields
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
 @dataclass
-class PreparedInput:
-    """CPU-side work for one item, done in loader threads: the prompt tokens and the pixels."""
+class ProcessedPrompt:
+    """One item's merged prompt, ready for the engine; made on the CPU, holds no device tensors.
+
+    `token_ids` has one id per merged position: text positions hold their token, positions
+    covered by a vision block hold a placeholder id whose embedding is replaced by the block's
+    vectors. `positions` has a leading axis of position components (1 for Llama's 1-D RoPE,
+    3 for Qwen2-VL's M-RoPE).
+    """
 
     instruction: str
-    prompt_ids: list[int]
-    pixel_values: torch.Tensor
+    token_ids: torch.Tensor       # (length,) int64
+    positions: torch.Tensor       # (components, length) int64
+    next_position: int            # position of the first generated token
+    vision_blocks: list[VisionBlock]
+    pixel_values: torch.Tensor    # (blocks, ...) the encoder's input for each block, float32
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
 
 
-class CaptionModel(StepModel, Protocol):
-    """A loaded checkpoint: preprocessing, merged prompt embeddings, one decode step, detokenising."""
+class Attention(Protocol):
+    """What a model calls in each layer: store the new keys and values, attend over each row's context.
 
+    Shapes are flattened over the step's rows: q (tokens, heads, head_dim), k and v
+    (tokens, kv_heads, head_dim), all already rotated. Returns (tokens, heads, head_dim).
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one token's keys and values, to size the engine's cache."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype.itemsize
+
+
+class Processor(Protocol):
+    """CPU side: turns media into a `ProcessedPrompt`; safe to call from several threads."""
+
+    def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
+        """`instruction` None means the family's default for the media type."""
+
+    def frame_pixels(self, frame: object) -> torch.Tensor:
+        """The encoder input of one decoded frame, computed as soon as the frame is decoded."""
+
+
+class CaptionModel(Protocol):
+    """Device side: a loaded checkpoint."""
+
+    processor: Processor
     eos_token_ids: frozenset[int]
     dtype: torch.dtype
     device: torch.device
+    kv_geometry: KVGeometry
 
-    def prepare(self, media: Media, instruction: str | None) -> PreparedInput:
-        """Prompt tokens and pixels for one item; `instruction` None means the default one."""
+    def encode_vision(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        """Vectors of each block, (length, hidden) each, for the blocks' stacked pixels."""
 
-    def embed_prompts(self, inputs: list[PreparedInput]) -> list[PromptEmbedding]:
-        """Run the vision side and merge its vectors into each prompt, on the model's device."""
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(tokens,) ids -> (tokens, hidden) input vectors."""
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        """Run (tokens, hidden) vectors at `positions` (components, tokens); returns final hidden states."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(rows, hidden) final hidden states -> (rows, vocab) next-token logits."""
 
     def decode(self, token_ids: list[int]) -> str:
         """Caption text for generated ids."""
-
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token occupies, for choosing batch sizes."""
-
-    def estimated_prompt_tokens(self, frames: int) -> int:
-        """An upper estimate of the merged prompt length for `frames` frames."""

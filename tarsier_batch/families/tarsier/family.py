@@ -1,4 +1,4 @@
-"""Tarsier v1 behind the `CaptionModel` interface."""
+"""Tarsier v1 behind the family interface: a CPU prompt processor and a device model."""
 
 from __future__ import annotations
 
@@ -6,36 +6,51 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import Cache, DynamicCache
 
-from ...engine import PromptEmbedding
 from ...media import Media
-from ..base import PreparedInput
+from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
+from ..decoder import run_decoder_layers
 from .modeling import TarsierConfig
 from .processing import TarsierProcessor, build_prompt, default_instruction
 from .weights import load_model
 
-VISION_CHUNK_FRAMES = 32  # frames per vision-tower call, bounding its activation memory
-PROMPT_TEXT_TOKENS = 64   # a generous allowance for the text around the frames
 
+def merged_layout(prompt_ids: list[int], image_token_index: int,
+                  tokens_per_frame: int) -> tuple[torch.Tensor, list[VisionBlock]]:
+    """Expand the i-th image placeholder into frame i's `tokens_per_frame` positions.
 
-def merge_frame_features(prompt_ids: torch.Tensor, frame_features: torch.Tensor,
-                         token_embeds: torch.Tensor, image_token_index: int) -> PromptEmbedding:
-    """Replace the i-th image placeholder by frame i's vectors; positions run 0..L-1.
-
-    prompt_ids: (tokens,), frame_features: (frames, tokens_per_frame, hidden),
-    token_embeds: (tokens, hidden), the LM embeddings of `prompt_ids`.
+    Returns one id per merged position (the placeholder id stands at vision positions) and
+    the blocks where each frame's vectors go. Positions then simply run 0..L-1.
     """
-    slots = (prompt_ids == image_token_index).nonzero().flatten().tolist()
-    if len(slots) != frame_features.shape[0]:
-        raise ValueError(f"prompt has {len(slots)} image placeholders for {frame_features.shape[0]} frames")
-    pieces, start = [], 0
-    for frame, slot in enumerate(slots):
-        pieces += [token_embeds[start:slot], frame_features[frame]]
-        start = slot + 1
-    pieces.append(token_embeds[start:])
-    embeds = torch.cat(pieces)
-    return PromptEmbedding(embeds, torch.arange(embeds.shape[0], device=embeds.device))
+    ids: list[int] = []
+    blocks: list[VisionBlock] = []
+    for token in prompt_ids:
+        if token == image_token_index:
+            blocks.append(VisionBlock(len(ids), tokens_per_frame))
+            ids.extend([token] * tokens_per_frame)
+        else:
+            ids.append(token)
+    return torch.tensor(ids, dtype=torch.long), blocks
+
+
+class TarsierPromptProcessor(TarsierProcessor):
+    """Media and instruction -> the merged prompt layout and per-frame pixels (CPU only)."""
+
+    def __init__(self, model_dir: Path, config: TarsierConfig):
+        super().__init__(model_dir)
+        self.config = config
+
+    def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
+        """`media.frames` must hold `frame_pixels` results (one (3, size, size) tensor each)."""
+        text = instruction if instruction is not None else default_instruction(media.media_type)
+        prompt_ids = self.prompt_ids(build_prompt(len(media.frames), text))
+        token_ids, blocks = merged_layout(prompt_ids, self.config.image_token_index, self.config.tokens_per_frame)
+        if len(blocks) != len(media.frames):
+            raise ValueError(f"prompt has {len(blocks)} image placeholders for {len(media.frames)} frames")
+        length = token_ids.shape[0]
+        return ProcessedPrompt(instruction=text, token_ids=token_ids, positions=torch.arange(length)[None],
+                               next_position=length, vision_blocks=blocks,
+                               pixel_values=torch.stack(list(media.frames)))
 
 
 class TarsierCaptioner:
@@ -43,53 +58,35 @@ class TarsierCaptioner:
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.config = TarsierConfig.from_file(model_dir / "config.json")
-        self.processor = TarsierProcessor(model_dir)
+        self.processor = TarsierPromptProcessor(model_dir, self.config)
         self.model = load_model(model_dir, self.config, dtype, device)
         self.dtype, self.device = dtype, device
         self.eos_token_ids = _eos_token_ids(model_dir, self.processor.tokenizer.eos_token_id)
-
-    def prepare(self, media: Media, instruction: str | None) -> PreparedInput:
-        text = instruction if instruction is not None else default_instruction(media.media_type)
-        prompt = build_prompt(len(media.frames), text)
-        return PreparedInput(text, self.processor.prompt_ids(prompt), self.processor.pixel_values(media.frames))
+        text = self.config.text
+        self.kv_geometry = KVGeometry(
+            num_layers=text.num_hidden_layers,
+            kv_heads=text.num_key_value_heads or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     @torch.inference_mode()
-    def embed_prompts(self, inputs: list[PreparedInput]) -> list[PromptEmbedding]:
-        pixels = torch.cat([item.pixel_values for item in inputs]).to(self.device, self.dtype)
-        features = torch.cat([self.model.frame_features(chunk)
-                              for chunk in pixels.split(VISION_CHUNK_FRAMES)])
-        per_item = features.split([item.pixel_values.shape[0] for item in inputs])
-        prompts = []
-        for item, frame_features in zip(inputs, per_item):
-            ids = torch.tensor(item.prompt_ids, device=self.device)
-            prompts.append(merge_frame_features(ids, frame_features, self.embed_tokens(ids),
-                                                self.config.image_token_index))
-        return prompts
+    def encode_vision(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        pixels = torch.stack(blocks).to(self.device, self.dtype)
+        return list(self.model.frame_features(pixels).unbind(0))
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.language_model.get_input_embeddings()(token_ids)
 
-    def new_cache(self) -> Cache:
-        return DynamicCache(config=self.config.text)
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        decoder = self.model.language_model.model
+        cos, sin = decoder.rotary_emb(embeds, positions)  # (1, tokens, head_dim) each
+        hidden = run_decoder_layers(decoder.layers, embeds, cos[0], sin[0], attention)
+        return decoder.norm(hidden)
 
-    def forward_step(self, embeds: torch.Tensor, attention_mask: torch.Tensor,
-                     position_ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-        output = self.model.language_model(inputs_embeds=embeds, attention_mask=attention_mask,
-                                           position_ids=position_ids, past_key_values=cache,
-                                           use_cache=True, logits_to_keep=1)
-        return output.logits[:, -1]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.lm_head(hidden)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.decode(token_ids)
-
-    def estimated_prompt_tokens(self, frames: int) -> int:
-        return frames * self.config.tokens_per_frame + PROMPT_TEXT_TOKENS
-
-    def kv_bytes_per_token(self) -> int:
-        text = self.config.text
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = text.num_key_value_heads or text.num_attention_heads
-        return 2 * text.num_hidden_layers * kv_heads * head_dim * self.dtype.itemsize
 
 
 def _eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:

@@ -1,0 +1,132 @@
+"""The loop: schedule a step, run it, sample, retire finished rows, and recover from failed steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
+from ..families.base import CaptionModel, ProcessedPrompt
+from ..text import one_line
+from .kv_cache import KVCache
+from .model_runner import ModelRunner
+from .sampling import SamplingParams, select_tokens
+from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How much runs at once: rows, tokens per step, prefill chunk, KV cache size, offload."""
+
+    max_rows: int = 4
+    max_batch_tokens: int = 4096
+    prefill_chunk: int = 2048      # 0: prefill each prompt whole
+    kv_cache_tokens: int = 65536   # slots of the preallocated KV cache
+    offload_kv: bool = False       # keep prefilling rows' KV in host memory
+
+
+class Engine:
+    """Generates for any number of rows; rows join as others leave (continuous batching)."""
+
+    def __init__(self, model: CaptionModel, config: EngineConfig, sampling: SamplingParams):
+        self.model = model
+        self.config = config
+        self.sampling = sampling
+        self.kv = KVCache(model.kv_geometry, config.kv_cache_tokens, model.dtype, model.device)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
+                                                   config.prefill_chunk, config.offload_kv), self.kv)
+        self.runner = ModelRunner(model, self.kv)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def waiting_pixel_bytes(self) -> int:
+        return sum(seq.prompt.pixel_values.nbytes for seq in self.scheduler.waiting)
+
+    def add(self, prompt: ProcessedPrompt, payload: Any = None, max_new_tokens: int | None = None,
+            generator: torch.Generator | None = None) -> Sequence:
+        """Queue one row. A row that can never fit the KV cache is not queued: it comes back finished
+        with an error."""
+        seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, generator, payload)
+        problem = self.scheduler.add(seq)
+        if problem is not None:
+            seq.finish("error", problem)
+        return seq
+
+    def abort_all(self) -> None:
+        """Drop every row and free its KV (the caller stopped early)."""
+        self.scheduler.clear()
+
+    def step(self, on_tokens: Callable[[int], None] | None = None) -> list[Sequence]:
+        """Run one step; returns the rows that finished in it (in no particular order)."""
+        step = self.scheduler.schedule()
+        if not step:
+            if self.scheduler.has_work:
+                raise RuntimeError("the scheduler made no progress with rows waiting (a bug)")
+            return []
+        try:
+            sampled, logits = self.runner.run(step)
+        except Exception as error:
+            if is_fatal_device_error(error):
+                raise
+            # Decide here, recover below: until this block ends, the traceback keeps the failed
+            # step's tensors alive.
+            out_of_memory, message = is_out_of_memory(error), one_line(error)
+        else:
+            return self._advance(step, sampled, logits, on_tokens)
+        return self._recover(step, out_of_memory, message)
+
+    def _advance(self, step: list[ScheduledRow], sampled: list[Sequence], logits: torch.Tensor | None,
+                 on_tokens: Callable[[int], None] | None) -> list[Sequence]:
+        for row in step:
+            row.seq.num_computed += row.num_tokens
+        if logits is None:
+            return []
+        tokens = select_tokens(logits, self.sampling, [seq.generator for seq in sampled])
+        if on_tokens is not None:
+            on_tokens(len(tokens))
+        finished = []
+        for seq, token in zip(sampled, tokens):
+            seq.output_ids.append(token)
+            if token in self.model.eos_token_ids:
+                seq.finish("eos")
+            elif len(seq.output_ids) >= seq.max_new_tokens:
+                seq.finish("length")
+            else:
+                continue
+            self.scheduler.finish(seq)
+            finished.append(seq)
+        return finished
+
+    def _recover(self, step: list[ScheduledRow], out_of_memory: bool, message: str) -> list[Sequence]:
+        """After a failed step: retry smaller after running out of memory, else find the culprit.
+
+        Nothing of the failed step is kept (positions only count once a step succeeds), so
+        retrying recomputes exactly what failed and the outputs do not change.
+        """
+        if out_of_memory:
+            release_cached_memory(self.model.device)
+            if self.scheduler.lower_budget_after_oom():
+                return []
+            return self._fail(step[0].seq, "out of memory even alone")
+        if len(step) == 1:
+            return self._fail(step[0].seq, message)
+        # Which row broke the step is unknown: run each of them alone from now on.
+        for row in reversed(step):
+            row.seq.isolate = True
+            self.scheduler.preempt(row.seq)
+        return []
+
+    def _fail(self, seq: Sequence, message: str) -> list[Sequence]:
+        self.scheduler.finish(seq)
+        seq.finish("error", message)
+        return [seq]

@@ -1,0 +1,239 @@
+"""Which rows compute how many positions in the next step, under a token budget and a KV budget.
+
+Every step spends `max_batch_tokens`: first one token for each running row that decodes, then
+prefill chunks (at most `prefill_chunk` positions each) for running rows still prefilling, then
+chunks of newly admitted rows while fewer than `max_rows` run. A row is admitted only when its
+prompt fits the KV cache with room to spare; a decoding row that cannot grow preempts the most
+recently admitted row, whose KV is freed and recomputed later (its tokens so far are kept).
+Rows are admitted in input order: attention runs on each row's exact length, so mixing a short
+image with a long video costs nothing and there is no reason to reorder.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .kv_cache import HostKV, KVCache, Region
+from .sequence import Sequence, Status
+
+# Slots reserved at admission for the first generated tokens, and the least a row grows by.
+FIRST_DECODE_RESERVE = 16
+MIN_GROWTH = 64
+# A row is admitted only if this share of the cache stays free for the running rows to grow.
+ADMISSION_WATERMARK = 1 / 32
+MIN_BATCH_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    seq: Sequence
+    num_tokens: int   # positions computed this step, from seq.num_computed on
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_rows: int
+    max_batch_tokens: int
+    prefill_chunk: int      # 0: a prompt is prefilled whole
+    offload_prefill: bool   # keep a prefilling row's KV in host memory until it decodes
+
+    def __post_init__(self) -> None:
+        if self.max_rows < 1:
+            raise ValueError("the batch size must be at least 1")
+        if self.max_batch_tokens < self.max_rows:
+            raise ValueError(f"max batch tokens ({self.max_batch_tokens}) must be at least the batch size "
+                             f"({self.max_rows}): every running row decodes one token per step")
+        if self.prefill_chunk < 0:
+            raise ValueError("the prefill chunk must be 0 (off) or positive")
+
+
+class Scheduler:
+    """Waiting and running rows, and the KV ranges they hold."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCache):
+        self.kv = kv
+        self.max_rows = config.max_rows
+        self.max_batch_tokens = config.max_batch_tokens
+        self.prefill_chunk = config.prefill_chunk
+        self.offload_prefill = config.offload_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order: the last is preempted first
+        self.preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> str | None:
+        """Queue a row; returns why it can never run, if so (it is then not queued)."""
+        if seq.max_length > self.kv.capacity_tokens:
+            gib = seq.max_length * self.kv.geometry.bytes_per_token(self.kv.keys.dtype) / 2**30
+            return (f"needs {seq.max_length} tokens of KV cache ({gib:.2f} GiB: prompt {seq.prompt.length} + "
+                    f"{seq.max_new_tokens} new), more than the cache holds ({self.kv.capacity_tokens} tokens); "
+                    f"raise --kv-cache-gb or lower --frames / --max-new-tokens")
+        self.waiting.append(seq)
+        return None
+
+    def schedule(self) -> list[ScheduledRow]:
+        """The next step's rows; KV is in place for every position they will compute."""
+        isolated = next((seq for seq in self.running if seq.isolate), None)
+        if isolated is not None:
+            return self._schedule_alone(isolated)
+        budget = self.max_batch_tokens
+        step: list[ScheduledRow] = []
+        for seq in [seq for seq in self.running if not seq.in_prefill]:
+            if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq, seq.length):
+                step.append(ScheduledRow(seq, 1))
+                budget -= 1
+        prefilled_whole = False
+        for seq in [seq for seq in self.running if seq.in_prefill]:
+            tokens = self._chunk(seq, budget, prefilled_whole)
+            if tokens:
+                step.append(ScheduledRow(seq, tokens))
+                budget -= tokens
+                prefilled_whole = True
+        while self.waiting and budget > 0 and len(self.running) < self.max_rows and not self.waiting[0].isolate:
+            seq = self.waiting[0]
+            tokens = self._chunk(seq, budget, prefilled_whole)
+            if not tokens or not self._admit(seq):
+                break
+            self.waiting.popleft()
+            step.append(ScheduledRow(seq, tokens))
+            budget -= tokens
+            prefilled_whole = True
+        if not step and not self.running and self.waiting and self.waiting[0].isolate:
+            seq = self.waiting.popleft()
+            if self._admit(seq, force=True):
+                return self._schedule_alone(seq)
+            self.waiting.appendleft(seq)
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished row's KV at once, so a waiting row can take its place next step."""
+        self._release(seq)
+        self.running.remove(seq)
+
+    def clear(self) -> None:
+        for seq in list(self.running):
+            self.finish(seq)
+        self.waiting.clear()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running row's KV and queue it first, to be recomputed from its tokens so far."""
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.encoded.clear()
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def lower_budget_after_oom(self) -> bool:
+        """Halve the token budget and the running rows after running out of memory.
+
+        Returns False when nothing is left to lower: the step was one row at the smallest budget.
+        """
+        lowered = False
+        if self.max_batch_tokens > MIN_BATCH_TOKENS:
+            self.max_batch_tokens = max(MIN_BATCH_TOKENS, self.max_batch_tokens // 2)
+            if self.prefill_chunk:
+                self.prefill_chunk = min(self.prefill_chunk, self.max_batch_tokens)
+            lowered = True
+        if len(self.running) > 1:
+            self.max_rows = max(1, len(self.running) // 2)
+            while len(self.running) > self.max_rows:
+                self.preempt(self.running[-1])
+            lowered = True
+        return lowered
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _schedule_alone(self, seq: Sequence) -> list[ScheduledRow]:
+        tokens = self._chunk(seq, max(self.max_batch_tokens, 1), False)
+        if seq.in_prefill or self._make_room(seq, seq.length):
+            return [ScheduledRow(seq, tokens)]
+        return []
+
+    def _chunk(self, seq: Sequence, budget: int, prefilled_whole: bool) -> int:
+        """Positions of `seq` to compute this step within `budget`."""
+        if not self.prefill_chunk:  # unchunked: the whole rest at once, over budget if it is the first
+            return seq.remaining if seq.remaining <= budget or not prefilled_whole else 0
+        return min(seq.remaining, self.prefill_chunk, budget)
+
+    def _admit(self, seq: Sequence, force: bool = False) -> bool:
+        if self.offload_prefill and seq.in_prefill:
+            seq.host_kv = HostKV(self.kv.geometry, seq.length, self.kv.keys.dtype, self.kv.keys.device)
+        else:
+            size = min(seq.max_length, seq.length + FIRST_DECODE_RESERVE)
+            watermark = 0 if force or not self.running else int(self.kv.capacity_tokens * ADMISSION_WATERMARK)
+            if self.kv.allocator.free_slots - size < watermark:
+                return False
+            seq.region = self._allocate(size)
+            if seq.region is None:
+                return False
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _make_room(self, seq: Sequence, needed: int) -> bool:
+        """Ensure `seq` holds `needed` device slots, preempting later rows if it must.
+
+        An offloaded row gets its device range here, once its prefill is done. Returns False
+        if `seq` cannot run this step (it was preempted, or it waits for room).
+        """
+        if seq.region is not None and seq.region.capacity >= needed:
+            return True
+        target = min(seq.max_length, max(needed, (seq.region.capacity if seq.region else 0) * 5 // 4,
+                                         needed + MIN_GROWTH if seq.region else needed + FIRST_DECODE_RESERVE))
+        while not self._grow(seq, target):
+            if seq.host_kv is not None:
+                return False  # an offloaded prefill waits for room; evicting others would thrash
+            # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
+            victim = next(row for row in reversed(self.running) if row.region is not None)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _grow(self, seq: Sequence, size: int) -> bool:
+        if seq.region is not None and self.kv.allocator.extend(seq.region, size):
+            return True
+        region = self._allocate(size)
+        if region is None:
+            return False
+        if seq.region is not None:
+            self.kv.move(seq.region, region, seq.num_computed)
+            self.kv.allocator.release(seq.region)
+        elif seq.host_kv is not None:  # offloaded prefill done: bring its KV to the device
+            self.kv.copy_from(region, seq.host_kv, seq.num_computed)
+            seq.host_kv = None
+        seq.region = region
+        return True
+
+    def _allocate(self, size: int) -> Region | None:
+        """A free range of `size`, compacting the running rows' ranges if only fragmentation is in the way."""
+        region = self.kv.allocator.allocate(size)
+        if region is None and self.kv.allocator.free_slots >= size:
+            self._compact()
+            region = self.kv.allocator.allocate(size)
+        return region
+
+    def _compact(self) -> None:
+        """Slide every running row's range to the front of the cache, keeping their order."""
+        holders = sorted((seq for seq in self.running if seq.region is not None), key=lambda s: s.region.start)
+        cursor = 0
+        for seq in holders:
+            region = seq.region
+            if region.start != cursor:
+                moved = Region(cursor, region.capacity)
+                self.kv.move(region, moved, min(seq.num_computed, region.capacity))
+                seq.region = moved
+            cursor += region.capacity
+        self.kv.allocator.reset(used=cursor)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.region is not None:
+            self.kv.allocator.release(seq.region)
+            seq.region = None
+        seq.host_kv = None

@@ -1,0 +1,89 @@
+"""One item's generation state, from admission to its last token."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from ..families.base import ProcessedPrompt
+from .kv_cache import HostKV, Region
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"    # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"    # holds KV; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt and its generated tokens; the engine computes it position by position.
+
+    There are no prefill and decode phases, only `num_computed` (positions whose keys and
+    values are cached) against `length` (prompt plus generated tokens): a prefill chunk is a
+    step that computes many positions, a decode step computes one. When a step computes the
+    last position the row samples its next token.
+    """
+
+    prompt: ProcessedPrompt
+    max_new_tokens: int
+    generator: torch.Generator | None = None
+    payload: Any = None                      # the caller's handle, returned untouched
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None         # "eos", "length" or "error"
+    error: str | None = None
+    region: Region | None = None             # device KV range while running
+    host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
+    encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
+    isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
+    preemptions: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.prompt.length + len(self.output_ids)
+
+    @property
+    def max_length(self) -> int:
+        """The most positions this row can ever hold: the prompt and every token it may generate."""
+        return self.prompt.length + self.max_new_tokens
+
+    @property
+    def remaining(self) -> int:
+        """Positions still to compute before the next token can be sampled."""
+        return self.length - self.num_computed
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.remaining > 1
+
+    def token_ids(self, start: int, end: int) -> torch.Tensor:
+        """Ids at positions [start, end): prompt ids, then generated ones (after a preemption)."""
+        prompt_part = self.prompt.token_ids[start:min(end, self.prompt.length)]
+        if end <= self.prompt.length:
+            return prompt_part
+        generated = torch.tensor(self.output_ids[max(start - self.prompt.length, 0):end - self.prompt.length],
+                                 dtype=torch.long)
+        return torch.cat([prompt_part, generated])
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """Position ids (components, end - start); generated tokens continue from `next_position`."""
+        prompt_part = self.prompt.positions[:, start:min(end, self.prompt.length)]
+        if end <= self.prompt.length:
+            return prompt_part
+        first = self.prompt.next_position + max(start - self.prompt.length, 0)
+        generated = torch.arange(first, self.prompt.next_position + end - self.prompt.length)
+        return torch.cat([prompt_part, generated.expand(self.prompt.positions.shape[0], -1)], dim=1)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        self.encoded.clear()
+        self.host_kv = None

@@ -1,0 +1,37 @@
+"""A forward pass through transformers' decoder layers with the engine's attention and KV cache.
+
+transformers' own forward owns its cache and padding; the engine needs tokens of many rows,
+flattened, attending through its `Attention` callback. This loop reuses every module of the
+layer (norms, projections, MLP) and replaces only the attention plumbing, so the arithmetic is
+the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v biases).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .base import Attention
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (tokens, heads, head_dim) vectors with (tokens, head_dim) cos and sin."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(1) + rotated_half * sin.unsqueeze(1)
+
+
+def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       attention: Attention) -> torch.Tensor:
+    """(tokens, hidden) through every layer; `cos`/`sin` are each token's rotary factors."""
+    tokens = hidden.shape[0]
+    for index, layer in enumerate(layers):
+        attn = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
+        k = attn.k_proj(normed).view(tokens, -1, attn.head_dim)
+        v = attn.v_proj(normed).view(tokens, -1, attn.head_dim)
+        attended = attention(index, rotate(q, cos, sin), rotate(k, cos, sin), v, attn.scaling)
+        hidden = hidden + attn.o_proj(attended.reshape(tokens, -1))
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden
