@@ -116,13 +116,14 @@ class Captioner:
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.resolved = resolve_model(settings.model)
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
-        self.batch_size = settings.batch_size or default_max_rows(self.device)
+        # Every running row decodes one position per step, so the step budget also caps the rows.
+        self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
             raise ValueError(f"no memory left on {self.device} for a KV cache; pass --kv-cache-gb")
         self.engine_config = EngineConfig(
-            max_rows=self.batch_size, max_batch_tokens=max(settings.max_batch_tokens, self.batch_size),
+            max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu")

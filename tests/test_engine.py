@@ -76,6 +76,17 @@ def test_chunked_prefill_equals_unchunked(tiny_model: TarsierCaptioner, prompts:
     assert len({tuple(row) for row in reference}) == len(prompts), "inputs should give distinct outputs"
 
 
+def test_masked_chunks_attend_in_query_blocks_with_the_same_result(tiny_model: TarsierCaptioner,
+                                                                   prompts: list[ProcessedPrompt],
+                                                                   reference: list[list[int]],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from tarsier_batch.engine import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 7)  # 64-position chunks: 9 query blocks, the last short
+    chunked = run(tiny_model, prompts[:3], max_rows=3, prefill_chunk=64, max_batch_tokens=70)
+    assert ids(chunked) == reference[:3]
+
+
 def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaptioner,
                                                       prompts: list[ProcessedPrompt]) -> None:
     """Three rows at a time over seven prompts of different lengths and token limits."""

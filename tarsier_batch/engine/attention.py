@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .kv_cache import HostKV, KVCache, Region
 
+QUERY_BLOCK = 256  # queries per attention call in a masked chunk (bounds the kernel's float mask)
+
 
 @dataclass(frozen=True)
 class RowSpan:
@@ -49,13 +51,31 @@ class StepAttention:
                 self.kv.write(row.region, layer, row.start, k[tokens], v[tokens])
                 keys, values = self.kv.read(row.region, layer, context)
             query = q[tokens].transpose(0, 1).unsqueeze(0)
-            # The first chunk of a prompt is a plain causal square; a later chunk sees all earlier
-            # positions plus its own causal triangle; one new token sees everything.
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=mask, is_causal=row.start == 0 and row.num_tokens > 1,
-                scale=scale, enable_gqa=query.shape[1] != keys.shape[1])
-            out[tokens] = attended[0].transpose(0, 1)
+            out[tokens] = _attend(query, keys, values, mask, row.start == 0 and row.num_tokens > 1,
+                                  scale).transpose(0, 1)
         return out
+
+
+def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+            causal_square: bool, scale: float) -> torch.Tensor:
+    """(1, heads, n, head_dim) attention of one row -> (heads, n, head_dim).
+
+    The first chunk of a prompt is a plain causal square; a later chunk sees all earlier
+    positions plus its own causal triangle, through a mask; one new token sees everything.
+    Masked chunks go through in blocks of queries: the kernel turns the boolean mask into a
+    float one of (queries, context), 310 MB for a 2048-position chunk at 38k context, and the
+    blocks keep that at a few tens of MB. Each query's result is the same either way (the
+    kernel treats query blocks independently), so the output does not change.
+    """
+    gqa = query.shape[1] != keys.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=causal_square, scale=scale,
+                                              enable_gqa=gqa)[0]
+    blocks = [F.scaled_dot_product_attention(query[:, :, first:first + QUERY_BLOCK], keys, values,
+                                             attn_mask=mask[first:first + QUERY_BLOCK], scale=scale,
+                                             enable_gqa=gqa)[0]
+              for first in range(0, query.shape[2], QUERY_BLOCK)]
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
 
 def _causal_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor | None:
