@@ -24,9 +24,10 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from tarsier_batch.families.tarsier import TarsierCaptioner
-from tarsier_batch.media import load_media
+from tarsier_batch.families.base import embed_whole_prompt
 from tarsier_batch.sources import MediaItem, discover
-from tarsier_batch.tiny import SIZES, make_tiny_model
+from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.tiny.tarsier import SIZES
 
 if TYPE_CHECKING:  # only the two adapters below know the family API's types
     from tarsier_batch.families.base import ProcessedPrompt
@@ -51,16 +52,8 @@ class BaselineItem:
 # The only two calls into our model-family API.
 def prepare_item(model: TarsierCaptioner, item: MediaItem, frames: int) -> ProcessedPrompt:
     """Decode the media and make the prompt tokens and pixels (CPU)."""
-    media = load_media(item.path, item.media_type, frames, frame_transform=model.processor.frame_pixels)
+    media = model.processor.load_media(item.path, item.media_type, frames)
     return model.processor.process(media, item.prompt)
-
-
-def merged_embeds(model: TarsierCaptioner, prepared: ProcessedPrompt) -> torch.Tensor:
-    """The prompt's input vectors, (length, hidden), each image placeholder replaced by its frame's vectors."""
-    embeds = model.embed_tokens(prepared.token_ids.to(model.device))
-    for block, vectors in zip(prepared.vision_blocks, model.encode_vision(list(prepared.pixel_values))):
-        embeds[block.start:block.end] = vectors
-    return embeds
 
 
 class _PrefillClock(LogitsProcessor):
@@ -102,7 +95,7 @@ def caption_one(model: TarsierCaptioner, item: MediaItem, max_new_tokens: int, d
     start = time.perf_counter()
     prepared = prepare_item(model, item, frames)
     loaded = time.perf_counter()
-    embeds = merged_embeds(model, prepared)
+    embeds = embed_whole_prompt(model, prepared)
     embedded = time.perf_counter()
     ids, prefilled = generate_greedy(model, embeds, max_new_tokens, disable_eos)
     end = time.perf_counter()

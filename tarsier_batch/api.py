@@ -22,11 +22,12 @@ from typing import Any
 import torch
 
 from . import __version__
+from .catalog import DEFAULT_MODEL
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .families import CaptionModel, ProcessedPrompt, load_caption_model
-from .media import Media, decoder_versions, load_media
+from .media import Media, decoder_versions
 from .sources import MediaItem
 from .text import one_line, printable
 
@@ -38,9 +39,9 @@ LOOKAHEAD_PIXEL_BYTES = 2**30
 class CaptionSettings:
     """Everything that decides what a run produces and how it runs."""
 
-    model: str = "omni-research/Tarsier-7b"
+    model: str = DEFAULT_MODEL
     prompt: str | None = None          # replaces the default instruction
-    frames: int = 8
+    frames: int | None = None          # None: the family's default (Tarsier2: 16, v1: 8)
     batch_size: int | None = None      # rows running at once; None: chosen for the device
     max_batch_tokens: int = 4096       # positions computed per engine step (decode tokens + prefill chunks)
     prefill_chunk: int = 2048          # 0: prefill each prompt whole
@@ -52,7 +53,7 @@ class CaptionSettings:
     workers: int = 2                   # threads decoding and preprocessing media
 
     def __post_init__(self) -> None:
-        if self.frames < 1:
+        if self.frames is not None and self.frames < 1:
             raise ValueError("frames must be at least 1")
         if self.batch_size is not None and self.batch_size < 1:
             raise ValueError("batch size must be at least 1")
@@ -116,6 +117,7 @@ class Captioner:
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.resolved = resolve_model(settings.model)
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
+        self.frames = settings.frames or self.model.processor.default_frames
         # Every running row decodes one position per step, so the step budget also caps the rows.
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
@@ -133,12 +135,13 @@ class Captioner:
     def provenance(self) -> dict[str, Any]:
         """How this run's captions were made, stored with the output."""
         config = self.engine.config
+        generation = {**asdict(self.engine.sampling), "eos_token_ids": sorted(self.model.eos_token_ids)}
         return {
             "tool": "tarsier-batch", "tool_version": __version__,
             "model": self.settings.model, "model_path": str(self.resolved.path),
             "model_revision": self.resolved.revision, "model_family": type(self.model).__name__,
-            "prompt": self.settings.prompt, "frames": self.settings.frames,
-            "generation": asdict(self.settings.sampling), "batch_size": self.batch_size,
+            "prompt": self.settings.prompt, "frames": self.frames,
+            "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
@@ -192,8 +195,7 @@ class Captioner:
         start = time.perf_counter()
         try:
             # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
-            media = load_media(item.path, item.media_type, self.settings.frames,
-                               frame_transform=self.model.processor.frame_pixels)
+            media = self.model.processor.load_media(item.path, item.media_type, self.frames)
             prompt = self.model.processor.process(media, item.prompt or self.settings.prompt)
         except Exception as error:  # any decoder failure is this item's problem only
             return _Loaded(index, item, time.perf_counter() - start, error=one_line(error))

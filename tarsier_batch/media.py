@@ -38,23 +38,40 @@ def media_type_of(path: str | os.PathLike[str]) -> MediaType | None:
 
 
 def frame_indices(total_frames: int, num_frames: int) -> list[int]:
-    """Uniform frame indices that include the first and the last frame.
+    """Uniform frame indices that include the first and the last frame (Tarsier v1's rule).
 
     Matches the official formula exactly, including Python's half-to-even `round`; a clip
     shorter than `num_frames` repeats indices, and one requested frame is the first frame.
     """
-    if total_frames < 1:
-        raise ValueError("the clip has no frames")
-    if num_frames < 1:
-        raise ValueError("at least one frame must be requested")
+    _check_counts(total_frames, num_frames)
     if num_frames == 1:
         return [0]
     return [round(i * (total_frames - 1) / (num_frames - 1)) for i in range(num_frames)]
 
 
+def frame_indices_without_repeats(total_frames: int, num_frames: int) -> list[int]:
+    """Tarsier2's rule: v1's uniform indices, but a clip of at most `num_frames` frames gives all of them."""
+    _check_counts(total_frames, num_frames)
+    if num_frames == 1:
+        return [0]
+    if total_frames <= num_frames:
+        return list(range(total_frames))
+    return frame_indices(total_frames, num_frames)
+
+
+def _check_counts(total_frames: int, num_frames: int) -> None:
+    if total_frames < 1:
+        raise ValueError("the clip has no frames")
+    if num_frames < 1:
+        raise ValueError("at least one frame must be requested")
+
+
+# Chooses `num_frames` frame indices of a clip of `total_frames` frames.
+FrameSampler = Callable[[int, int], list[int]]
 # Applied to each sampled frame (an RGB PIL image) as soon as it is decoded, e.g. a model's
 # preprocessing: then only its (much smaller) result is kept, never all full-resolution frames.
-FrameTransform = Callable[[Image.Image], Any]
+# The second argument is how many frames the item keeps (some models size frames by it).
+FrameTransform = Callable[[Image.Image, int], Any]
 
 
 @dataclass(frozen=True)
@@ -75,8 +92,8 @@ class Media:
 
 
 def load_media(path: str, media_type: MediaType, num_frames: int,
-               frame_transform: FrameTransform | None = None) -> Media:
-    """Decode `path` and sample `num_frames` frames (images give one frame).
+               frame_transform: FrameTransform | None = None, sampler: FrameSampler = frame_indices) -> Media:
+    """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame).
 
     With `frame_transform`, each sampled frame is transformed soon after it is decoded and only
     the result is kept. Full-resolution frames are released before decoding goes on, except
@@ -85,9 +102,9 @@ def load_media(path: str, media_type: MediaType, num_frames: int,
     `num_frames`) is decoded and transformed once; its result appears at both places.
     """
     if media_type is MediaType.VIDEO:
-        return _load_video(path, num_frames, frame_transform)
+        return _load_video(path, num_frames, frame_transform, sampler)
     if media_type is MediaType.GIF:
-        return _load_gif(path, num_frames, frame_transform)
+        return _load_gif(path, num_frames, frame_transform, sampler)
     return _load_image(path, frame_transform)
 
 
@@ -100,13 +117,13 @@ def decoder_versions() -> dict[str, str]:
             "image": f"pillow {PIL.__version__}"}
 
 
-def _load_video(path: str, num_frames: int, transform: FrameTransform | None) -> Media:
+def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
     reader = decord.VideoReader(path, num_threads=1, ctx=decord.cpu(0))
     total = len(reader)
-    indices = frame_indices(total, num_frames)
+    indices = sampler(total, num_frames)
     keyframes = [int(key) for key in reader.get_key_indices()]
     # decord's get_batch on the whole index list decodes each distinct index in order (seeking
     # unless the reader can simply decode forward to it) and copies repeats. Calling it with
@@ -122,7 +139,7 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None) ->
         arrays.reverse()
         while arrays:  # popping frees each full-size frame once it is transformed
             index, array = arrays.pop()
-            done[index] = _finish(Image.fromarray(array), transform)  # fromarray copies: an RGB image
+            done[index] = _finish(Image.fromarray(array), transform, len(indices))  # fromarray copies: an RGB image
             del array  # otherwise alive while the next run decodes
             if transform is not None:
                 _return_freed_memory()
@@ -180,8 +197,8 @@ def _stop_read_ahead(reader: Any) -> None:
         pass  # the thread was stopped all the same; the next get_batch seeks as it would have
 
 
-def _finish(frame: Image.Image, transform: FrameTransform | None) -> Any:
-    return frame if transform is None else transform(frame)
+def _finish(frame: Image.Image, transform: FrameTransform | None, frame_count: int) -> Any:
+    return frame if transform is None else transform(frame, frame_count)
 
 
 def _return_freed_memory() -> None:
@@ -206,18 +223,18 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def _load_gif(path: str, num_frames: int, transform: FrameTransform | None) -> Media:
+def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
     # Like the official loader, walk the frames once and keep those whose index was sampled:
     # repeated indices collapse, so a short GIF yields fewer frames than requested.
     with Image.open(path) as gif:
-        wanted = set(frame_indices(gif.n_frames, num_frames))
+        wanted = set(sampler(gif.n_frames, num_frames))
         frames: list[Any] = []
         kept: list[int] = []
         duration_ms = 0
         for index, frame in enumerate(ImageSequence.Iterator(gif)):
             duration_ms += frame.info.get("duration", 0) or 0
             if index in wanted:
-                frames.append(_finish(frame.convert("RGB"), transform))
+                frames.append(_finish(frame.convert("RGB"), transform, len(wanted)))
                 kept.append(index)
                 if transform is not None:
                     _return_freed_memory()
@@ -232,4 +249,4 @@ def _load_image(path: str, transform: FrameTransform | None) -> Media:
     with Image.open(path) as image:
         frame = image.convert("RGB")
     width, height = frame.size
-    return Media(path, MediaType.IMAGE, [_finish(frame, transform)], [0], width, height, None)
+    return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None)

@@ -70,7 +70,8 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     metadata = pq.read_metadata(out).metadata
     provenance = json.loads(metadata[PROVENANCE_KEY.encode()])
     assert provenance["model"] == str(tiny_model_dir) and provenance["frames"] == 8
-    assert provenance["generation"] == {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0}
+    assert provenance["generation"] == {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+                                        "repetition_penalty": 1.0, "eos_token_ids": [2]}
     assert provenance["dtype"] == "float32" and provenance["device"] == "cpu"
     assert provenance["frame_decoders"]["video"].startswith("decord")
     assert provenance["tool_version"]

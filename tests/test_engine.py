@@ -10,6 +10,7 @@ import torch
 
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.families import ProcessedPrompt
+from tarsier_batch.families.base import embed_whole_prompt
 from tarsier_batch.families.tarsier import TarsierCaptioner
 from tarsier_batch.media import load_media, media_type_of
 
@@ -141,7 +142,7 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
         engine.step()
     row = rows[1]
     assert row.region is not None and row.num_computed == video.length
-    embeds = merged_embeds(tiny_model, video)
+    embeds = embed_whole_prompt(tiny_model, video)
     language_model = tiny_model.model.language_model
     with torch.inference_mode():
         output = language_model(inputs_embeds=embeds[None], use_cache=True)
@@ -151,22 +152,12 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 
 
-def merged_embeds(model: TarsierCaptioner, prompt: ProcessedPrompt) -> torch.Tensor:
-    """The whole merged prompt embedded at once, the way the official code builds it."""
-    with torch.inference_mode():
-        embeds = model.embed_tokens(prompt.token_ids).clone()
-        vectors = model.encode_vision(list(prompt.pixel_values))
-        for block, block_vectors in zip(prompt.vision_blocks, vectors):
-            embeds[block.start:block.end] = block_vectors
-    return embeds
-
-
 def test_greedy_tokens_match_transformers_generate(tiny_model: TarsierCaptioner,
                                                    prompts: list[ProcessedPrompt]) -> None:
     language_model = tiny_model.model.language_model
     ours = ids(run(tiny_model, prompts[:4], max_rows=4, prefill_chunk=50))
     for prompt, tokens in zip(prompts[:4], ours):
-        embeds = merged_embeds(tiny_model, prompt)
+        embeds = embed_whole_prompt(tiny_model, prompt)
         reference = language_model.generate(
             inputs_embeds=embeds[None], attention_mask=torch.ones(1, prompt.length, dtype=torch.long),
             max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=sorted(tiny_model.eos_token_ids), pad_token_id=0)
@@ -260,10 +251,10 @@ def test_a_failing_row_is_found_and_the_others_finish(tiny_model: TarsierCaption
     broken = prompts[1]
     real_encode = tiny_model.encode_vision
 
-    def encode_failing_for_the_gif(blocks):
-        if any(block.data_ptr() == broken.pixel_values[0].data_ptr() for block in blocks):
+    def encode_failing_for_the_gif(pixels, blocks):
+        if any(frame.data_ptr() == broken.pixel_values[0].data_ptr() for frame in pixels):
             raise RuntimeError("corrupt pixels (injected)")
-        return real_encode(blocks)
+        return real_encode(pixels, blocks)
 
     monkeypatch.setattr(tiny_model, "encode_vision", encode_failing_for_the_gif)
     rows = [engine.add(prompt) for prompt in prompts[:4]]

@@ -118,7 +118,7 @@ def test_video_frames_equal_one_get_batch_call_at_any_density(shared_media: Path
 def test_video_repeats_are_decoded_and_transformed_once(shared_media: Path) -> None:
     seen: list[tuple[int, int]] = []
 
-    def transform(frame: Image.Image) -> object:
+    def transform(frame: Image.Image, frame_count: int) -> object:
         seen.append(frame.size)
         return object()
 
@@ -151,7 +151,7 @@ def test_each_full_frame_is_released_before_the_next_is_decoded(
 
     monkeypatch.setattr(decord.VideoReader, "get_batch", get_batch)
 
-    def transform(frame: Image.Image) -> tuple[int, int]:
+    def transform(frame: Image.Image, frame_count: int) -> tuple[int, int]:
         check_released("while transforming")
         assert frame.mode == "RGB"
         earlier.append(weakref.ref(frame))
@@ -186,7 +186,7 @@ def test_decord_does_not_decode_ahead_while_frames_are_transformed(shared_media:
     background (~120 MB in 0.25 s on this clip); the loader stops it before transforming."""
     growth: list[float] = []
 
-    def slow_transform(frame: Image.Image) -> None:
+    def slow_transform(frame: Image.Image, frame_count: int) -> None:
         start = _rss_mb()
         time.sleep(0.25)  # as long as preprocessing a frame, or longer
         growth.append(_rss_mb() - start)

@@ -126,11 +126,11 @@ def test_out_of_memory_lowers_the_step_budget_and_the_run_completes(tiny_model_d
     real_encode = captioner.model.encode_vision
     calls: list[int] = []
 
-    def encode_with_tight_memory(blocks):  # the first two attempts run out of memory
+    def encode_with_tight_memory(pixels, blocks):  # the first two attempts run out of memory
         calls.append(len(blocks))
         if len(calls) <= 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real_encode(blocks)
+        return real_encode(pixels, blocks)
 
     monkeypatch.setattr(captioner.model, "encode_vision", encode_with_tight_memory)
     results = list(captioner.caption(items))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,6 +35,8 @@ class Engine:
     def __init__(self, model: CaptionModel, config: EngineConfig, sampling: SamplingParams):
         self.model = model
         self.config = config
+        if sampling.repetition_penalty is None:  # the checkpoint's own, as its generate() would apply
+            sampling = replace(sampling, repetition_penalty=model.repetition_penalty)
         self.sampling = sampling
         self.kv = KVCache(model.kv_geometry, config.kv_cache_tokens, model.dtype, model.device)
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
@@ -91,7 +93,8 @@ class Engine:
             row.seq.num_computed += row.num_tokens
         if logits is None:
             return []
-        tokens = select_tokens(logits, self.sampling, [seq.generator for seq in sampled])
+        seen = [seq.seen_ids() for seq in sampled] if self.sampling.repetition_penalty not in (None, 1) else None
+        tokens = select_tokens(logits, self.sampling, [seq.generator for seq in sampled], seen)
         if on_tokens is not None:
             on_tokens(len(tokens))
         finished = []

@@ -77,6 +77,7 @@ class ModelRunner:
                        if block.start < end and block.end > start and index not in seq.encoded]
         for first in range(0, len(wanted), VISION_BLOCKS_PER_CALL):
             batch = wanted[first:first + VISION_BLOCKS_PER_CALL]
-            vectors = self.model.encode_vision([seq.prompt.pixel_values[index] for seq, index in batch])
+            vectors = self.model.encode_vision([seq.prompt.pixel_values[index] for seq, index in batch],
+                                               [seq.prompt.vision_blocks[index] for seq, index in batch])
             for (seq, index), block_vectors in zip(batch, vectors):
                 seq.encoded[index] = block_vectors

@@ -46,6 +46,13 @@ class Sequence:
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
+    _prompt_vocabulary: torch.Tensor | None = None
+
+    def seen_ids(self) -> torch.Tensor:
+        """Every distinct id of the prompt, then the generated ids: what a repetition penalty looks at."""
+        if self._prompt_vocabulary is None:
+            self._prompt_vocabulary = torch.unique(self.prompt.token_ids)
+        return torch.cat([self._prompt_vocabulary, torch.tensor(self.output_ids, dtype=torch.long)])
 
     @property
     def length(self) -> int:

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..catalog import TARSIER, TARSIER2, family_of_config
 from .base import CaptionModel, ProcessedPrompt
-from .tarsier import ARCHITECTURE as TARSIER_ARCHITECTURE
-from .tarsier import TarsierCaptioner
 
 
 def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
@@ -17,11 +16,15 @@ def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")
-    architectures = json.loads(config_path.read_text()).get("architectures") or []
-    if TARSIER_ARCHITECTURE in architectures:
-        return TarsierCaptioner(model_dir, dtype, device)
-    raise ValueError(f"unsupported architecture {architectures} in {config_path}; "
-                     f"supported: {TARSIER_ARCHITECTURE} (Tarsier v1)")
+    family = family_of_config(json.loads(config_path.read_text()), str(config_path))
+    if family is TARSIER2:
+        from .tarsier2 import Tarsier2Captioner
+
+        return Tarsier2Captioner(model_dir, dtype, device)
+    assert family is TARSIER
+    from .tarsier import TarsierCaptioner
+
+    return TarsierCaptioner(model_dir, dtype, device)
 
 
 __all__ = ["CaptionModel", "ProcessedPrompt", "load_caption_model"]

@@ -19,18 +19,19 @@ from typing import Protocol
 
 import torch
 
-from ..media import Media
+from ..media import Media, MediaType
 
 
 @dataclass(frozen=True)
 class VisionBlock:
-    """A unit the vision encoder turns into `length` consecutive prompt vectors (a frame in v1).
+    """A unit the vision encoder turns into `length` consecutive prompt vectors (a frame).
 
     A block is always encoded whole; a prefill chunk may still take only part of its vectors.
     """
 
     start: int   # position in the merged prompt of the block's first vector
     length: int  # vectors the block yields
+    grid: tuple[int, int, int] | None = None  # the encoder's (t, h, w) patch grid, where frames vary in size
 
     @property
     def end(self) -> int:
@@ -85,11 +86,13 @@ class KVGeometry:
 class Processor(Protocol):
     """CPU side: turns media into a `ProcessedPrompt`; safe to call from several threads."""
 
-    def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
-        """`instruction` None means the family's default for the media type."""
+    default_frames: int  # frames sampled from a video when the user does not say
 
-    def frame_pixels(self, frame: object) -> torch.Tensor:
-        """The encoder input of one decoded frame, computed as soon as the frame is decoded."""
+    def load_media(self, path: str, media_type: MediaType, num_frames: int) -> Media:
+        """Decode and sample a file the family's way; each frame is preprocessed as soon as it is decoded."""
+
+    def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
+        """`media` from `load_media`; `instruction` None means the family's default for the media type."""
 
 
 class CaptionModel(Protocol):
@@ -97,12 +100,13 @@ class CaptionModel(Protocol):
 
     processor: Processor
     eos_token_ids: frozenset[int]
+    repetition_penalty: float      # the checkpoint's generation_config.json value (1.0: none)
     dtype: torch.dtype
     device: torch.device
     kv_geometry: KVGeometry
 
-    def encode_vision(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        """Vectors of each block, (length, hidden) each, for the blocks' stacked pixels."""
+    def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
+        """Vectors of each block, (length, hidden) each, from each block's encoder input."""
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids -> (tokens, hidden) input vectors."""
@@ -115,3 +119,14 @@ class CaptionModel(Protocol):
 
     def decode(self, token_ids: list[int]) -> str:
         """Caption text for generated ids."""
+
+
+def embed_whole_prompt(model: CaptionModel, prompt: ProcessedPrompt) -> torch.Tensor:
+    """All of a prompt's input vectors at once, (length, hidden): what the official code feeds its
+    language model, and what references and baselines compare the engine's chunked prefill to."""
+    with torch.inference_mode():
+        embeds = model.embed_tokens(prompt.token_ids.to(model.device)).clone()
+        vectors = model.encode_vision(list(prompt.pixel_values), prompt.vision_blocks)
+        for block, block_vectors in zip(prompt.vision_blocks, vectors):
+            embeds[block.start:block.end] = block_vectors
+    return embeds

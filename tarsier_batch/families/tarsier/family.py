@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from ...media import Media
+from ...media import Media, MediaType, load_media
 from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import run_decoder_layers
+from ..generation_config import read_generation_defaults
 from .modeling import TarsierConfig
 from .processing import TarsierProcessor, build_prompt, default_instruction
 from .weights import load_model
@@ -36,9 +36,15 @@ def merged_layout(prompt_ids: list[int], image_token_index: int,
 class TarsierPromptProcessor(TarsierProcessor):
     """Media and instruction -> the merged prompt layout and per-frame pixels (CPU only)."""
 
+    default_frames = 8
+
     def __init__(self, model_dir: Path, config: TarsierConfig):
         super().__init__(model_dir)
         self.config = config
+
+    def load_media(self, path: str, media_type: MediaType, num_frames: int) -> Media:
+        """v1 sampling (short videos repeat frames, GIFs do not), each frame preprocessed once decoded."""
+        return load_media(path, media_type, num_frames, frame_transform=self.frame_pixels)
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_pixels` results (one (3, size, size) tensor each)."""
@@ -61,7 +67,8 @@ class TarsierCaptioner:
         self.processor = TarsierPromptProcessor(model_dir, self.config)
         self.model = load_model(model_dir, self.config, dtype, device)
         self.dtype, self.device = dtype, device
-        self.eos_token_ids = _eos_token_ids(model_dir, self.processor.tokenizer.eos_token_id)
+        generation = read_generation_defaults(model_dir, self.processor.tokenizer.eos_token_id)
+        self.eos_token_ids, self.repetition_penalty = generation.eos_token_ids, generation.repetition_penalty
         text = self.config.text
         self.kv_geometry = KVGeometry(
             num_layers=text.num_hidden_layers,
@@ -69,9 +76,9 @@ class TarsierCaptioner:
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
 
     @torch.inference_mode()
-    def encode_vision(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        pixels = torch.stack(blocks).to(self.device, self.dtype)
-        return list(self.model.frame_features(pixels).unbind(0))
+    def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
+        """Every v1 frame has the same size: the frames go through the tower stacked."""
+        return list(self.model.frame_features(torch.stack(pixels).to(self.device, self.dtype)).unbind(0))
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.model.language_model.get_input_embeddings()(token_ids)
@@ -87,17 +94,3 @@ class TarsierCaptioner:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.processor.decode(token_ids)
-
-
-def _eos_token_ids(model_dir: Path, tokenizer_eos: int | None) -> frozenset[int]:
-    """Stop tokens: the checkpoint's generation_config.json if it names any, else the tokenizer's `</s>`."""
-    ids: set[int] = set()
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.exists():
-        eos = json.loads(generation_config.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids and tokenizer_eos is not None:
-        ids.add(tokenizer_eos)
-    if not ids:
-        raise ValueError(f"{model_dir} names no end-of-sequence token")
-    return frozenset(ids)

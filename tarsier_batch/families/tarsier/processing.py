@@ -45,8 +45,10 @@ class TarsierProcessor:
         """Tokenise the whole prompt in one call, with the tokenizer's special tokens (`<s>`)."""
         return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
 
-    def frame_pixels(self, frame: Image.Image) -> torch.Tensor:
+    def frame_pixels(self, frame: Image.Image, frame_count: int = 1) -> torch.Tensor:
         """One RGB frame's pixels for the vision tower, shape (3, size, size), float32.
+
+        Every frame is preprocessed alike whatever the item's `frame_count`.
 
         Stretch to a square, then the checkpoint's CLIP processor. The PIL backend treats the
         images of a list one by one, so this equals that frame's row of the whole-list result

@@ -9,9 +9,6 @@ from such a model are noise; it exists so the whole pipeline can run and be test
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +16,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPVisionConfig, LlamaConfig, LlamaTokenizer
 
-from .families.tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
-from .families.tarsier.weights import save_model
-
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+from ..families.tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
+from ..families.tarsier.weights import save_model
+from .common import BASE_VOCAB_SIZE, CLIP_MEAN, CLIP_STD, INIT_SCALE, TRAINING_TEXT, plain_config, round_up, \
+    write_merges_as_strings
 
 # (vision: image size, patch, hidden, layers, heads) and
 # (text: hidden, MLP intermediate, layers, heads, kv heads); the vision MLP is 4 x its hidden.
@@ -43,38 +39,16 @@ SIZES: dict[str, dict[str, int]] = {
                  text_hidden=1024, text_intermediate=2816, text_layers=8, text_heads=16, text_kv_heads=16),
 }
 
-_TRAINING_TEXT = """
-A man wearing a dark beanie peeks out from behind a tree in a snowy forest.
-The camera slowly pans to the right and shows another man walking between the trees.
-He carries a bundle of branches on his back and looks over his shoulder.
-A small animal with very large eyes sits on a branch at night and turns its head.
-The video shows a person riding a bicycle along a wet street while cars pass by.
-Two children play with a red ball in a park; a dog runs after them and barks.
-The image shows a cartoon mascot above a word written in bold letters on a white background.
-A woman pours coffee into a white cup, then lifts it and smiles at the camera.
-Describe the video in detail. Describe the image in detail. What happens next?
-The scene changes to a close-up of hands typing on a keyboard in a dim room.
-Snow falls steadily; the wind moves the branches and the light fades toward evening.
-In the final shot, the first man raises his arm and points toward the distance.
-"""
-# Weights are drawn wider than transformers' default (0.02) so that outputs depend strongly on
-# the input: with the default, every input yields nearly the same tokens, which hides mix-ups.
-_INIT_SCALE = 0.3
-_VOCAB_SIZE = 700  # before the added tokens; the embedding table is then rounded up to 64
 
-
-def make_tiny_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
-    """Write a random-weight Tarsier v1 checkpoint of the given size to `out_dir`; returns it."""
-    if size not in SIZES:
-        raise ValueError(f"unknown size {size!r}; choose one of {', '.join(SIZES)}")
-    out_dir.mkdir(parents=True, exist_ok=True)
+def build(out_dir: Path, size: str, seed: int) -> None:
+    """Write a random-weight Tarsier v1 checkpoint of `size` (a key of SIZES) into `out_dir`."""
     tokenizer = _build_tokenizer()
     tokenizer.save_pretrained(str(out_dir))
-    _write_merges_as_strings(out_dir / "tokenizer.json")
+    write_merges_as_strings(out_dir / "tokenizer.json")
     base = len(tokenizer)  # <image> and <pad> are the last two tokenizer ids
     raw = _config_dict(SIZES[size], image_token=tokenizer.convert_tokens_to_ids("<image>"),
                        pad_token=tokenizer.pad_token_id, newline=base, frame_end=base + 1,
-                       vocab=_round_up(base + 2, 64))
+                       vocab=round_up(base + 2, 64))
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(
         json.dumps(_preprocessor_dict(SIZES[size]["image_size"]), indent=2) + "\n")
@@ -87,27 +61,8 @@ def make_tiny_model(out_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
     # cached key of exact zeros for padding, so a generated <pad> would shift its positions;
     # trained checkpoints have no such row, and neither should ours.
     with torch.no_grad():
-        model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, _INIT_SCALE)
+        model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, INIT_SCALE)
     save_model(model, out_dir)
-    return out_dir
-
-
-def ensure_tiny_model(cache_dir: Path, size: str = "tiny", seed: int = 0) -> Path:
-    """The cached tiny checkpoint, built once (into a temporary folder, then moved in place)."""
-    target = cache_dir / f"tiny-random-{size}-seed{seed}"
-    if (target / "model.safetensors").exists():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
-    try:
-        make_tiny_model(staging, size, seed)
-        os.replace(staging, target)
-    except OSError:
-        if not (target / "model.safetensors").exists():  # not another process winning the race
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def _build_tokenizer() -> LlamaTokenizer:
@@ -117,9 +72,9 @@ def _build_tokenizer() -> LlamaTokenizer:
     trainer_model.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)]
     alphabet = [chr(code) for code in range(32, 127)]
-    trainer = trainers.BpeTrainer(vocab_size=_VOCAB_SIZE, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=BASE_VOCAB_SIZE, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
-    trainer_model.train_from_iterator(_TRAINING_TEXT.strip().splitlines(), trainer)
+    trainer_model.train_from_iterator(TRAINING_TEXT.strip().splitlines(), trainer)
     model = json.loads(trainer_model.to_str())["model"]
     merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in model["merges"]]
     tokenizer = LlamaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True, add_eos_token=False)
@@ -129,30 +84,19 @@ def _build_tokenizer() -> LlamaTokenizer:
     return tokenizer
 
 
-def _write_merges_as_strings(tokenizer_json: Path) -> None:
-    """Store BPE merges as "a b" strings, the form every tokenizers release reads (0.20+ writes pairs).
-
-    Keeps the checkpoint loadable by the transformers 4.4x that the official code pins.
-    """
-    data = json.loads(tokenizer_json.read_text())
-    data["model"]["merges"] = [" ".join(merge) if isinstance(merge, list) else merge
-                               for merge in data["model"]["merges"]]
-    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False, indent=2) + "\n")
-
-
 def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline: int,
                  frame_end: int, vocab: int) -> dict[str, Any]:
     vision = CLIPVisionConfig(
         image_size=size["image_size"], patch_size=size["patch_size"], hidden_size=size["vision_hidden"],
         intermediate_size=4 * size["vision_hidden"], num_hidden_layers=size["vision_layers"],
         num_attention_heads=size["vision_heads"], projection_dim=size["vision_hidden"],
-        hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=_INIT_SCALE / 0.02)
+        hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=INIT_SCALE / 0.02)
     text = LlamaConfig(
         vocab_size=vocab, hidden_size=size["text_hidden"], intermediate_size=size["text_intermediate"],
         num_hidden_layers=size["text_layers"], num_attention_heads=size["text_heads"],
         num_key_value_heads=size["text_kv_heads"], max_position_embeddings=8192, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, pad_token_id=pad_token, tie_word_embeddings=False,
-        initializer_range=_INIT_SCALE)
+        initializer_range=INIT_SCALE)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llava",
@@ -166,22 +110,9 @@ def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline
         "vision_feature_select_strategy": "default",
         "vocab_size": vocab,
         "torch_dtype": "float32",
-        "vision_config": _plain_config(vision),
-        "text_config": _plain_config(text),
+        "vision_config": plain_config(vision),
+        "text_config": plain_config(text),
     }
-
-
-def _plain_config(config: CLIPVisionConfig | LlamaConfig) -> dict[str, Any]:
-    """A sub-config as the real checkpoints store it: the non-default fields and the model type.
-
-    `rope_theta` is spelled out as well, for transformers 4.x, which does not read `rope_parameters`.
-    """
-    fields = config.to_diff_dict()
-    fields.pop("transformers_version", None)
-    rope = fields.get("rope_parameters") or {}
-    if "rope_theta" in rope:
-        fields["rope_theta"] = rope["rope_theta"]
-    return {"model_type": config.model_type, **fields}
 
 
 def _preprocessor_dict(image_size: int) -> dict[str, Any]:
@@ -200,7 +131,3 @@ def _preprocessor_dict(image_size: int) -> dict[str, Any]:
         "image_std": CLIP_STD,
         "do_convert_rgb": True,
     }
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple

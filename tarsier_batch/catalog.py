@@ -1,0 +1,57 @@
+"""The model families this tool runs, how a checkpoint's config.json names its family, and defaults.
+
+Kept free of torch and transformers, so that `tarsier models` and flag checks answer at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    key: str                    # used by `tarsier dev make-tiny-model --family`
+    name: str
+    text_model_type: str        # config.json: model_type "llava" with this text_config.model_type
+    vision: str
+    default_frames: int
+    default_instruction: str
+    checkpoints: tuple[str, ...]  # known Hugging Face ids
+    tiny_alias: str             # --model alias of a built-in random-weight checkpoint
+
+
+TARSIER = FamilyInfo(
+    key="tarsier", name="Tarsier v1", text_model_type="llama", vision="CLIP ViT-L/14 at 336 px, 601 vectors per frame",
+    default_frames=8, default_instruction="Describe the video in detail. (images: Describe the image in detail.)",
+    checkpoints=("omni-research/Tarsier-7b", "omni-research/Tarsier-34b"), tiny_alias="tiny-random")
+TARSIER2 = FamilyInfo(
+    key="tarsier2", name="Tarsier2", text_model_type="qwen2_vl",
+    vision="Qwen2-VL ViT, dynamic resolution (at most 460,800 px per frame)",
+    default_frames=16, default_instruction="Describe the video in detail. (images too, as upstream)",
+    checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"), tiny_alias="tiny-random-tarsier2")
+FAMILIES = (TARSIER2, TARSIER)
+DEFAULT_MODEL = TARSIER2.checkpoints[0]
+MODEL_TYPE = "llava"  # both families' checkpoints are LLaVA-style
+
+
+def family_named(key: str) -> FamilyInfo:
+    for family in FAMILIES:
+        if family.key == key:
+            return family
+    raise ValueError(f"unknown family {key!r}; choose one of {', '.join(f.key for f in FAMILIES)}")
+
+
+def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
+    """The family of a checkpoint from its config.json contents (never from `auto_map`)."""
+    model_type = raw.get("model_type")
+    text_config = raw.get("text_config")
+    text_type = text_config.get("model_type") if isinstance(text_config, dict) else None
+    if model_type == MODEL_TYPE:
+        for family in FAMILIES:
+            if text_type == family.text_model_type:
+                return family
+    supported = "; ".join(f"{f.name}: model_type {MODEL_TYPE!r} with text_config.model_type {f.text_model_type!r}"
+                          for f in FAMILIES)
+    raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
+                     f"{text_type!r}; supported: {supported}")
