@@ -4,10 +4,12 @@
         --max-new-tokens 128 --disable-eos ../shared/media sample_data
 
 For each item, as the official Tarsier scripts do: decode the media, build the prompt and the
-pixels, run the vision tower and merge its vectors into the prompt's input embeddings, then call
-the language model's `generate` (greedy, a batch of one, transformers' own KV cache). The merged
-embeddings come from our model code (matched token for token with the official implementation);
-the generation loop is transformers'. Prints JSON.
+pixels, then one `generate` call (greedy, a batch of one, transformers' own KV cache and logits
+processors). Tarsier v1: our vision tower and merge make the prompt's input embeddings (matched
+token for token with the official implementation) and the Llama's `generate` runs from them.
+Tarsier2: transformers' own Qwen2-VL model, sharing our loaded modules, runs the whole item from
+the prompt ids and pixels (vision tower included); only its position ids are swapped for the
+official ones, which transformers 5 computes differently for videos. Prints JSON.
 """
 
 from __future__ import annotations
@@ -21,15 +23,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from tarsier_batch.families.tarsier import TarsierCaptioner
-from tarsier_batch.families.base import embed_whole_prompt
+from tarsier_batch.families import load_caption_model
+from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
+from tarsier_batch.families.tarsier2 import Tarsier2Captioner
 from tarsier_batch.sources import MediaItem, discover
-from tarsier_batch.tiny import make_tiny_model
-from tarsier_batch.tiny.tarsier import SIZES
+from tarsier_batch.tiny import make_tiny_model, sizes
 
-if TYPE_CHECKING:  # only the two adapters below know the family API's types
+if TYPE_CHECKING:  # only the adapters below know the family API's types
     from tarsier_batch.families.base import ProcessedPrompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,9 +51,8 @@ class BaselineItem:
     decode_s: float   # generate() after that: one step per further token
 
 
-# The only two calls into our model-family API.
-def prepare_item(model: TarsierCaptioner, item: MediaItem, frames: int) -> ProcessedPrompt:
-    """Decode the media and make the prompt tokens and pixels (CPU)."""
+def prepare_item(model: CaptionModel, item: MediaItem, frames: int) -> ProcessedPrompt:
+    """Decode the media and make the prompt tokens and pixels (CPU), the family's way."""
     media = model.processor.load_media(item.path, item.media_type, frames)
     return model.processor.process(media, item.prompt)
 
@@ -68,49 +69,96 @@ class _PrefillClock(LogitsProcessor):
         return scores
 
 
-def generate_greedy(model: TarsierCaptioner, embeds: torch.Tensor, max_new_tokens: int,
-                    disable_eos: bool) -> tuple[list[int], float]:
-    """transformers' greedy generate on one prompt; returns the new ids and when the prefill ended."""
-    language_model = model.model.language_model
+def stop_ids(model: CaptionModel, vocab_size: int, disable_eos: bool) -> list[int]:
     # With EOS disabled, stop only on an id past the vocabulary, which can never be chosen: every
     # item then does max_new_tokens steps and its ids are those of a free run. (`min_new_tokens`
     # would instead mask </s> and so change the ids after the first </s>.)
-    eos = [language_model.config.vocab_size] if disable_eos else sorted(model.eos_token_ids)
-    clock = _PrefillClock()
+    return [vocab_size] if disable_eos else sorted(model.eos_token_ids)
+
+
+def qwen2_vl_for_generation(model: Tarsier2Captioner) -> Qwen2VLForConditionalGeneration:
+    """transformers' own Qwen2-VL (forward, KV cache, generate) around our loaded modules, shared, not copied."""
+    config = model.config
+    hf_config = Qwen2VLConfig(text_config=config.text.to_dict(), vision_config=config.vision.to_dict(),
+                              image_token_id=config.image_token_id,
+                              vision_start_token_id=config.vision_start_token_id)
+    hf_config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        hf = Qwen2VLForConditionalGeneration(hf_config)
+    hf.model.visual = model.model.vision_tower
+    hf.model.language_model = model.model.language_model.model
+    hf.lm_head = model.model.language_model.lm_head
+    return hf.eval()
+
+
+def generate_tarsier2(model: Tarsier2Captioner, hf: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
+                      max_new_tokens: int, disable_eos: bool,
+                      logits_processor: LogitsProcessorList | None = None) -> list[int]:
+    """One item through transformers' Qwen2-VL generate: prompt ids, every frame's pixels (duplicated
+    into its temporal patch, as the official processor does), the official M-RoPE positions and the
+    checkpoint's repetition penalty over prompt and generated ids."""
+    pixels = torch.cat([frame.view(frame.shape[0], 3, 1, -1).expand(-1, -1, model.processor.temporal_patch_size, -1)
+                        .reshape(frame.shape[0], -1) for frame in prompt.pixel_values])
+    _, grid_h, grid_w = prompt.vision_blocks[0].grid
+    ids = prompt.token_ids[None]
+    official_positions = prompt.positions[:, None, :]
+    rope_delta = torch.tensor([[prompt.next_position - prompt.length]])
+    hf.model.get_rope_index = lambda *args, **kwargs: (official_positions, rope_delta)
+    output = hf.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
+        image_grid_thw=torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]]),
+        mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=max_new_tokens,
+        do_sample=False, repetition_penalty=model.repetition_penalty,
+        eos_token_id=stop_ids(model, model.config.text.vocab_size, disable_eos),
+        pad_token_id=sorted(model.eos_token_ids)[0], logits_processor=logits_processor)
+    return output[0, prompt.length:].tolist()
+
+
+def generate_tarsier(model: CaptionModel, embeds: torch.Tensor, max_new_tokens: int, disable_eos: bool,
+                     logits_processor: LogitsProcessorList) -> list[int]:
+    """Tarsier v1: the Llama's generate from the merged prompt embeddings."""
+    language_model = model.model.language_model
     output = language_model.generate(
         inputs_embeds=embeds[None],
         attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long, device=embeds.device),
-        max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
-        pad_token_id=model.config.raw.get("pad_token_id"), logits_processor=LogitsProcessorList([clock]))
-    assert clock.first_logits_at is not None
+        max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=stop_ids(model, language_model.config.vocab_size, disable_eos),
+        pad_token_id=model.config.raw.get("pad_token_id"), logits_processor=logits_processor)
     # Given inputs_embeds and no input_ids, a decoder-only model's generate returns only the new
     # tokens (transformers 5; checked: the output has at most max_new_tokens columns).
-    return output[0].tolist(), clock.first_logits_at
+    return output[0].tolist()
 
 
 @torch.inference_mode()
-def caption_one(model: TarsierCaptioner, item: MediaItem, max_new_tokens: int, disable_eos: bool,
-                frames: int = 8) -> BaselineItem:
-    """Caption one item the official way, timing each stage."""
+def caption_one(model: CaptionModel, hf: Qwen2VLForConditionalGeneration | None, item: MediaItem,
+                max_new_tokens: int, disable_eos: bool, frames: int) -> BaselineItem:
     start = time.perf_counter()
     prepared = prepare_item(model, item, frames)
     loaded = time.perf_counter()
-    embeds = embed_whole_prompt(model, prepared)
-    embedded = time.perf_counter()
-    ids, prefilled = generate_greedy(model, embeds, max_new_tokens, disable_eos)
+    clock = _PrefillClock()
+    if hf is None:
+        embeds = embed_whole_prompt(model, prepared)
+        embedded = time.perf_counter()
+        ids = generate_tarsier(model, embeds, max_new_tokens, disable_eos, LogitsProcessorList([clock]))
+    else:  # the vision tower runs inside generate's prefill
+        embedded = loaded
+        ids = generate_tarsier2(model, hf, prepared, max_new_tokens, disable_eos, LogitsProcessorList([clock]))
     end = time.perf_counter()
-    return BaselineItem(item.path, embeds.shape[0], ids, load_s=loaded - start, embed_s=embedded - loaded,
-                        prefill_s=prefilled - embedded, decode_s=end - prefilled)
+    assert clock.first_logits_at is not None
+    return BaselineItem(item.path, prepared.length, ids, load_s=loaded - start, embed_s=embedded - loaded,
+                        prefill_s=clock.first_logits_at - embedded, decode_s=end - clock.first_logits_at)
 
 
 def run_baseline(model_dir: Path, items: list[MediaItem], max_new_tokens: int, disable_eos: bool,
-                 frames: int = 8) -> dict[str, Any]:
+                 frames: int | None = None) -> dict[str, Any]:
     """Caption `items` one at a time (float32, CPU); returns throughput, a stage split and the ids."""
-    model = TarsierCaptioner(model_dir, torch.float32, torch.device("cpu"))
+    model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+    hf = qwen2_vl_for_generation(model) if isinstance(model, Tarsier2Captioner) else None
+    frames = frames or model.processor.default_frames
     # Untimed warm-up: the first calls pay for lazy imports, allocator growth and kernel choice.
-    caption_one(model, items[0], 2, disable_eos, frames)
+    caption_one(model, hf, items[0], 2, disable_eos, frames)
     start = time.perf_counter()
-    results = [caption_one(model, item, max_new_tokens, disable_eos, frames) for item in items]
+    results = [caption_one(model, hf, item, max_new_tokens, disable_eos, frames) for item in items]
     seconds = time.perf_counter() - start
     tokens = sum(len(result.generated_ids) for result in results)
     decode_steps = tokens - len(results)  # the first token of each item comes from its prefill
@@ -132,8 +180,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="*", default=[str(path) for path in DEFAULT_INPUTS])
     parser.add_argument("--model", type=Path, help="an existing checkpoint; default: build --size")
-    parser.add_argument("--size", default="bench", choices=list(SIZES))
-    parser.add_argument("--frames", type=int, default=8)
+    parser.add_argument("--family", default="tarsier", choices=["tarsier", "tarsier2"])
+    parser.add_argument("--size", default="bench", choices=sorted(set(sizes("tarsier")) & set(sizes("tarsier2"))))
+    parser.add_argument("--frames", type=int, help="default: the family's")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--disable-eos", action="store_true", help="every item generates --max-new-tokens")
     parser.add_argument("--threads", type=int, help="torch threads (also set OMP_NUM_THREADS)")
@@ -142,10 +191,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     items = discover(args.inputs).items
     with tempfile.TemporaryDirectory() as scratch:
-        model_dir = args.model or make_tiny_model(Path(scratch) / "model", args.size, seed=0)
+        model_dir = args.model or make_tiny_model(Path(scratch) / "model", args.size, seed=0, family=args.family)
         figures = run_baseline(model_dir, items, args.max_new_tokens, args.disable_eos, args.frames)
     figures.pop("generated_ids")
-    model = str(args.model) if args.model else f"random-weight Tarsier v1, size {args.size}"
+    model = str(args.model) if args.model else f"random-weight {args.family}, size {args.size}"
     print(json.dumps({"benchmark": "bench/official_baseline.py", "model": model, **figures}, indent=2))
 
 

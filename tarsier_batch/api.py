@@ -139,7 +139,7 @@ class Captioner:
         return {
             "tool": "tarsier-batch", "tool_version": __version__,
             "model": self.settings.model, "model_path": str(self.resolved.path),
-            "model_revision": self.resolved.revision, "model_family": type(self.model).__name__,
+            "model_revision": self.resolved.revision, "model_family": self.model.family.name,
             "prompt": self.settings.prompt, "frames": self.frames,
             "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,

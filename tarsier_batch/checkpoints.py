@@ -6,7 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-TINY_ALIAS = "tiny-random"
+from .catalog import FAMILIES
+
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
 
@@ -33,11 +34,12 @@ def cache_dir() -> Path:
 
 
 def resolve_model(reference: str) -> ResolvedModel:
-    """A local directory, the built-in `tiny-random` alias, or a Hugging Face id (downloaded)."""
-    if reference == TINY_ALIAS:
-        from .tiny import ensure_tiny_model
+    """A local directory, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded)."""
+    for family in FAMILIES:
+        if reference == family.tiny_alias:
+            from .tiny import ensure_tiny_model
 
-        return ResolvedModel(reference, ensure_tiny_model(cache_dir()), None)
+            return ResolvedModel(reference, ensure_tiny_model(cache_dir(), family.key), None)
     local = Path(reference).expanduser()
     if local.is_dir():
         return ResolvedModel(reference, local.resolve(), None)

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
+from .catalog import DEFAULT_MODEL, FAMILIES, family_named
 from .checkpoints import ModelNotFoundError
 from .progress import RunStats, make_reporter, print_summary
 from .sinks import OutputExistsError, ParquetSink
@@ -57,8 +58,9 @@ def main(version: Annotated[bool, typer.Option("--version", callback=_version, i
 
 EXAMPLES = """\b
 Examples:
-  tarsier caption ./videos --out results.parquet --model omni-research/Tarsier-7b
-  tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random
+  tarsier caption ./videos --out results.parquet
+  tarsier caption ./videos -o v1.parquet --model omni-research/Tarsier-7b
+  tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random-tarsier2
   find /data -name '*.mp4' -mtime -1 | tarsier caption - -o today.parquet
 
 \b
@@ -76,10 +78,10 @@ Exit codes:
 def caption(
     inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns; '-' reads paths from stdin, one per line.", show_default=False)],
     out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write.", show_default=False)],
-    model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or 'tiny-random'.")]
-    = "omni-research/Tarsier-7b",
-    prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the default 'Describe the video/image in detail.'")] = None,
-    frames: Annotated[int, typer.Option(min=1, help="Frames sampled uniformly from each video or GIF.")] = 8,
+    model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
+    = DEFAULT_MODEL,
+    prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the model's default ('Describe the video in detail.').")] = None,
+    frames: Annotated[Optional[int], typer.Option(min=1, help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option(min=1, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
     max_batch_tokens: Annotated[int, typer.Option(min=1, help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
     prefill_chunk: Annotated[int, typer.Option(min=0, help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
@@ -88,6 +90,7 @@ def caption(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
+    repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
     seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream.")] = 0,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
@@ -117,7 +120,7 @@ def caption(
                                         batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                         prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
                                         dtype=dtype.value, device=device, workers=workers,
-                                        sampling=(max_new_tokens, temperature, top_p, seed))
+                                        sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
         except KeyboardInterrupt:
             sink.abort({"complete": False, "stopped_by": "interrupted while loading"})
             console.print("tarsier: interrupted while loading the model; nothing was written", markup=False)
@@ -138,7 +141,7 @@ class Terminated(BaseException):
     """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
 
 
-def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int],
+def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int, float | None],
                     **settings: Any) -> Captioner:
     from .api import Captioner, CaptionSettings
     from .engine import SamplingParams
@@ -152,8 +155,8 @@ def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, f
         kv_gib = captioner.engine.kv.nbytes / 2**30
         offload = ", KV offloaded during prefill" if config.offload_kv \
             else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
-        console.print(f"tarsier: {settings['model']} on {captioner.device} "
-                      f"({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
+        console.print(f"tarsier: {settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
+                      f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
                       f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB){offload}",
                       highlight=False, markup=False)
     return captioner
@@ -188,19 +191,38 @@ def _run(captioner: Captioner, items: list[MediaItem], sink: ParquetSink, stats:
     return code
 
 
+@app.command()
+def models() -> None:
+    """List the model families, their known checkpoints and their defaults."""
+    for family in FAMILIES:
+        default = " (the default --model)" if DEFAULT_MODEL in family.checkpoints else ""
+        typer.echo(f"{family.name}{default}\n"
+                   f"  config.json:  model_type 'llava', text_config.model_type '{family.text_model_type}'\n"
+                   f"  vision:       {family.vision}\n"
+                   f"  checkpoints:  {', '.join(family.checkpoints)}\n"
+                   f"  frames:       {family.default_frames}\n"
+                   f"  instruction:  {family.default_instruction}\n"
+                   f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
+
+
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.", show_default=False)],
-    size: Annotated[str, typer.Option(help="Geometry: tiny, small (601 vectors per frame), bench (a ~100M-parameter LM, 73 per frame) or wide (that LM, 601 per frame).")] = "tiny",
+    family: Annotated[str, typer.Option(help="tarsier (v1) or tarsier2.")] = "tarsier",
+    size: Annotated[str, typer.Option(help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide (that LM, real frames).")] = "tiny",
     seed: Annotated[int, typer.Option(min=0, help="Seed of the random weights.")] = 0,
 ) -> None:
-    """Write a deterministic random-weight Tarsier v1 checkpoint in the real format (captions are noise)."""
+    """Write a deterministic random-weight checkpoint in the family's real format (captions are noise)."""
+    try:
+        family_named(family)
+    except ValueError as error:
+        _fail(str(error))
     if directory.exists() and any(directory.iterdir()):
         _fail(f"{directory} exists and is not empty")
     from .tiny import make_tiny_model
 
     try:
-        typer.echo(make_tiny_model(directory, size, seed))
+        typer.echo(make_tiny_model(directory, size, seed, family))
     except ValueError as error:
         _fail(str(error))
 

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from ..catalog import FamilyInfo
 from ..media import Media, MediaType
 
 
@@ -98,6 +99,7 @@ class Processor(Protocol):
 class CaptionModel(Protocol):
     """Device side: a loaded checkpoint."""
 
+    family: FamilyInfo
     processor: Processor
     eos_token_ids: frozenset[int]
     repetition_penalty: float      # the checkpoint's generation_config.json value (1.0: none)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from ...catalog import TARSIER
 from ...media import Media, MediaType, load_media
 from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import run_decoder_layers
@@ -36,7 +37,7 @@ def merged_layout(prompt_ids: list[int], image_token_index: int,
 class TarsierPromptProcessor(TarsierProcessor):
     """Media and instruction -> the merged prompt layout and per-frame pixels (CPU only)."""
 
-    default_frames = 8
+    default_frames = TARSIER.default_frames
 
     def __init__(self, model_dir: Path, config: TarsierConfig):
         super().__init__(model_dir)
@@ -61,6 +62,8 @@ class TarsierPromptProcessor(TarsierProcessor):
 
 class TarsierCaptioner:
     """A Tarsier v1 checkpoint loaded for captioning."""
+
+    family = TARSIER
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.config = TarsierConfig.from_file(model_dir / "config.json")

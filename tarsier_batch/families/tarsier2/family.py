@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers.initialization import no_init_weights
 
+from ...catalog import TARSIER2
 from ...media import Media, MediaType, frame_indices_without_repeats, load_media
 from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import run_decoder_layers
@@ -15,13 +16,13 @@ from ..generation_config import read_generation_defaults
 from ..weights import load_weights
 from .modeling import Tarsier2Config, Tarsier2Model
 from .positions import VisionSpan, mrope_positions
-from .processing import DEFAULT_FRAMES, DEFAULT_INSTRUCTION, FramePatches, Tarsier2Processor
+from .processing import DEFAULT_INSTRUCTION, FramePatches, Tarsier2Processor
 
 
 class Tarsier2PromptProcessor(Tarsier2Processor):
     """Media and instruction -> the prompt, one vision block per frame, M-RoPE positions (CPU only)."""
 
-    default_frames = DEFAULT_FRAMES
+    default_frames = TARSIER2.default_frames
 
     def __init__(self, model_dir: Path, config: Tarsier2Config):
         super().__init__(model_dir)
@@ -65,6 +66,8 @@ def _vision_run_start(ids: torch.Tensor, image_token_id: int, expected: int, vis
 
 class Tarsier2Captioner:
     """A Tarsier2 checkpoint loaded for captioning."""
+
+    family = TARSIER2
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.config = Tarsier2Config.from_file(model_dir / "config.json")

@@ -21,7 +21,6 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from ...media import MediaType
 
-DEFAULT_FRAMES = 16
 # The official quick start passes its --instruction default for every media type, images included.
 DEFAULT_INSTRUCTION = "Describe the video in detail."
 # The official default data config (configs/tarser2_default_config.yaml): at most 460,800
