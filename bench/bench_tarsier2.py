@@ -1,0 +1,98 @@
+"""Tarsier2 throughput: `tarsier caption`'s engine vs one item at a time with transformers' generate.
+
+    python bench/bench_tarsier2.py [--resolutions bench wide] [--repeats 1]
+
+A random-weight Tarsier2 checkpoint with a ~100M-parameter language model (`bench`: frames of
+at most 50,176 px; `wide`: the official 460,800 px), 16 videos x 16 frames (../shared/media and
+sample_data, repeated), 128 new tokens with EOS disabled so that every item does the same work,
+one torch thread per side. The baseline is bench/official_baseline.py: transformers' own
+Qwen2-VL generate on each item in turn, as the official scripts caption. Also measures start-up:
+a fresh `python -c` that imports the package and loads the model, as `tarsier caption` does
+before its first item. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+from bench_engine import interleaved, timed, without_eos  # noqa: E402
+from official_baseline import run_baseline  # noqa: E402
+
+from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams, discover  # noqa: E402
+from tarsier_batch.media import MediaType  # noqa: E402
+from tarsier_batch.tiny import make_tiny_model  # noqa: E402
+
+NEW_TOKENS = 128
+FRAMES = 16
+VIDEOS = 16
+
+
+def videos(count: int = VIDEOS) -> list[MediaItem]:
+    found = [item for item in discover([str(REPO.parent / "shared" / "media"), str(REPO / "sample_data")]).items
+             if item.media_type is not MediaType.IMAGE]
+    return [found[index % len(found)] for index in range(count)]
+
+
+def startup_seconds(model_dir: Path) -> float:
+    """Wall time of a fresh process importing the package and loading the model (no item yet)."""
+    script = (f"from tarsier_batch import Captioner, CaptionSettings\n"
+              f"Captioner(CaptionSettings(model={str(model_dir)!r}, device='cpu', dtype='float32'))\n")
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return time.perf_counter() - start
+
+
+def one_resolution(size: str, workdir: Path, repeats: int) -> dict:
+    model_dir = make_tiny_model(workdir / size, size, seed=0, family="tarsier2")
+    items = videos()
+    captioner = without_eos(Captioner(CaptionSettings(
+        model=str(model_dir), device="cpu", dtype="float32", frames=FRAMES,
+        sampling=SamplingParams(max_new_tokens=NEW_TOKENS))))
+    prompt_tokens: list[int] = []
+
+    def ours() -> float:
+        results = []
+        seconds = timed(lambda: results.extend(captioner.caption(items)))
+        assert all(r.ok and r.generated_tokens == NEW_TOKENS for r in results), [r.error for r in results]
+        prompt_tokens[:] = [r.prompt_tokens for r in results]
+        return seconds
+
+    def official() -> float:
+        return run_baseline(model_dir, items, NEW_TOKENS, disable_eos=True, frames=FRAMES)["seconds"]
+
+    medians = interleaved({"tarsier_caption": ours, "one_at_a_time_generate": official}, repeats)
+    return {"max_pixels_per_frame": 50_176 if size == "bench" else 460_800, "prompt_tokens": prompt_tokens,
+            "batch_size": captioner.batch_size, "seconds": medians,
+            "items_per_s": {name: round(len(items) / s, 3) for name, s in medians.items()},
+            "speedup": round(medians["one_at_a_time_generate"] / medians["tarsier_caption"], 2),
+            "startup_s": round(startup_seconds(model_dir), 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resolutions", nargs="+", default=["bench", "wide"], choices=["bench", "wide"])
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as scratch:
+        by_size = {size: one_resolution(size, Path(scratch), args.repeats) for size in args.resolutions}
+    print(json.dumps({"benchmark": "Tarsier2 throughput vs one-at-a-time generate", "videos": VIDEOS,
+                      "frames": FRAMES, "new_tokens": NEW_TOKENS, "by_resolution": by_size,
+                      "peer_vllm_cpu_speedups": {"bench": 3.58, "wide": 2.18},
+                      "torch_threads": torch.get_num_threads(), "repeats": args.repeats}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
