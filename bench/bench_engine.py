@@ -214,7 +214,6 @@ def b4(args: argparse.Namespace, workdir: Path) -> dict:
     """Milliseconds per decode step, batch 8, at 1k and 8k context: transformers' DynamicCache vs ours."""
     from transformers import DynamicCache
 
-    from tarsier_batch.engine.scheduler import ScheduledRow
 
     model_dir = checkpoint(workdir, "bench")
     captioner = Captioner(CaptionSettings(model=str(model_dir), device="cpu", dtype="float32", batch_size=8,

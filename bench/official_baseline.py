@@ -28,6 +28,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qw
 from tarsier_batch.families import load_caption_model
 from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
 from tarsier_batch.families.tarsier2 import Tarsier2Captioner
+from tarsier_batch.families.tarsier2.processing import with_temporal_copies
 from tarsier_batch.sources import MediaItem, discover
 from tarsier_batch.tiny import make_tiny_model, sizes
 
@@ -97,8 +98,8 @@ def generate_tarsier2(model: Tarsier2Captioner, hf: Qwen2VLForConditionalGenerat
     """One item through transformers' Qwen2-VL generate: prompt ids, every frame's pixels (duplicated
     into its temporal patch, as the official processor does), the official M-RoPE positions and the
     checkpoint's repetition penalty over prompt and generated ids."""
-    pixels = torch.cat([frame.view(frame.shape[0], 3, 1, -1).expand(-1, -1, model.processor.temporal_patch_size, -1)
-                        .reshape(frame.shape[0], -1) for frame in prompt.pixel_values])
+    pixels = torch.cat([with_temporal_copies(frame, model.processor.temporal_patch_size)
+                        for frame in prompt.pixel_values])
     _, grid_h, grid_w = prompt.vision_blocks[0].grid
     ids = prompt.token_ids[None]
     official_positions = prompt.positions[:, None, :]

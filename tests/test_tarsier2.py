@@ -19,7 +19,7 @@ from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.engine.sampling import select_tokens
 from tarsier_batch.families import ProcessedPrompt, load_caption_model
 from tarsier_batch.families.tarsier2 import Tarsier2Captioner, VisionSpan, mrope_positions
-from tarsier_batch.families.tarsier2.processing import pixel_cap, shrink_to_pixels
+from tarsier_batch.families.tarsier2.processing import pixel_cap, shrink_to_pixels, with_temporal_copies
 from tarsier_batch.media import MediaType, frame_indices_without_repeats, media_type_of
 from tarsier_batch.sinks import PROVENANCE_KEY
 from tarsier_batch.tiny import make_tiny_model
@@ -175,8 +175,7 @@ def test_kept_patches_rebuild_the_processors_duplicated_frame(model: Tarsier2Cap
         frame = image.convert("RGB")
     kept = processor.frame_patches(frame, 1, MediaType.IMAGE)
     full = processor.image_processor(images=shrink_to_pixels(frame, 460_800), return_tensors="pt")["pixel_values"]
-    rebuilt = kept.patches.view(kept.patches.shape[0], 3, 1, -1).expand(-1, -1, 2, -1).reshape(full.shape)
-    assert torch.equal(rebuilt, full)
+    assert torch.equal(with_temporal_copies(kept.patches, 2), full)
 
 
 def test_prompt_comes_from_the_chat_template(model: Tarsier2Captioner, prompts: list[ProcessedPrompt]) -> None:

@@ -8,6 +8,8 @@ the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v bi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -35,3 +37,30 @@ def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.T
         hidden = hidden + attn.o_proj(attended.reshape(tokens, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return hidden
+
+
+class DecoderCaptioner:
+    """The language-model half shared by the families: `self.model.language_model` holds a
+    transformers decoder (`.model`: embeddings, rotary embedding, layers, norm) and `.lm_head`."""
+
+    model: nn.Module
+    processor: Any
+
+    def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """The engine's (components, tokens) positions as the decoder's rotary embedding takes them."""
+        return positions
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.model.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        decoder = self.model.language_model.model
+        cos, sin = decoder.rotary_emb(embeds, self.rotary_position_ids(positions))  # (1, tokens, head_dim) each
+        hidden = run_decoder_layers(decoder.layers, embeds, cos[0], sin[0], attention)
+        return decoder.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.lm_head(hidden)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.decode(token_ids)

@@ -8,8 +8,8 @@ import torch
 
 from ...catalog import TARSIER
 from ...media import Media, MediaType, load_media
-from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
-from ..decoder import run_decoder_layers
+from ..base import KVGeometry, ProcessedPrompt, VisionBlock
+from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
 from .modeling import TarsierConfig
 from .processing import TarsierProcessor, build_prompt, default_instruction
@@ -60,7 +60,7 @@ class TarsierPromptProcessor(TarsierProcessor):
                                pixel_values=torch.stack(list(media.frames)))
 
 
-class TarsierCaptioner:
+class TarsierCaptioner(DecoderCaptioner):
     """A Tarsier v1 checkpoint loaded for captioning."""
 
     family = TARSIER
@@ -82,18 +82,3 @@ class TarsierCaptioner:
     def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
         """Every v1 frame has the same size: the frames go through the tower stacked."""
         return list(self.model.frame_features(torch.stack(pixels).to(self.device, self.dtype)).unbind(0))
-
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.get_input_embeddings()(token_ids)
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        decoder = self.model.language_model.model
-        cos, sin = decoder.rotary_emb(embeds, positions)  # (1, tokens, head_dim) each
-        hidden = run_decoder_layers(decoder.layers, embeds, cos[0], sin[0], attention)
-        return decoder.norm(hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.lm_head(hidden)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.processor.decode(token_ids)

@@ -10,13 +10,13 @@ from transformers.initialization import no_init_weights
 
 from ...catalog import TARSIER2
 from ...media import Media, MediaType, frame_indices_without_repeats, load_media
-from ..base import Attention, KVGeometry, ProcessedPrompt, VisionBlock
-from ..decoder import run_decoder_layers
+from ..base import KVGeometry, ProcessedPrompt, VisionBlock
+from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
 from ..weights import load_weights
 from .modeling import Tarsier2Config, Tarsier2Model
 from .positions import VisionSpan, mrope_positions
-from .processing import DEFAULT_INSTRUCTION, FramePatches, Tarsier2Processor
+from .processing import DEFAULT_INSTRUCTION, FramePatches, Tarsier2Processor, with_temporal_copies
 
 
 class Tarsier2PromptProcessor(Tarsier2Processor):
@@ -64,7 +64,7 @@ def _vision_run_start(ids: torch.Tensor, image_token_id: int, expected: int, vis
     return start
 
 
-class Tarsier2Captioner:
+class Tarsier2Captioner(DecoderCaptioner):
     """A Tarsier2 checkpoint loaded for captioning."""
 
     family = TARSIER2
@@ -86,24 +86,10 @@ class Tarsier2Captioner:
     @torch.inference_mode()
     def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
         """Frames of any sizes through the tower together; each frame fills its temporal patch twice."""
-        copies = self.processor.temporal_patch_size
-        patches = torch.cat([frame.view(frame.shape[0], 3, 1, -1).expand(-1, -1, copies, -1).reshape(frame.shape[0], -1)
-                             for frame in pixels])
+        patches = torch.cat([with_temporal_copies(frame, self.processor.temporal_patch_size) for frame in pixels])
         grids = torch.tensor([block.grid for block in blocks], dtype=torch.long)
         vectors = self.model.vision_features(patches.to(self.device), grids.to(self.device))
         return list(vectors.split([block.length for block in blocks]))
 
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.model.embed_tokens(token_ids)
-
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        decoder = self.model.language_model.model
-        cos, sin = decoder.rotary_emb(embeds, positions[:, None, :])  # M-RoPE: (1, tokens, head_dim) each
-        hidden = run_decoder_layers(decoder.layers, embeds, cos[0], sin[0], attention)
-        return decoder.norm(hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.language_model.lm_head(hidden)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.processor.decode(token_ids)
+    def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions[:, None, :]  # M-RoPE: (3 axes, batch of 1, tokens)

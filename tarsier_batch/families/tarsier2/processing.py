@@ -41,6 +41,12 @@ class FramePatches:
     grid_w: int
 
 
+def with_temporal_copies(patches: torch.Tensor, copies: int) -> torch.Tensor:
+    """A frame's kept patches (n, channels * patch * patch) -> the encoder's input, the frame
+    repeated `copies` times in each patch's temporal axis: (n, channels * copies * patch * patch)."""
+    return patches.view(patches.shape[0], 3, 1, -1).expand(-1, -1, copies, -1).reshape(patches.shape[0], -1)
+
+
 def pixel_cap(media_type: MediaType, frame_count: int, temporal_patch_size: int) -> int:
     """The most pixels one frame may keep before the image processor sees it."""
     images = temporal_patch_size if media_type is MediaType.IMAGE else 2 * frame_count
