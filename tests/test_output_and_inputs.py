@@ -103,13 +103,18 @@ def test_offline_hub_id_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp
         resolve_model("./no/such/dir")
 
 
-def test_tiny_random_alias_builds_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("alias", "text_model_type"), [("tiny-random", "llama"), ("tiny-random-tarsier2", "qwen2_vl")])
+def test_tiny_random_alias_builds_once_into_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      alias: str, text_model_type: str) -> None:
+    import json
+
     monkeypatch.setenv("TARSIER_BATCH_CACHE", str(tmp_path / "cache"))
-    first = resolve_model("tiny-random")
+    first = resolve_model(alias)
     stamp = (first.path / "model.safetensors").stat().st_mtime_ns
-    second = resolve_model("tiny-random")
+    second = resolve_model(alias)
     assert first.path == second.path and first.path.parent == tmp_path / "cache"
     assert (second.path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert json.loads((first.path / "config.json").read_text())["text_config"]["model_type"] == text_model_type
 
 
 def test_out_of_memory_lowers_the_step_budget_and_the_run_completes(tiny_model_dir: Path, shared_media: Path,
