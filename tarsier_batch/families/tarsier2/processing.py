@@ -73,8 +73,6 @@ class Tarsier2Processor:
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
         self.chat_template = _chat_template(model_dir, self.tokenizer)
         self.image_processor = _image_processor(model_dir)
-        processor_config = _read_json(model_dir / "processor_config.json")
-        self.image_token: str = processor_config.get("image_token", "<|image_pad|>")
         self.temporal_patch_size: int = self.image_processor.temporal_patch_size
         self.merge_size: int = self.image_processor.merge_size
 
