@@ -158,9 +158,10 @@ def test_pixel_budget_and_pre_resize() -> None:
 
 
 def test_real_geometry_gives_608_vectors_per_frame(shared_media: Path, tmp_path: Path) -> None:
-    """With Qwen2-VL's own max_pixels, demo_test.mp4 (1920x800) becomes 1064x448: grid 16 x 32 x 76."""
+    """With Qwen2-VL's own max_pixels (12,845,056), demo_test.mp4 (1920x800) becomes 1064x448: grid 16 x 32 x 76."""
     small = load_caption_model(make_tiny_model(tmp_path / "small", "small", family="tarsier2"), torch.float32,
                                torch.device("cpu"))
+    assert small.processor.image_processor.size.longest_edge == 12_845_056
     prompt = process(small, shared_media / "demo_test.mp4")
     assert [block.grid for block in prompt.vision_blocks] == [(1, 32, 76)] * 16
     assert sum(block.length for block in prompt.vision_blocks) == 9728

@@ -51,6 +51,10 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
+# Qwen2-VL-7B-Instruct's preprocessor_config.json max_pixels: frames are then bounded by the
+# official 460,800-px pre-resize, not by the image processor.
+QWEN2_VL_MAX_PIXELS = 12_845_056
+
 # (vision: embed dim, depth, heads; text: hidden, MLP intermediate, layers, heads, kv heads,
 # M-RoPE sections (summing to half the head dim)) and the image processor's max pixels.
 SIZES: dict[str, dict[str, Any]] = {
@@ -60,14 +64,14 @@ SIZES: dict[str, dict[str, Any]] = {
     # The real pixel budget (460,800 px per frame before the processor; 608 vectors a frame for
     # demo_test.mp4) with a small language model.
     "small": dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
-                  text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=28 * 28 * 1280),
+                  text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=QWEN2_VL_MAX_PIXELS),
     # Decode-bound benchmarks: a ~100M-parameter LM (grouped-query attention like Tarsier2-7b,
     # head dim 128) behind frames of at most 50,176 px (224 x 224).
     "bench": dict(embed_dim=64, depth=2, vision_heads=2, text_hidden=1024, text_intermediate=3072, text_layers=8,
                   text_heads=8, text_kv_heads=2, mrope_section=[16, 24, 24], max_pixels=224 * 224),
     # The same LM at the official 460,800 px per frame.
     "wide": dict(embed_dim=64, depth=2, vision_heads=2, text_hidden=1024, text_intermediate=3072, text_layers=8,
-                 text_heads=8, text_kv_heads=2, mrope_section=[16, 24, 24], max_pixels=28 * 28 * 1280),
+                 text_heads=8, text_kv_heads=2, mrope_section=[16, 24, 24], max_pixels=QWEN2_VL_MAX_PIXELS),
 }
 MIN_PIXELS = 56 * 56
 

@@ -28,7 +28,7 @@ DEFAULT_INSTRUCTION = "Describe the video in detail."
 # images it is given (a video counts two per frame once its frames are duplicated).
 MAX_PIXELS_PER_FRAME = 460_800
 MAX_PIXELS_PER_SAMPLE = 128 * 384 * 384
-# Qwen2VLImageProcessor's own min/max when a preprocessor_config.json names neither.
+# Qwen2VLImageProcessor's class defaults (transformers 4.47), used when preprocessor_config.json names neither.
 _FALLBACK_MIN_PIXELS, _FALLBACK_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 
 
