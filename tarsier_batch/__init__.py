@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_EXPORTS = {"Captioner": "api", "CaptionResult": "api", "CaptionSettings": "api",
+_EXPORTS = {"Captioner": "api", "CaptionResult": "results", "CaptionSettings": "api",
             "SamplingParams": "engine", "MediaItem": "sources", "discover": "sources"}
 
 if TYPE_CHECKING:
-    from .api import Captioner, CaptionResult, CaptionSettings
+    from .api import Captioner, CaptionSettings
+    from .results import CaptionResult
     from .engine import SamplingParams
     from .sources import MediaItem, discover
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -27,9 +27,10 @@ from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
 from .families import CaptionModel, ProcessedPrompt, load_caption_model
-from .media import Media, decoder_versions
+from .media import decoder_versions
+from .results import CaptionResult
 from .sources import MediaItem
-from .text import one_line, printable
+from .workers import DecodeJob, Decoded, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
@@ -50,7 +51,11 @@ class CaptionSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"
-    workers: int = 2                   # threads decoding and preprocessing media
+    workers: int | None = None         # processes decoding and preprocessing media; None: default_workers()
+    decode_timeout_s: float | None = 120.0  # an item decoding longer fails (its worker is killed)
+    decode_memory_gb: float | None = 8.0    # memory limit of one decoding worker
+    isolate_decoding: bool = True      # False: decode in threads (no crash or hang protection; for benchmarks
+                                       # and callers that isolate already)
 
     def __post_init__(self) -> None:
         if self.frames is not None and self.frames < 1:
@@ -64,48 +69,14 @@ class CaptionSettings:
             raise ValueError("prefill chunk must be 0 (off) or positive")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError("--kv-cache-gb must be positive")
-        if self.workers < 1:
+        if self.workers is not None and self.workers < 1:
             raise ValueError("workers must be at least 1")
+        if self.decode_timeout_s is not None and self.decode_timeout_s <= 0:
+            raise ValueError("--decode-timeout must be positive")
+        if self.decode_memory_gb is not None and self.decode_memory_gb <= 0:
+            raise ValueError("--decode-memory-gb must be positive")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("prompt must not be empty")
-
-
-@dataclass
-class CaptionResult:
-    """One output row. `prompt_tokens` counts the merged prefill (text plus vision vectors)."""
-
-    path: str
-    media_type: str
-    caption: str | None = None
-    prompt: str | None = None
-    num_frames: int | None = None
-    frame_indices: list[int] | None = None
-    width: int | None = None
-    height: int | None = None
-    duration_s: float | None = None
-    prompt_tokens: int | None = None
-    generated_tokens: int | None = None
-    finish_reason: str = "error"
-    error: str | None = None
-    elapsed_s: float = 0.0
-    generated_ids: list[int] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-@dataclass
-class _Loaded:
-    """An item after decoding and preprocessing (or the error that stopped it)."""
-
-    index: int
-    item: MediaItem
-    seconds: float
-    media: Media | None = None
-    prompt: ProcessedPrompt | None = None
-    error: str | None = None
-    queued_at: float = 0.0
 
 
 class Captioner:
@@ -129,6 +100,11 @@ class Captioner:
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu")
+        needed = self.model.processor.min_vision_positions(self.frames)
+        if needed >= kv_tokens:  # checked here: otherwise every item would decode its frames, then fail
+            raise ValueError(f"--frames {self.frames} needs at least {needed} positions per item, more than the "
+                             f"KV cache holds ({int(kv_tokens)}); use fewer --frames or a larger --kv-cache-gb")
+        self.workers = settings.workers or default_workers()
         # Created once: the KV cache is allocated here, not per run.
         self.engine = Engine(self.model, self.engine_config, settings.sampling)
 
@@ -146,18 +122,24 @@ class Captioner:
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
+            "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
+            "decode_memory_gb": self.settings.decode_memory_gb,
         }
 
     def caption(self, items: Iterable[MediaItem],
                 on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
         """Caption `items`, yielding one result per item in input order.
 
-        Media are decoded in background threads while the model works; a decoded item joins
-        the running batch as soon as a row frees up, and finished rows are held back until
-        every earlier item has been yielded.
+        Media are decoded in worker processes while the model works (a worker that crashes,
+        hangs past the timeout or runs out of memory costs only its item, which comes back as
+        an error); a decoded item joins the running batch as soon as a row frees up, and
+        finished rows are held back until every earlier item has been yielded.
         """
-        pool = _loader_pool(self.settings.workers)
-        loads: deque[Future[_Loaded]] = deque()
+        job = DecodeJob(self.model.processor, self.frames, self.settings.prompt)
+        memory = self.settings.decode_memory_gb
+        pool = DecodePool(job, self.workers, self.settings.decode_timeout_s,
+                          int(memory * 2**30) if memory else None, isolate=self.settings.isolate_decoding)
+        loads: deque[Future[Decoded]] = deque()
         ready: dict[int, CaptionResult] = {}
         next_index = 0
         items_left = enumerate(iter(items))
@@ -169,69 +151,64 @@ class Captioner:
                     if entry is None:
                         more_items = False
                     else:
-                        loads.append(pool.submit(self._load, *entry))
+                        loads.append(pool.submit(*entry))
                 # Take every decoded item; wait for one only when the model has nothing to do.
                 while loads and (loads[0].done() or not self.engine.has_work):
                     self._admit(loads.popleft().result(), ready)
                 if self.engine.has_work:
                     for seq in self.engine.step(on_tokens):
-                        ready[seq.payload.index] = self._result(seq)
-                elif not loads and not more_items:
-                    break
+                        ready[seq.payload.decoded.index] = self._result(seq)
                 while next_index in ready:
                     yield ready.pop(next_index)
                     next_index += 1
-        finally:  # on Ctrl-C or an abandoned iterator, drop the decodes not yet started
-            pool.shutdown(wait=True, cancel_futures=True)
+                if not (self.engine.has_work or loads or more_items):
+                    break
+        finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
+            pool.shutdown()
             self.engine.abort_all()
 
-    def _wants_more(self, loads: deque[Future[_Loaded]]) -> bool:
+    def _wants_more(self, loads: deque[Future[Decoded]]) -> bool:
         """Decode ahead enough to refill the batch, within a bound on waiting pixels."""
         queued = len(loads) + self.engine.num_waiting
-        return queued < self.batch_size + 2 * self.settings.workers and \
+        return queued < self.batch_size + 2 * self.workers and \
             self.engine.waiting_pixel_bytes() < LOOKAHEAD_PIXEL_BYTES
 
-    def _load(self, index: int, item: MediaItem) -> _Loaded:
-        start = time.perf_counter()
-        try:
-            # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
-            media = self.model.processor.load_media(item.path, item.media_type, self.frames)
-            prompt = self.model.processor.process(media, item.prompt or self.settings.prompt)
-        except Exception as error:  # any decoder failure is this item's problem only
-            return _Loaded(index, item, time.perf_counter() - start, error=one_line(error))
-        return _Loaded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompt)
-
-    def _admit(self, loaded: _Loaded, ready: dict[int, CaptionResult]) -> None:
-        if loaded.error is not None or loaded.prompt is None:
-            ready[loaded.index] = _error_result(loaded, loaded.error or "not processed")
+    def _admit(self, decoded: Decoded, ready: dict[int, CaptionResult]) -> None:
+        if decoded.error is not None or decoded.prompt is None:
+            ready[decoded.index] = _error_result(decoded, decoded.error or "not processed")
             return
-        loaded.queued_at = time.perf_counter()
-        seq = self.engine.add(loaded.prompt, payload=loaded,
-                              generator=self.settings.sampling.generator_for(loaded.item.path))
-        loaded.prompt = None  # the sequence holds it now; freed with the sequence
+        queued = _Queued(decoded, time.perf_counter())
+        seq = self.engine.add(decoded.prompt, payload=queued,
+                              generator=self.settings.sampling.generator_for(decoded.item.stable_key))
+        decoded.prompt = None  # the sequence holds it now; freed with the sequence
         if seq.finish_reason == "error":  # can never fit the KV cache
-            ready[loaded.index] = self._result(seq)
+            ready[decoded.index] = self._result(seq)
 
     def _result(self, seq: Sequence) -> CaptionResult:
-        loaded: _Loaded = seq.payload
-        elapsed = loaded.seconds + time.perf_counter() - loaded.queued_at
+        queued: _Queued = seq.payload
+        decoded = queued.decoded
+        elapsed = decoded.seconds + time.perf_counter() - queued.since
         if seq.error is not None:
-            return replace(_error_result(loaded, seq.error), elapsed_s=elapsed)
-        media = loaded.media
+            return replace(_error_result(decoded, seq.error), elapsed_s=elapsed)
+        media = decoded.media
         assert media is not None
         return CaptionResult(
-            path=printable(loaded.item.path), media_type=media.media_type.value,
+            path=decoded.item.row_path, media_type=media.media_type.value, key=decoded.item.stable_key,
             caption=self.model.decode(seq.output_ids), prompt=seq.prompt.instruction,
             num_frames=len(media.frame_indices), frame_indices=media.frame_indices,
-            width=media.width, height=media.height, duration_s=media.duration_s,
+            width=media.width, height=media.height, duration_s=media.duration_s, decoder=getattr(media, "decoder", None),  # TEMP until media.py has it
             prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
 
 
-def _loader_pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="tarsier-load")
+@dataclass
+class _Queued:
+    """A decoded item in the engine, and since when (its elapsed time counts decoding plus this)."""
+
+    decoded: Decoded
+    since: float
 
 
-def _error_result(loaded: _Loaded, message: str) -> CaptionResult:
-    return CaptionResult(path=printable(loaded.item.path), media_type=loaded.item.media_type.value,
-                         error=message, elapsed_s=loaded.seconds)
+def _error_result(decoded: Decoded, message: str) -> CaptionResult:
+    return CaptionResult(path=decoded.item.row_path, media_type=decoded.item.media_type.value,
+                         key=decoded.item.stable_key, error=message, elapsed_s=decoded.seconds)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from contextlib import nullcontext
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
@@ -17,9 +19,12 @@ from rich.markup import escape
 from . import __version__
 from .catalog import DEFAULT_MODEL, FAMILIES, family_named
 from .checkpoints import ModelNotFoundError
-from .progress import RunStats, make_reporter, print_summary
-from .sinks import OutputExistsError, ParquetSink
-from .sources import InputNotFoundError, MediaItem, discover
+from .job import CaptionJob
+from .outputs.lock import OutputLock, OutputLockedError
+from .outputs.resume import SettingsMismatchError, check_settings, plan_run
+from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputError, OutputWriteError, ResultStore, StoredRows
+from .progress import LineLog, RunStats, make_reporters, print_summary, summary_line, summary_rows
+from .sources import InputNotFoundError, discover
 from .text import one_line
 
 if TYPE_CHECKING:
@@ -28,7 +33,9 @@ if TYPE_CHECKING:
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
 
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
+EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
+EXIT_LOCKED = 75  # EX_TEMPFAIL: try again later
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
 
 app = typer.Typer(
     help="Batch-caption videos and images with Tarsier video-language models.",
@@ -64,20 +71,30 @@ Examples:
   find /data -name '*.mp4' -mtime -1 | tarsier caption - -o today.parquet
 
 \b
+Running the same command again continues the same --out: finished rows are kept and only
+what is missing (new or changed files, items a stopped run did not finish) is captioned.
+
+\b
 Exit codes:
-  0    every input was captioned
-  1    some inputs failed (their rows carry an error)
-  2    bad usage: flag value, missing input, existing output, unusable model
-  3    crashed mid-run (a bug or a failed device); finished rows are kept in OUT.partial
-  130  interrupted (Ctrl-C); finished rows are kept in OUT.partial
-  143  terminated (SIGTERM); finished rows are kept in OUT.partial
+  0    every item of this run was captioned (or there was nothing to do)
+  1    some items failed (their rows carry an error)
+  2    bad usage: flag value, missing input, unusable model or output, other settings than --out's
+  3    crashed mid-run (a bug, a failed device, a full disk); saved rows are resumed by the next run
+  75   another run is writing the same --out
+  130  interrupted (Ctrl-C); finished rows are saved, run the same command to resume
+  143  terminated (SIGTERM); finished rows are saved, run the same command to resume
 """
+
+
+class KeyMode(str, Enum):
+    path = "path"
+    sha256 = "sha256"
 
 
 @app.command(epilog=EXAMPLES)
 def caption(
     inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns; '-' reads paths from stdin, one per line.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write.", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write, or to continue if it exists.", show_default=False)],
     model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the model's default ('Describe the video in detail.').")] = None,
@@ -91,49 +108,89 @@ def caption(
     temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
     repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
     dtype: Annotated[DType, typer.Option(help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    workers: Annotated[int, typer.Option(min=1, help="Threads decoding media ahead of the model.")] = 2,
+    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
+    decode_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
+    decode_memory_gb: Annotated[float, typer.Option(min=0.5, help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
     recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
     with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out if it exists.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary.")] = False,
+    key: Annotated[KeyMode, typer.Option(help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' (content; reads each file).")] = KeyMode.path,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start from scratch: caption everything again and replace --out.")] = False,
+    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Caption again the items whose stored rows are errors.")] = False,
+    prune_missing: Annotated[bool, typer.Option("--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
+    fail_on_empty: Annotated[bool, typer.Option("--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
+    flush_rows: Annotated[int, typer.Option(min=1, help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
+    flush_seconds: Annotated[float, typer.Option(min=0.0, help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
+    log_file: Annotated[Optional[Path], typer.Option(help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
 ) -> None:
-    """Caption every video, GIF and image in INPUTS and write one Parquet row per file."""
+    """Caption every video, GIF and image in INPUTS into one Parquet row per file, resuming --out if it exists."""
     console = Console(stderr=True, soft_wrap=True)
     if batch_size is not None and max_batch_tokens < batch_size:
         _fail(f"--max-batch-tokens {max_batch_tokens} is below --batch-size {batch_size}: "
               f"every generating item needs one position per step")
     try:
-        discovery = discover(_with_stdin_paths(inputs), recursive)
-        for problem in discovery.unreadable:
-            console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
-        if not discovery.items:
-            _fail(f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)")
-        sink = ParquetSink(out, model, with_token_ids, overwrite)
-    except (InputNotFoundError, OutputExistsError, OSError) as error:
+        discovery = discover(inputs, recursive, _stdin_paths(inputs), key.value)
+        store = ResultStore(out, with_token_ids, flush_rows, flush_seconds)
+        log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
+    except (InputNotFoundError, OutputError, OSError) as error:
         _fail(str(error))
-    with sink:  # whatever happens below, finished rows survive in <out>.partial and <out> stays intact
-        try:
-            captioner = _load_captioner(console, quiet, model=model, prompt=prompt, frames=frames,
+    log = LineLog(file=log_handle)
+    for problem in discovery.unreadable:
+        console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
+    if not discovery.items:
+        message = f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)"
+        if log_handle:
+            log(message)
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+        raise typer.Exit(EXIT_SOME_FAILED if fail_on_empty else EXIT_OK)
+    lock = OutputLock(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except (OutputLockedError, OSError) as error:
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
+    requested = {"model": model, "prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                 "top_p": top_p, "seed": seed, "with_token_ids": with_token_ids, "key": key.value,
+                 **({"frames": frames} if frames is not None else {}),
+                 **({"repetition_penalty": repetition_penalty} if repetition_penalty is not None else {})}
+    try:
+        stored = StoredRows() if overwrite else store.read()
+        check_settings(stored.settings, requested)
+        plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
+        for problem in stored.unreadable_parts:
+            console.print(f"tarsier: warning: unreadable part file {problem}", highlight=False, markup=False)
+        stats = RunStats(total=plan.items_to_caption, skipped=discovery.skipped_count,
+                         already_done=len(plan.done), missing_kept=plan.missing_kept,
+                         missing_pruned=plan.missing_pruned)
+        job = CaptionJob(discovery.items, plan, store, stats, model, with_token_ids)
+        if plan.todo:
+            captioner = _load_captioner(console, quiet, log, model=model, prompt=prompt, frames=frames,
                                         batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                         prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
                                         dtype=dtype.value, device=device, workers=workers,
+                                        decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
                                         sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
-        except KeyboardInterrupt:
-            sink.abort({"complete": False, "stopped_by": "interrupted while loading"})
-            console.print("tarsier: interrupted while loading the model; nothing was written", markup=False)
-            raise typer.Exit(EXIT_INTERRUPTED) from None
-        except Exception as error:  # anything that stops the model loading means nothing was run
-            sink.abort({"complete": False, "stopped_by": "setup"})
-            _fail(str(error) if isinstance(error, (ModelNotFoundError, ValueError)) else one_line(error))
-        sink.provenance = captioner.provenance()
-        stats = RunStats(total=len(discovery.items), skipped=discovery.skipped_count)
-        code = _run(captioner, discovery.items, sink, stats, console, quiet)
-    if code in (EXIT_OK, EXIT_SOME_FAILED) and not quiet:
-        skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(discovery.skipped.items()))
-        print_summary(console, stats, str(out), skipped)
+            provenance = {**captioner.provenance(), "settings": _resume_settings(captioner, with_token_ids, key.value)}
+            check_settings(stored.settings, provenance["settings"])
+            store.begin(provenance, fresh=overwrite)
+            code = _run(captioner, job, console, quiet, log)
+        else:
+            provenance, code = stored.provenance or {}, EXIT_OK
+        if code in (EXIT_OK, EXIT_SOME_FAILED):
+            code = _write_output(job, stored, provenance, console, quiet, log, discovery.skipped)
+    except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
+        _fail(str(error))
+    except KeyboardInterrupt:
+        console.print("tarsier: interrupted before captioning began; nothing changed", markup=False)
+        code = EXIT_INTERRUPTED
+    finally:
+        lock.release()
+        if log_handle:
+            log_handle.close()
     raise typer.Exit(code)
 
 
@@ -141,54 +198,123 @@ class Terminated(BaseException):
     """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
 
 
-def _load_captioner(console: Console, quiet: bool, sampling: tuple[int, float, float, int, float | None],
+def _resume_settings(captioner: Captioner, with_token_ids: bool, key: str) -> dict[str, Any]:
+    """What decides the captions, as resolved by the loaded model (compared when a later run continues)."""
+    sampling = captioner.engine.sampling
+    return {"model": captioner.settings.model, "model_revision": captioner.resolved.revision,
+            "prompt": captioner.settings.prompt, "frames": captioner.frames,
+            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty,
+            "with_token_ids": with_token_ids, "key": key}
+
+
+def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple[int, float, float, int, float | None],
                     **settings: Any) -> Captioner:
     from .api import Captioner, CaptionSettings
     from .engine import SamplingParams
 
     _quiet_library_logs()
     loading = console.status(f"loading {escape(settings['model'])}", spinner="dots")
-    with loading if console.is_terminal and not quiet else nullcontext():
-        captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
+    try:
+        with loading if console.is_terminal and not quiet else nullcontext():
+            captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
+    except (ModelNotFoundError, ValueError):
+        raise
+    except Exception as error:  # anything else that stops the model loading is also a problem of the model given
+        raise ValueError(one_line(error)) from error
+    config = captioner.engine.config
+    kv_gib = captioner.engine.kv.nbytes / 2**30
+    offload = ", KV offloaded during prefill" if config.offload_kv \
+        else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
+    line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
+            f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
+            f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB), "
+            f"{captioner.workers} decoding workers{offload}")
     if not quiet:
-        config = captioner.engine.config
-        kv_gib = captioner.engine.kv.nbytes / 2**30
-        offload = ", KV offloaded during prefill" if config.offload_kv \
-            else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
-        console.print(f"tarsier: {settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
-                      f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
-                      f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB){offload}",
-                      highlight=False, markup=False)
+        console.print(f"tarsier: {line}", highlight=False, markup=False)
+    log(line)
     return captioner
 
 
-def _run(captioner: Captioner, items: list[MediaItem], sink: ParquetSink, stats: RunStats, console: Console,
-         quiet: bool) -> int:
-    """Caption into `sink`; the exit code says how it ended."""
-    def terminate(signum: int, frame: object) -> None:
-        raise Terminated
+@contextmanager
+def _stop_signals() -> Iterator[None]:
+    """The first Ctrl-C or SIGTERM stops the run cleanly (finished rows are saved); a second exits at once.
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    Exiting at once cannot corrupt anything a reader sees: every file is written under a
+    temporary name and renamed when complete; a later run resumes from the saved parts.
+    """
+    def exit_now(signum: int, frame: object) -> None:
+        os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, exit_now)
+        signal.signal(signal.SIGTERM, exit_now)
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
+
+    previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with make_reporter(stats, console, quiet) as reporter:
-            for result in captioner.caption(items, reporter.on_tokens):
-                sink.write(result)
-                reporter.on_result(result)
-        sink.commit({"complete": True, **stats.as_dict()})
-        return EXIT_SOME_FAILED if stats.failed else EXIT_OK
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, log: LineLog) -> int:
+    """Caption the plan's items, saving rows as they finish; the exit code says how it ended."""
+    reporters = make_reporters(job.stats, console, quiet, log.file)
+    try:
+        with _stop_signals(), ExitStack() as display:
+            for reporter in reporters:
+                display.enter_context(reporter)
+            job.run(captioner, reporters)
+            job.store.flush()
+        return EXIT_SOME_FAILED if job.stats.failed else EXIT_OK
     except (KeyboardInterrupt, Terminated) as stop:
         reason, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(stop, KeyboardInterrupt) \
             else ("terminated", EXIT_TERMINATED)
-    except Exception as error:  # a bug or a dead device: keep what finished, say what happened
-        if not quiet:
+    except Exception as error:  # a bug, a dead device or a full disk: keep what finished, say what happened
+        if not quiet and not isinstance(error, OutputWriteError):
             console.print_exception()
-        reason, code = f"crashed ({one_line(error)})", EXIT_CRASHED
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    partial = sink.abort({"complete": False, "stopped_by": reason, **stats.as_dict()})
-    kept = f"{stats.done} finished rows kept in {partial}" if partial else "no rows had finished"
-    console.print(f"tarsier: {reason}; {kept}; {sink.out} was not written", highlight=False, markup=False)
+        reason, code = f"crashed ({error if isinstance(error, OutputWriteError) else one_line(error)})", EXIT_CRASHED
+    with _stop_signals():  # a second signal while saving exits at once
+        try:
+            job.store.flush()
+            lost = ""
+        except OutputWriteError as error:
+            lost = f"; {error}"
+    saved = job.store.saved_rows + job.stats.already_done
+    message = (f"{reason}{lost}; {saved} finished rows are saved in {job.store.work_dir} "
+               f"and {job.store.out} was not changed; run the same command again to resume")
+    console.print(f"tarsier: {message}", highlight=False, markup=False)
+    log(message)
     return code
+
+
+def _write_output(job: CaptionJob, stored: StoredRows, provenance: dict[str, Any], console: Console, quiet: bool,
+                  log: LineLog, skipped: Counter[str]) -> int:
+    """Write --out with every row (unless nothing changed) and report; returns the exit code."""
+    stats = job.stats
+    rows = job.final_rows()
+    unchanged = job.store.out.exists() and not stored.parts and not stats.done \
+        and [row["path"] for row in rows] == list(stored.rows)
+    if not unchanged:
+        try:
+            job.store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
+        except OutputWriteError as error:
+            message = (f"crashed ({error}); the finished rows are saved in {job.store.work_dir}; "
+                       f"free space and run the same command again to write {job.store.out}")
+            console.print(f"tarsier: {message}", highlight=False, markup=False)
+            log(message)
+            return EXIT_CRASHED
+    written = f"{job.store.out} ({len(rows)} rows{', unchanged' if unchanged else ''})"
+    summary = summary_rows(stats, written, ", ".join(f"{count} {suffix}" for suffix, count in sorted(skipped.items())))
+    if not quiet:
+        if console.is_terminal:
+            print_summary(console, summary)
+        else:
+            console.print(f"tarsier: {summary_line(summary)}", highlight=False, markup=False)
+    log(summary_line(summary))
+    return EXIT_SOME_FAILED if stats.failed else EXIT_OK
 
 
 @app.command()
@@ -227,12 +353,11 @@ def make_tiny_model_command(
         _fail(str(error))
 
 
-def _with_stdin_paths(inputs: list[str]) -> list[str]:
-    """Replace `-` by the paths on standard input (one per line, blank lines ignored)."""
+def _stdin_paths(inputs: list[str]) -> list[str]:
+    """The paths on standard input if an input is `-` (one per line, blank lines ignored)."""
     if "-" not in inputs:
-        return inputs
-    piped = [line.strip() for line in sys.stdin if line.strip()]
-    return [path for entry in inputs for path in (piped if entry == "-" else [entry])]
+        return []
+    return [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
 
 
 def _fail(message: str) -> NoReturn:

@@ -1,11 +1,12 @@
-"""Run statistics and how they are shown: a rich display on a terminal, log lines elsewhere."""
+"""Run statistics and how they are shown: a rich display on a terminal, timestamped lines elsewhere."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 from rich.console import Console
 from rich.markup import escape
@@ -13,20 +14,29 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from .api import CaptionResult
+    from .results import CaptionResult
 
-LOG_INTERVAL_S = 10.0
+LOG_INTERVAL_S = 30.0  # a progress line at most this often in logs (cron mail stays short)
 
 
 @dataclass
 class RunStats:
-    """Counts and rates of a run, updated as results arrive."""
+    """Counts and rates of a run, updated as results arrive.
+
+    `total` counts the items this run captions; rows earlier runs finished are `already_done`.
+    `generated_tokens` counts the tokens of finished rows only (what the output holds);
+    `streamed_tokens` also counts tokens of items still generating, for the live rate.
+    """
 
     total: int
     skipped: int = 0
+    already_done: int = 0
+    missing_kept: int = 0
+    missing_pruned: int = 0
     done: int = 0
     failed: int = 0
     generated_tokens: int = 0
+    streamed_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -43,7 +53,7 @@ class RunStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return self.streamed_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
@@ -53,76 +63,87 @@ class RunStats:
     def record(self, result: CaptionResult) -> None:
         self.done += 1
         self.failed += not result.ok
+        self.generated_tokens += result.generated_tokens or 0
 
     def as_dict(self) -> dict[str, float | int]:
         return {"total": self.total, "captioned": self.captioned, "failed": self.failed,
-                "skipped": self.skipped, "generated_tokens": self.generated_tokens,
-                "wall_time_s": round(self.elapsed_s, 3), "items_per_s": round(self.items_per_s, 4),
-                "tokens_per_s": round(self.tokens_per_s, 2)}
+                "already_done": self.already_done, "missing_kept": self.missing_kept,
+                "missing_pruned": self.missing_pruned, "skipped": self.skipped,
+                "generated_tokens": self.generated_tokens, "wall_time_s": round(self.elapsed_s, 3),
+                "items_per_s": round(self.items_per_s, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
+
+
+class LineLog:
+    """Plain timestamped lines, to the console (when it is not a terminal) and/or a --log-file."""
+
+    def __init__(self, console: Console | None = None, file: TextIO | None = None,
+                 now: Callable[[], datetime] = datetime.now):
+        self.console, self.file, self._now = console, file, now
+
+    def __call__(self, text: str) -> None:
+        line = f"{self._now().isoformat(timespec='seconds')} tarsier: {text}"
+        if self.console is not None:
+            self.console.print(line, highlight=False, markup=False)
+        if self.file is not None:
+            self.file.write(line + "\n")
+            self.file.flush()
 
 
 class Reporter(Protocol):
-    """Receives events of a run and shows them."""
+    """Shows a run as it goes; `stats` is updated by the caller before each call."""
 
     def __enter__(self) -> Reporter: ...
     def __exit__(self, *exc: object) -> None: ...
-    def on_tokens(self, count: int) -> None: ...
+    def on_tokens(self) -> None: ...
     def on_result(self, result: CaptionResult) -> None: ...
 
 
-def make_reporter(stats: RunStats, console: Console, quiet: bool) -> Reporter:
-    """Rich live display on a terminal, periodic log lines otherwise, nothing when quiet."""
-    if quiet:
-        return QuietReporter(stats)
-    if console.is_terminal:
-        return RichReporter(stats, console)
-    return LogReporter(stats, console)
+def make_reporters(stats: RunStats, console: Console, quiet: bool, log_file: TextIO | None) -> list[Reporter]:
+    """A rich display on a terminal (log lines otherwise, nothing when quiet), plus the --log-file."""
+    reporters: list[Reporter] = []
+    if not quiet:
+        reporters.append(RichReporter(stats, console) if console.is_terminal else LogReporter(stats, LineLog(console)))
+    if log_file is not None:
+        reporters.append(LogReporter(stats, LineLog(file=log_file)))
+    return reporters
 
 
-class QuietReporter:
-    def __init__(self, stats: RunStats):
-        self.stats = stats
+class LogReporter:
+    """A start line, one line per failure and a progress line at most every `interval` seconds."""
 
-    def __enter__(self) -> QuietReporter:
+    def __init__(self, stats: RunStats, log: LineLog, interval: float = LOG_INTERVAL_S,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.stats, self.log, self.interval, self._clock = stats, log, interval, clock
+        self._last_line = clock()
+
+    def __enter__(self) -> LogReporter:
+        resumed = f" ({self.stats.already_done} done by earlier runs)" if self.stats.already_done else ""
+        self.log(f"captioning {self.stats.total} items{resumed}")
         return self
 
     def __exit__(self, *exc: object) -> None:
         pass
 
-    def on_tokens(self, count: int) -> None:
-        self.stats.generated_tokens += count
+    def on_tokens(self) -> None:
+        self._maybe_progress()
 
     def on_result(self, result: CaptionResult) -> None:
-        self.stats.record(result)
-
-
-class LogReporter(QuietReporter):
-    """One line per failure and a progress line at most every LOG_INTERVAL_S seconds (cron logs)."""
-
-    def __init__(self, stats: RunStats, console: Console):
-        super().__init__(stats)
-        self.console = console
-        self._last_line = time.perf_counter()
-
-    def __enter__(self) -> LogReporter:
-        self.console.print(f"tarsier: captioning {self.stats.total} items", highlight=False)
-        return self
-
-    def on_result(self, result: CaptionResult) -> None:
-        super().on_result(result)
         if not result.ok:
-            self.console.print(f"tarsier: failed {result.path}: {result.error}", highlight=False, markup=False)
-        now = time.perf_counter()
-        if now - self._last_line >= LOG_INTERVAL_S or self.stats.done == self.stats.total:
+            self.log(f"failed {result.path}: {result.error}")
+        self._maybe_progress(force=self.stats.done == self.stats.total)
+
+    def _maybe_progress(self, force: bool = False) -> None:
+        now = self._clock()
+        if force or now - self._last_line >= self.interval:
             self._last_line = now
-            self.console.print(f"tarsier: {progress_line(self.stats)}", highlight=False)
+            self.log(progress_line(self.stats))
 
 
-class RichReporter(QuietReporter):
+class RichReporter:
     """A live bar with items done/total, items/s, tokens/s, failures, elapsed time and ETA."""
 
     def __init__(self, stats: RunStats, console: Console):
-        super().__init__(stats)
+        self.stats = stats
         self.progress = Progress(
             TextColumn("[bold]captioning"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[rates]}"), TextColumn("{task.fields[failed]}"),
@@ -131,6 +152,9 @@ class RichReporter(QuietReporter):
         self.task = self.progress.add_task("caption", total=stats.total, **self._fields())
 
     def __enter__(self) -> RichReporter:
+        if self.stats.already_done:
+            self.progress.console.print(f"resuming: {self.stats.already_done} items were done by earlier runs",
+                                        highlight=False, markup=False)
         self.progress.start()
         return self
 
@@ -138,12 +162,10 @@ class RichReporter(QuietReporter):
         self.progress.update(self.task, **self._fields())
         self.progress.stop()
 
-    def on_tokens(self, count: int) -> None:
-        super().on_tokens(count)
+    def on_tokens(self) -> None:
         self.progress.update(self.task, **self._fields())
 
     def on_result(self, result: CaptionResult) -> None:
-        super().on_result(result)
         if not result.ok:
             self.progress.console.print(f"[red]failed[/] {escape(result.path)}: {escape(result.error or '')}",
                                         highlight=False)
@@ -163,21 +185,31 @@ def progress_line(stats: RunStats) -> str:
             f"ETA {_duration(stats.eta_s)}")
 
 
-def print_summary(console: Console, stats: RunStats, written: str, skipped_detail: str) -> None:
-    """The closing summary: a table on a terminal, one line in logs."""
-    rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed)),
-            ("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
-            ("wall time", _duration(stats.elapsed_s)),
-            ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.tokens_per_s:.1f} tokens/s"),
-            ("output", written)]
-    if console.is_terminal:
-        table = Table(title="tarsier caption", show_header=False)
-        for name, value in rows:
-            table.add_row(name, escape(value))
-        console.print(table)
-    else:
-        console.print("tarsier: done: " + "; ".join(f"{name} {value}" for name, value in rows),
-                      highlight=False, markup=False)
+def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tuple[str, str]]:
+    rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed))]
+    if stats.already_done:
+        rows.append(("done earlier", str(stats.already_done)))
+    if stats.missing_kept:
+        rows.append(("files gone", f"{stats.missing_kept} rows kept (--prune-missing drops them)"))
+    if stats.missing_pruned:
+        rows.append(("files gone", f"{stats.missing_pruned} rows dropped (--prune-missing)"))
+    rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
+             ("wall time", _duration(stats.elapsed_s)),
+             ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens"),
+             ("output", written)]
+    return rows
+
+
+def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
+    """The closing summary as a table on a terminal (log lines carry it otherwise)."""
+    table = Table(title="tarsier caption", show_header=False)
+    for name, value in rows:
+        table.add_row(name, escape(value))
+    console.print(table)
+
+
+def summary_line(rows: list[tuple[str, str]]) -> str:
+    return "done: " + "; ".join(f"{name} {value}" for name, value in rows)
 
 
 def _duration(seconds: float | None) -> str:

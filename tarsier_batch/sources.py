@@ -1,27 +1,48 @@
-"""Find the media to caption from files, directories and glob patterns."""
+"""Find the media to caption from files, directories, glob patterns and stdin, each with a stable key."""
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from .media import MediaType, media_type_of
+from .text import printable
+
+KeyMode = Literal["path", "sha256"]
+KEY_MODES: tuple[KeyMode, ...] = ("path", "sha256")
 
 
 class InputNotFoundError(Exception):
-    """An input path does not exist or a glob pattern matches nothing."""
+    """An input given on the command line does not exist or a glob pattern matches nothing."""
 
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One file to caption; `prompt` overrides the run's instruction for this item only."""
+    """One file to caption; `prompt` overrides the run's instruction for this item only.
+
+    `key` identifies the file's content across runs (see `item_key`); without one, the path
+    stands in for it (sampling seeds derive from it).
+    """
 
     path: str
     media_type: MediaType
     prompt: str | None = None
+    key: str | None = None
+
+    @property
+    def stable_key(self) -> str:
+        return self.key or self.path
+
+    @property
+    def row_path(self) -> str:
+        """The path as stored in its output row (undecodable bytes escaped)."""
+        return printable(self.path)
 
 
 @dataclass
@@ -37,54 +58,105 @@ class Discovery:
         return sum(self.skipped.values())
 
 
-def discover(inputs: list[str], recursive: bool = True) -> Discovery:
+def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None = None,
+             key_mode: KeyMode | None = None) -> Discovery:
     """Expand inputs in the order given; each directory or pattern contributes its files sorted.
 
-    Hidden files and folders (names starting with '.') inside directories are ignored. A file
-    reached twice is listed once. Unsupported files are counted by extension, not listed.
+    Paths are made absolute (symlinks are kept, not resolved: each distinct path is its own
+    item, so 60 links to one clip give 60 rows). Hidden files and folders (names starting with
+    '.') inside directories are ignored. A path reached twice is listed once. Unsupported files
+    are counted by extension, not listed.
+
+    `piped` replaces each `-` in `inputs` (paths read from stdin). A piped path, or a path named
+    like media on the command line, that does not exist (any more) is kept: it becomes an error
+    row rather than stopping the run. A missing path not named like media, or a glob that
+    matches nothing, raises InputNotFoundError: most likely a typo.
+
+    With `key_mode`, every item gets its stable key (`item_key`).
     """
     found = Discovery()
     seen: set[str] = set()
-    for entry in inputs:
-        for path in _expand(entry, recursive, found.unreadable):
-            key = os.path.realpath(path)
-            if key in seen:
+    for entry, from_stdin in _entries(inputs, piped or []):
+        for path in _expand(entry, recursive, found.unreadable, from_stdin):
+            path = os.path.abspath(path)
+            if path in seen:
                 continue
-            seen.add(key)
+            seen.add(path)
             media_type = media_type_of(path)
             if media_type is None:
                 found.skipped[Path(path).suffix.lower() or "(no extension)"] += 1
             else:
-                found.items.append(MediaItem(path, media_type))
+                key = item_key(path, key_mode) if key_mode else None
+                found.items.append(MediaItem(path, media_type, key=key))
     return found
 
 
-def _expand(entry: str, recursive: bool, unreadable: list[str]) -> list[str]:
+def item_key(path: str, mode: KeyMode = "path") -> str:
+    """What identifies a file's content across runs: a changed file gets a new key.
+
+    "path": the resolved absolute path, size and modification time (cheap; touching a file
+    counts as a change). "sha256": a hash of the bytes (reads every file once; a file that
+    was copied or touched without change keeps its key). Files that cannot be read as regular
+    files (missing, FIFOs, devices) get a key from their resolved path alone; they become
+    error rows.
+    """
+    resolved = printable(os.path.realpath(path))
+    try:
+        info = os.stat(path)
+    except OSError:
+        return f"{resolved}|unavailable"
+    if not stat.S_ISREG(info.st_mode):  # never read a FIFO or a device: it could block for ever
+        return f"{resolved}|not-a-file"
+    if mode == "sha256":
+        try:
+            with open(path, "rb") as handle:
+                return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
+        except OSError:
+            return f"{resolved}|unreadable"
+    return f"{resolved}|{info.st_size}|{info.st_mtime_ns}"
+
+
+def _entries(inputs: list[str], piped: list[str]) -> list[tuple[str, bool]]:
+    return [(path, True) if entry == "-" else (entry, False)
+            for entry in inputs for path in (piped if entry == "-" else [entry])]
+
+
+def _expand(entry: str, recursive: bool, unreadable: list[str], from_stdin: bool) -> list[str]:
     if os.path.isdir(entry):
         return _walk(entry, recursive, unreadable)
-    if os.path.exists(entry):
+    if os.path.lexists(entry):  # files, but also FIFOs, devices and broken links: they become error rows
         return [entry]
-    if glob.has_magic(entry):
+    if not from_stdin and glob.has_magic(entry):
         matches = sorted(glob.glob(entry, recursive=True))
         if not matches:
             raise InputNotFoundError(f"no file matches {entry!r}")
-        return [path for match in matches for path in _expand(match, recursive, unreadable)]
+        return [path for match in matches for path in _expand(match, recursive, unreadable, False)]
+    if from_stdin or media_type_of(entry) is not None:
+        return [entry]  # vanished (or never existed): its row will say so
     raise InputNotFoundError(f"input not found: {entry}")
 
 
 def _walk(directory: str, recursive: bool, unreadable: list[str]) -> list[str]:
+    """Files under `directory`, sorted; FIFOs, devices and links are listed too (they become error rows).
+
+    A directory named like media ("x.mp4/") is listed as an item that will fail with a clear
+    reason rather than walked. Links to directories are not followed (no loops).
+    """
     def note(error: OSError) -> None:
         unreadable.append(f"{error.filename}: {error.strerror}")
 
+    def listed(name: str, is_dir: bool) -> bool:
+        return not name.startswith(".") and (not is_dir or media_type_of(name) is not None)
+
     if not recursive:
         try:
-            return sorted(entry.path for entry in os.scandir(directory)
-                          if entry.is_file() and not entry.name.startswith("."))
+            return sorted(entry.path for entry in os.scandir(directory) if listed(entry.name, entry.is_dir()))
         except OSError as error:
             note(error)
             return []
     files = []
     for root, dirs, names in os.walk(directory, onerror=note):
-        dirs[:] = [name for name in dirs if not name.startswith(".")]
-        files += [os.path.join(root, name) for name in names if not name.startswith(".")]
+        files += [os.path.join(root, name) for name in names if listed(name, False)]
+        files += [os.path.join(root, name) for name in dirs if listed(name, True)]
+        dirs[:] = [name for name in dirs if not name.startswith(".") and media_type_of(name) is None]
     return sorted(files)

@@ -10,11 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
-from tarsier_batch.sinks import PROVENANCE_KEY, SUMMARY_KEY
+from tarsier_batch.outputs.schema import PROVENANCE_KEY, SUMMARY_KEY
 
 runner = CliRunner()
-COLUMNS = ["path", "media_type", "caption", "model", "prompt", "num_frames", "frame_indices", "width", "height",
-           "duration_s", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s"]
+COLUMNS = ["path", "key", "media_type", "caption", "model", "prompt", "num_frames", "frame_indices", "width", "height",
+           "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s"]
 
 
 def run(*args: str):
@@ -34,6 +34,11 @@ def stop_captioning_at(monkeypatch, index: int, stop) -> None:
             yield result
 
     monkeypatch.setattr(Captioner, "caption", caption_then_stop)
+
+
+def saved_rows(out: Path) -> int:
+    """Rows in the part files a stopped run left for the next one."""
+    return sum(pq.read_table(part).num_rows for part in (out.parent / f".{out.name}.tarsier").glob("part-*.parquet"))
 
 
 def media_in(*folders: Path) -> list[Path]:
@@ -78,9 +83,11 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     summary = json.loads(metadata[SUMMARY_KEY.encode()])
     assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 2
     assert "skipped 2" in result.output and "captioned 15" in result.output
-    log = result.output.splitlines()  # not a terminal: plain log lines for cron
+    log = [line.split(" ", 1)[1] for line in result.output.splitlines()]  # not a terminal: timestamped lines
     assert "tarsier: captioning 15 items" in log
     assert any(line.startswith("tarsier: 15/15 items, 0 failed,") for line in log)
+    assert {row["decoder"] for row in rows} == {"decord", "pillow"}
+    assert rows[0]["key"].startswith(rows[0]["path"] + "|")
 
 
 def test_corrupt_file_becomes_an_error_row_and_exit_1(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
@@ -141,12 +148,6 @@ def test_unusable_model_stops_with_exit_2(shared_media: Path, tmp_path: Path) ->
     assert "config.json" in result.output
 
 
-def test_folder_without_media_stops_with_exit_2(tiny_model_dir: Path, tmp_path: Path) -> None:
-    (tmp_path / "notes.txt").write_text("hello")
-    result = run(str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
-    assert result.exit_code == 2 and "no supported media" in result.output
-
-
 def test_custom_prompt_and_frames(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     result = run(str(shared_media / "demo_test.mp4"), "--model", str(tiny_model_dir), "--out", str(out),
@@ -176,12 +177,10 @@ def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_m
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 130
-    assert "interrupted; 2 finished rows kept in" in result.output
+    assert "interrupted; 2 finished rows are saved in" in result.output
+    assert "run the same command again to resume" in result.output
     assert not out.exists()
-    partial = tmp_path / "r.parquet.partial"
-    assert pq.read_table(partial).num_rows == 2
-    summary = json.loads(pq.read_metadata(partial).metadata[SUMMARY_KEY.encode()])
-    assert summary["complete"] is False and summary["captioned"] == 2 and summary["total"] == 9
+    assert saved_rows(out) == 2
 
 
 def test_dash_reads_paths_from_stdin(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
@@ -203,8 +202,8 @@ def test_crash_mid_run_keeps_finished_rows_and_exits_3(tiny_model_dir: Path, sha
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 3
-    assert "crashed (RuntimeError: CUDA error: device-side assert triggered); 2 finished rows kept" in result.output
-    assert not out.exists() and pq.read_table(tmp_path / "r.parquet.partial").num_rows == 2
+    assert "crashed (RuntimeError: CUDA error: device-side assert triggered); 2 finished rows are saved" in result.output
+    assert not out.exists() and saved_rows(out) == 2
 
 
 def test_sigterm_stops_like_ctrl_c_and_exits_143(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
@@ -217,8 +216,8 @@ def test_sigterm_stops_like_ctrl_c_and_exits_143(tiny_model_dir: Path, shared_me
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 143
-    assert "terminated; 1 finished rows kept" in result.output
-    assert pq.read_table(tmp_path / "r.parquet.partial").num_rows == 1
+    assert "terminated; 1 finished rows are saved" in result.output
+    assert saved_rows(out) == 1
     assert signal.getsignal(signal.SIGTERM) == previous
 
 
@@ -260,15 +259,17 @@ def test_rich_display_shows_markup_characters_literally() -> None:
 
     from rich.console import Console
 
-    from tarsier_batch.api import CaptionResult
-    from tarsier_batch.progress import RichReporter, RunStats, print_summary
+    from tarsier_batch.progress import RichReporter, RunStats, print_summary, summary_rows
+    from tarsier_batch.results import CaptionResult
 
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=120)
     stats = RunStats(total=1)
     with RichReporter(stats, console) as reporter:
-        reporter.on_result(CaptionResult(path="clips/a[/x].png", media_type="image", error="bad [/red] data"))
-    print_summary(console, stats, "out[1].parquet", "")
+        failure = CaptionResult(path="clips/a[/x].png", media_type="image", error="bad [/red] data")
+        stats.record(failure)
+        reporter.on_result(failure)
+    print_summary(console, summary_rows(stats, "out[1].parquet", ""))
     text = buffer.getvalue()
     assert "a[/x].png" in text and "bad [/red] data" in text and "out[1].parquet" in text
 

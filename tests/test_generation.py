@@ -96,16 +96,36 @@ def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCapti
 
 def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: CaptionSettings, shared_media: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
     from conftest import SAMPLE_DATA
 
+    from tarsier_batch import workers
+
     items = mixed_items(shared_media, SAMPLE_DATA)
-    captioner = Captioner(replace(settings, batch_size=3, prefill_chunk=64))
+    # Every item is decoded before the first can join the batch, so which rows finish first
+    # depends only on the engine (short prompts first), never on decoding speed.
+    captioner = Captioner(replace(settings, batch_size=3, prefill_chunk=64, isolate_decoding=False,
+                                  workers=len(items)))
+    others_done = threading.Semaphore(0)
+    real_decode = workers.decode_item
+
+    def decode_first_last(job, index, item):
+        if index == 0:
+            for _ in items[1:]:
+                others_done.acquire()
+            return real_decode(job, index, item)
+        decoded = real_decode(job, index, item)
+        others_done.release()
+        return decoded
+
+    monkeypatch.setattr(workers, "decode_item", decode_first_last)
     finished: list[str] = []
     real_step = captioner.engine.step
 
     def recording_step(on_tokens=None):
         rows = real_step(on_tokens)
-        finished.extend(row.payload.item.path for row in rows)
+        finished.extend(row.payload.decoded.item.path for row in rows)
         return rows
 
     monkeypatch.setattr(captioner.engine, "step", recording_step)
@@ -118,10 +138,13 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
 def test_item_too_large_for_the_kv_cache_is_an_error_row(settings: CaptionSettings, shared_media: Path) -> None:
     from conftest import SAMPLE_DATA
 
-    items = mixed_items(shared_media, SAMPLE_DATA)[:3]  # an image, a 5-frame GIF, an 8-frame video
+    items = mixed_items(shared_media, SAMPLE_DATA)[:3]  # an image, a 5-frame GIF, a video
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x kv heads x head dim x float32
-    captioner = Captioner(replace(settings, batch_size=2, kv_cache_gb=150 * bytes_per_token / 2**30))
+    tight = replace(settings, batch_size=2, kv_cache_gb=160 * bytes_per_token / 2**30)
+    with pytest.raises(ValueError, match="--frames 8 needs at least 168 positions per item, more than the KV cache"):
+        Captioner(tight)  # 8 frames of 21 vectors can never fit: refused before any item is decoded
+    captioner = Captioner(replace(tight, frames=7))  # 147 vision positions fit, but not with the text around them
     results = list(captioner.caption(items))
-    assert [result.ok for result in results] == [True, False, False]
-    assert "more than the cache holds (150 tokens)" in (results[1].error or "")
-    assert results[0].generated_ids == caption_ids(replace(settings, batch_size=1), items[:1])[0]
+    assert [result.ok for result in results] == [True, True, False], [result.error for result in results]
+    assert "more than the cache holds (160 tokens)" in (results[2].error or "")
+    assert results[0].generated_ids == caption_ids(replace(settings, batch_size=1, frames=7), items[:1])[0]

@@ -1,4 +1,4 @@
-"""Input discovery, the Parquet sink's all-or-partial guarantee, model resolution and OOM retries."""
+"""Input discovery, model resolution and OOM retries."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams
-from tarsier_batch.api import CaptionResult
 from tarsier_batch.checkpoints import ModelNotFoundError, resolve_model
-from tarsier_batch.sinks import OutputExistsError, ParquetSink
 from tarsier_batch.sources import InputNotFoundError, discover
 
 
@@ -44,50 +42,39 @@ def test_globs_expand_sorted_and_must_match(tmp_path: Path) -> None:
     with pytest.raises(InputNotFoundError, match="no file matches"):
         discover([str(tmp_path / "*.avi")])
     with pytest.raises(InputNotFoundError, match="input not found"):
-        discover([str(tmp_path / "missing.mp4")])
+        discover([str(tmp_path / "missing_folder")])
 
 
-def result(path: str) -> CaptionResult:
-    return CaptionResult(path=path, media_type="image", caption="c", finish_reason="length", generated_ids=[1])
+def test_vanished_media_paths_and_odd_entries_become_items(tmp_path: Path) -> None:
+    """A path named like media that is gone (typed or piped) is kept: its row will say why it failed."""
+    clip = touch(tmp_path / "in" / "clip.mp4")
+    (tmp_path / "in" / "link1.mp4").symlink_to(clip)
+    (tmp_path / "in" / "link2.mp4").symlink_to(clip)
+    (tmp_path / "in" / "folder.mp4").mkdir()
+    touch(tmp_path / "in" / "folder.mp4" / "inside.mp4")  # a folder named like media is an item, not walked
+    (tmp_path / "in" / "loop.mp4").symlink_to(tmp_path / "in" / "loop.mp4")
+    os.mkfifo(tmp_path / "in" / "pipe.mp4")
+    found = discover([str(tmp_path / "in"), str(tmp_path / "gone.mp4"), "-"], piped=[str(tmp_path / "piped.gif")],
+                     key_mode="path")
+    names = [os.path.relpath(item.path, tmp_path) for item in found.items]
+    assert names == ["in/clip.mp4", "in/folder.mp4", "in/link1.mp4", "in/link2.mp4", "in/loop.mp4", "in/pipe.mp4",
+                     "gone.mp4", "piped.gif"]
+    keys = {name: item.key for name, item in zip(names, found.items)}
+    info = clip.stat()
+    assert keys["in/clip.mp4"] == f"{clip}|{info.st_size}|{info.st_mtime_ns}"
+    assert keys["in/link1.mp4"] == keys["in/link2.mp4"] == keys["in/clip.mp4"]  # one content, three rows
+    assert keys["in/pipe.mp4"].endswith("|not-a-file") and keys["gone.mp4"].endswith("|unavailable")
+    assert keys["in/folder.mp4"].endswith("|not-a-file") and keys["in/loop.mp4"].endswith("|unavailable")
 
 
-def test_sink_replaces_output_only_when_committed(tmp_path: Path) -> None:
-    out = tmp_path / "deep" / "r.parquet"
-    with ParquetSink(out, "m", with_token_ids=False) as sink:
-        sink.write(result("a"))
-        assert not out.exists()
-        sink.provenance = {"k": 1}
-        sink.commit({"complete": True})
-    assert pq.read_table(out).column("path").to_pylist() == ["a"]
-    metadata = pq.read_metadata(out).metadata
-    assert json.loads(metadata[b"tarsier_batch"]) == {"k": 1}
-    assert json.loads(metadata[b"tarsier_batch_summary"]) == {"complete": True}
-    assert not list(out.parent.glob(".*tmp"))
-    with pytest.raises(OutputExistsError):
-        ParquetSink(out, "m", with_token_ids=False)
+def test_sha256_keys_follow_content_not_names(tmp_path: Path) -> None:
+    from tarsier_batch.sources import item_key
 
-
-def test_interrupted_run_keeps_finished_rows_in_a_partial_file(tmp_path: Path) -> None:
-    out = tmp_path / "r.parquet"
-    out.write_bytes(b"old results")
-    with pytest.raises(KeyboardInterrupt):
-        with ParquetSink(out, "m", with_token_ids=True, overwrite=True) as sink:
-            sink.write(result("a"))
-            sink.write(result("b"))
-            raise KeyboardInterrupt
-    assert out.read_bytes() == b"old results"
-    partial = pq.read_table(tmp_path / "r.parquet.partial")
-    assert partial.column("path").to_pylist() == ["a", "b"]
-    assert partial.column("generated_ids").to_pylist() == [[1], [1]]
-    assert b'"complete": false' in pq.read_metadata(tmp_path / "r.parquet.partial").metadata[b"tarsier_batch_summary"]
-
-
-def test_run_stopped_before_any_row_leaves_nothing(tmp_path: Path) -> None:
-    out = tmp_path / "r.parquet"
-    with pytest.raises(RuntimeError):
-        with ParquetSink(out, "m", with_token_ids=False):
-            raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
+    a, b = touch(tmp_path / "a.mp4"), touch(tmp_path / "b.mp4")
+    assert item_key(str(a), "sha256") == item_key(str(b), "sha256") != item_key(str(a), "path")
+    before = item_key(str(a), "path")
+    a.write_bytes(b"changed")
+    assert item_key(str(a), "sha256") != item_key(str(b), "sha256") and item_key(str(a), "path") != before
 
 
 def test_offline_hub_id_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -144,30 +131,6 @@ def test_out_of_memory_lowers_the_step_budget_and_the_run_completes(tiny_model_d
     assert sum(calls[2:]) == len(items), "each frame is encoded once the step fits"
 
 
-def test_orphaned_temporary_files_of_dead_runs_are_removed(tmp_path: Path) -> None:
-    out = tmp_path / "r.parquet"
-    dead = tmp_path / ".r.parquet.999999999.tmp"   # no such process
-    own_parent = tmp_path / f".r.parquet.{os.getppid()}.tmp"
-    for path in (dead, own_parent):
-        path.write_bytes(b"PAR1")
-    with ParquetSink(out, "m", with_token_ids=False) as sink:
-        sink.write(result("a"))
-        sink.commit({"complete": True})
-    assert not dead.exists() and own_parent.exists()
-
-
-def test_unwritable_row_does_not_cost_the_finished_ones(tmp_path: Path) -> None:
-    out = tmp_path / "r.parquet"
-    with pytest.raises(KeyboardInterrupt):
-        with ParquetSink(out, "m", with_token_ids=False) as sink:
-            for name in "abc":
-                sink.write(result(name))
-            sink._flush()
-            sink.write(result("bad\udcff"))  # a lone surrogate cannot be stored as UTF-8
-            raise KeyboardInterrupt
-    assert pq.read_table(tmp_path / "r.parquet.partial").column("path").to_pylist() == ["a", "b", "c"]
-
-
 def test_unreadable_folders_are_reported_not_hidden(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     touch(tmp_path / "ok" / "a.mp4")
     locked = tmp_path / "locked"
@@ -189,40 +152,42 @@ def test_unreadable_folders_are_reported_not_hidden(tmp_path: Path, monkeypatch:
 
 def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_media: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synchronised by events only: no step of the model or the decoders is timed."""
     import threading
-    from concurrent.futures import ThreadPoolExecutor
 
-    from tarsier_batch import api
+    from tarsier_batch import workers
     from tarsier_batch.media import MediaType
     from tarsier_batch.sources import MediaItem
 
-    settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1,
+    settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1, isolate_decoding=False,
                                sampling=SamplingParams(max_new_tokens=1), dtype="float32", device="cpu")
     captioner = Captioner(settings)
     started: list[int] = []
-    second_may_finish = threading.Event()
-    real_load = captioner._load
+    second_started, second_may_finish = threading.Event(), threading.Event()
+    real_decode, real_shutdown = workers.decode_item, workers.DecodePool.shutdown
 
-    def gated_load(index, item):  # the second decode holds the only worker until the queue is cancelled
+    def gated_decode(job, index, item):  # the second decode holds the only worker until the stop
         started.append(index)
         if index == 1:
+            second_started.set()
             second_may_finish.wait()
-        return real_load(index, item)
+        return real_decode(job, index, item)
 
-    class PoolReleasingAfterCancel(ThreadPoolExecutor):
-        def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-            super().shutdown(wait=False, cancel_futures=cancel_futures)
-            second_may_finish.set()
-            super().shutdown(wait=wait)
+    def shutdown_releasing_the_second(pool) -> None:
+        assert pool._threads is not None
+        pool._threads.shutdown(wait=False, cancel_futures=True)  # the queued decodes are dropped first...
+        second_may_finish.set()                                  # ...then the running one may end
+        real_shutdown(pool)
 
-    monkeypatch.setattr(captioner, "_load", gated_load)
-    monkeypatch.setattr(api, "_loader_pool", lambda workers: PoolReleasingAfterCancel(workers))
+    monkeypatch.setattr(workers, "decode_item", gated_decode)
+    monkeypatch.setattr(workers.DecodePool, "shutdown", shutdown_releasing_the_second)
     items = [MediaItem(str(shared_media / "clip_5f.gif"), MediaType.GIF)] * 10
     results = captioner.caption(items)
     first = next(results)
     assert first.ok
+    assert second_started.wait(timeout=60)
     results.close()  # what Ctrl-C or an abandoned iterator does
-    # Item 1 was being decoded when we stopped; the queued items 2 and 3 never start.
+    # Item 1 was being decoded when we stopped; the queued item 2 never starts.
     assert started == [0, 1]
     assert not captioner.engine.has_work
 

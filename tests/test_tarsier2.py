@@ -21,7 +21,7 @@ from tarsier_batch.families import ProcessedPrompt, load_caption_model
 from tarsier_batch.families.tarsier2 import Tarsier2Captioner, VisionSpan, mrope_positions
 from tarsier_batch.families.tarsier2.processing import pixel_cap, shrink_to_pixels, with_temporal_copies
 from tarsier_batch.media import MediaType, frame_indices_without_repeats, media_type_of
-from tarsier_batch.sinks import PROVENANCE_KEY
+from tarsier_batch.outputs.schema import PROVENANCE_KEY
 from tarsier_batch.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))

@@ -85,7 +85,7 @@ class KVGeometry:
 
 
 class Processor(Protocol):
-    """CPU side: turns media into a `ProcessedPrompt`; safe to call from several threads."""
+    """CPU side: turns media into a `ProcessedPrompt`; picklable (it runs in decoding worker processes)."""
 
     default_frames: int  # frames sampled from a video when the user does not say
 
@@ -94,6 +94,9 @@ class Processor(Protocol):
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media` from `load_media`; `instruction` None means the family's default for the media type."""
+
+    def min_vision_positions(self, num_frames: int) -> int:
+        """The fewest vision positions an item of `num_frames` frames can take (to reject impossible --frames)."""
 
 
 class CaptionModel(Protocol):

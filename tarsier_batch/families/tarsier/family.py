@@ -47,6 +47,10 @@ class TarsierPromptProcessor(TarsierProcessor):
         """v1 sampling (short videos repeat frames, GIFs do not), each frame preprocessed once decoded."""
         return load_media(path, media_type, num_frames, frame_transform=self.frame_pixels)
 
+    def min_vision_positions(self, num_frames: int) -> int:
+        """Every v1 frame takes the same number of positions."""
+        return num_frames * self.config.tokens_per_frame
+
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_pixels` results (one (3, size, size) tensor each)."""
         text = instruction if instruction is not None else default_instruction(media.media_type)

@@ -76,6 +76,11 @@ class Tarsier2Processor:
         self.temporal_patch_size: int = self.image_processor.temporal_patch_size
         self.merge_size: int = self.image_processor.merge_size
 
+    def min_vision_positions(self, num_frames: int) -> int:
+        """The fewest vision positions `num_frames` frames can take: each is at least `min_pixels` big."""
+        merged_patch = self.image_processor.patch_size * self.merge_size
+        return num_frames * max(1, self.image_processor.size.shortest_edge // merged_patch**2)
+
     def frame_patches(self, frame: Image.Image, frame_count: int, media_type: MediaType) -> FramePatches:
         """One RGB frame, shrunk to its budget and cut into patches, as the official processor does.
 

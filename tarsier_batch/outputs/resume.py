@@ -1,0 +1,109 @@
+"""Decide what a run must still caption, given the rows earlier runs left for the same output."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sources import MediaItem
+from .store import StoredRows
+
+# The settings that decide a caption. Rows made with other values must not be mixed in one file.
+RESUME_SETTINGS = ("model", "model_revision", "prompt", "frames", "max_new_tokens", "temperature", "top_p",
+                   "seed", "repetition_penalty", "with_token_ids", "key")
+# With greedy decoding these do not change a caption.
+SAMPLING_ONLY = ("top_p", "seed")
+
+
+class SettingsMismatchError(Exception):
+    """The stored rows were made with other settings than this run's."""
+
+
+def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> None:
+    """Refuse to mix rows made with different settings; only the settings present in `now` are compared.
+
+    The CLI calls this twice: before loading the model with what the flags say (so a
+    mismatch is answered at once), and after, with what the model resolved (frames and
+    repetition penalty defaults, the checkpoint revision).
+    """
+    for where, old in stored.items():
+        greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
+        differences = [f"{name} {_shown(old.get(name))} there, {_shown(now[name])} now"
+                       for name in RESUME_SETTINGS
+                       if name in now and old.get(name) != now[name] and not (greedy and name in SAMPLING_ONLY)]
+        if differences:
+            raise SettingsMismatchError(
+                f"{where} holds rows made with other settings ({'; '.join(differences)}); run with the same "
+                f"settings to continue it, pass --overwrite to caption everything again, or choose another --out")
+
+
+@dataclass
+class Plan:
+    """Rows that need no work, items to caption, and what happens to the other stored rows."""
+
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)         # path -> finished row
+    todo: list[MediaItem] = field(default_factory=list)                   # one item per key
+    sharing: dict[str, list[MediaItem]] = field(default_factory=dict)     # key -> more items with that content
+    kept: list[dict[str, Any]] = field(default_factory=list)              # stored rows of paths not in this run
+    missing_kept: int = 0     # of `kept`, rows whose file no longer exists
+    missing_pruned: int = 0   # rows dropped by --prune-missing
+    retried: int = 0          # error rows captioned again (--retry-errors)
+    changed: int = 0          # stored rows whose file changed since (captioned again)
+
+    @property
+    def items_to_caption(self) -> int:
+        return len(self.todo) + sum(len(more) for more in self.sharing.values())
+
+    def ordered_rows(self, items: list[MediaItem], new_rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The final rows: this run's items in input order, then the kept rows in their stored order."""
+        rows = [self.done.get(item.row_path) or new_rows.get(item.row_path) for item in items]
+        return [row for row in rows if row is not None] + self.kept
+
+
+def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = False, prune_missing: bool = False,
+             exists: Callable[[str], bool] = os.path.lexists) -> Plan:
+    """Match this run's items to the stored rows by path and key.
+
+    An item whose path has a row with the same key is done (unless the row is an error and
+    `retry_errors`). An item whose content (key) was captioned under another path gets a copy
+    of that row. Items sharing a key are captioned once (`todo`) and the others listed in
+    `sharing`. Stored rows of paths not in this run are kept, except with `prune_missing`
+    those whose file no longer exists.
+    """
+    plan = Plan()
+    captioned_content = {row["key"]: row for row in stored.rows.values() if row["error"] is None}
+    planned: set[str] = set()
+    for item in items:
+        key = item.stable_key
+        row = stored.rows.get(item.row_path)
+        if row is not None and row["key"] == key and not (retry_errors and row["error"] is not None):
+            plan.done[item.row_path] = row
+            continue
+        if row is not None:
+            plan.changed += row["key"] != key
+            plan.retried += row["key"] == key
+        if key in captioned_content:
+            plan.done[item.row_path] = {**captioned_content[key], "path": item.row_path}
+        elif key in planned:
+            plan.sharing.setdefault(key, []).append(item)
+        else:
+            planned.add(key)
+            plan.todo.append(item)
+    paths = {item.row_path for item in items}
+    for path, row in stored.rows.items():
+        if path in paths:
+            continue
+        if exists(path):
+            plan.kept.append(row)
+        elif prune_missing:
+            plan.missing_pruned += 1
+        else:
+            plan.kept.append(row)
+            plan.missing_kept += 1
+    return plan
+
+
+def _shown(value: Any) -> str:
+    return "(default)" if value is None else repr(value)

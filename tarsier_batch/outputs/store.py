@@ -1,0 +1,212 @@
+"""Crash-safe output: finished rows go to part files as they come; `--out` is written once, atomically.
+
+Beside `--out` (say `r.parquet`) a run keeps a hidden work directory `.r.parquet.tarsier/`:
+
+    settings.json                 what decides the captions (model, prompt, frames, generation)
+    part-<time>-<pid>.parquet     finished rows, every N rows or T seconds
+
+Each part is written under a temporary name, fsynced, renamed and its directory fsynced, so a
+part either exists whole or not at all: a `kill -9` or a power cut loses at most the rows not
+yet flushed. When the run ends, the rows of `--out` (if any), of the parts and of this run
+are merged into a temporary file that replaces `--out` atomically; then the work directory is
+removed. A reader never sees a half-written file, and a later run reads both `--out` and any
+parts left behind to resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..text import one_line
+from .schema import PROVENANCE_KEY, SUMMARY_KEY, output_schema
+
+FLUSH_ROWS = 64          # rows per part file: few files on long runs, little lost to a `kill -9`
+FLUSH_SECONDS = 30.0     # and at most this long between flushes while rows wait
+ROWS_PER_GROUP = 1024    # row groups of the final file
+SETTINGS_FILE = "settings.json"
+
+
+class OutputError(Exception):
+    """`--out` cannot be used: a directory, or a file this tool did not write."""
+
+
+class OutputWriteError(Exception):
+    """Finished rows could not be written (full disk, permissions, I/O error)."""
+
+
+@dataclass
+class StoredRows:
+    """What earlier runs left for this output: rows by path (the newest wins) and their settings."""
+
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)   # where -> resume settings
+    provenance: dict[str, Any] | None = None                            # of the newest run that left rows
+    parts: int = 0
+    unreadable_parts: list[str] = field(default_factory=list)           # "name: reason"
+
+
+class ResultStore:
+    """The output file `out` and its work directory of part files."""
+
+    def __init__(self, out: Path, with_token_ids: bool, flush_rows: int = FLUSH_ROWS,
+                 flush_seconds: float = FLUSH_SECONDS, clock: Callable[[], float] = time.monotonic):
+        if out.is_dir():
+            raise OutputError(f"--out {out} is a directory; give a file name such as {out / 'results.parquet'}")
+        self.out = out
+        self.work_dir = out.parent / f".{out.name}.tarsier"
+        self.schema = output_schema(with_token_ids)
+        self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
+        self._pending: list[dict[str, Any]] = []
+        self._oldest_pending = 0.0
+        self.saved_rows = 0    # rows of this run that are safely in part files
+
+    def read(self) -> StoredRows:
+        """The rows and settings of `--out` and of the parts an unfinished run left."""
+        stored = StoredRows()
+        if self.out.exists():
+            table, stored.provenance = _read_output(self.out)
+            stored.settings[str(self.out)] = stored.provenance["settings"]
+            _take_rows(stored, table)
+        settings_file = self.work_dir / SETTINGS_FILE
+        parts = self._parts()
+        if settings_file.exists() and parts:
+            stored.provenance = json.loads(settings_file.read_text())
+            stored.settings[str(self.work_dir)] = stored.provenance["settings"]
+        stored.parts = len(parts)
+        for part in parts:
+            try:
+                _take_rows(stored, pq.read_table(part))
+            except (OSError, pa.ArrowException) as error:  # only possible if the disk itself lost data
+                stored.unreadable_parts.append(f"{part.name}: {error}")
+        return stored
+
+    def begin(self, provenance: dict[str, Any], fresh: bool) -> None:
+        """Prepare the work directory; `fresh` drops the parts of earlier runs (`--overwrite`).
+
+        `provenance` (with the resume settings under "settings") is stored for the next run.
+        """
+        if fresh:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
+            leftover.unlink(missing_ok=True)
+        _write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+
+    def add(self, row: dict[str, Any]) -> None:
+        """Queue a finished row; it is saved with the next part."""
+        if not self._pending:
+            self._oldest_pending = self._clock()
+        self._pending.append(row)
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Save the queued rows if there are enough of them, or the oldest has waited long enough."""
+        if len(self._pending) >= self.flush_rows or \
+                (self._pending and self._clock() - self._oldest_pending >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        """Save the queued rows as one part file; on failure they are lost and the error says how many."""
+        if not self._pending:
+            return
+        rows, self._pending = self._pending, []
+        name = f"part-{time.time_ns():020d}-{os.getpid()}.parquet"
+        table = pa.Table.from_pylist(rows, schema=self.schema)
+        try:
+            _write_atomically(self.work_dir / name, lambda path: pq.write_table(table, path))
+        except OSError as error:
+            raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_dir}: "
+                                   f"{error.strerror or error}") from error
+        self.saved_rows += len(rows)
+
+    @property
+    def pending_rows(self) -> int:
+        return len(self._pending)
+
+    def commit(self, rows: list[dict[str, Any]], provenance: dict[str, Any], summary: dict[str, Any]) -> None:
+        """Write `rows` as `--out` (atomically replacing it), then remove the work directory."""
+        table = pa.Table.from_pylist(rows, schema=self.schema)
+        metadata = {PROVENANCE_KEY: json.dumps(provenance), SUMMARY_KEY: json.dumps(summary)}
+
+        def write(path: Path) -> None:
+            with pq.ParquetWriter(str(path), self.schema) as writer:
+                writer.write_table(table, row_group_size=ROWS_PER_GROUP)
+                writer.add_key_value_metadata(metadata)
+
+        try:
+            _write_atomically(self.out, write, temporary=self.out.parent / f".{self.out.name}.{os.getpid()}.tmp")
+        except OSError as error:
+            raise OutputWriteError(f"cannot write {self.out}: {error.strerror or error}") from error
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def discard(self) -> None:
+        """Remove the work directory (nothing left to resume)."""
+        shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def _parts(self) -> list[Path]:
+        return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
+
+
+def read_provenance(path: Path) -> dict[str, Any]:
+    """The provenance stored in an output file ({} if it has none)."""
+    metadata = pq.read_metadata(path).metadata or {}
+    return json.loads(metadata.get(PROVENANCE_KEY.encode(), b"{}"))
+
+
+def _read_output(out: Path) -> tuple[pa.Table, dict[str, Any]]:
+    try:
+        provenance = read_provenance(out)
+        table = pq.read_table(out) if "settings" in provenance else None
+    except (OSError, pa.ArrowException, ValueError) as error:
+        raise OutputError(f"{out} exists but is not a readable Parquet file ({one_line(error)}); "
+                          f"pass --overwrite to replace it") from error
+    if table is None or "key" not in table.column_names:
+        raise OutputError(f"{out} exists but was not written by this version of tarsier-batch, so it cannot "
+                          f"be continued; pass --overwrite to replace it")
+    return table, provenance
+
+
+def _take_rows(stored: StoredRows, table: pa.Table) -> None:
+    for row in table.to_pylist():
+        stored.rows.pop(row["path"], None)  # re-inserted last: the newest row of a path comes last
+        stored.rows[row["path"]] = row
+
+
+def _write_atomically(path: Path, write: Callable[[Path], None], temporary: Path | None = None) -> None:
+    """Write through `temporary` (default `.<name>.tmp` beside `path`), fsync, rename, fsync the folder."""
+    temporary = temporary or path.with_name(f".{path.name}.tmp")
+    try:
+        write(temporary)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the rename still happened
+        descriptor = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "read_provenance"]

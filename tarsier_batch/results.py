@@ -1,0 +1,37 @@
+"""One output row: what captioning an item produced, or why it failed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CaptionResult:
+    """One output row. `prompt_tokens` counts the merged prefill (text plus vision vectors).
+
+    `path` is the item's path as the caller gave it (the CLI gives absolute paths); `key` is
+    its stable identity for resuming (see `sources.item_key`); `decoder` names what produced
+    the frames ("decord", "pyav" or "pillow").
+    """
+
+    path: str
+    media_type: str
+    key: str | None = None
+    caption: str | None = None
+    prompt: str | None = None
+    num_frames: int | None = None
+    frame_indices: list[int] | None = None
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    decoder: str | None = None
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    finish_reason: str = "error"
+    error: str | None = None
+    elapsed_s: float = 0.0
+    generated_ids: list[int] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,196 @@
+"""The output store, resume plans, settings checks and the output lock, without a model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tarsier_batch.media import MediaType
+from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
+from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings, plan_run
+from tarsier_batch.outputs.schema import PROVENANCE_KEY, result_row
+from tarsier_batch.outputs.store import OutputError, OutputWriteError, ResultStore, StoredRows
+from tarsier_batch.results import CaptionResult
+from tarsier_batch.sources import MediaItem
+
+SETTINGS = {"model": "m", "model_revision": None, "prompt": None, "frames": 8, "max_new_tokens": 4,
+            "temperature": 0.0, "top_p": 1.0, "seed": 0, "repetition_penalty": 1.0, "with_token_ids": False,
+            "key": "path"}
+
+
+def row(path: str, key: str | None = None, error: str | None = None, caption: str = "c") -> dict:
+    result = CaptionResult(path=path, media_type="image", key=key or f"{path}|k", caption=None if error else caption,
+                           error=error, finish_reason="error" if error else "stop")
+    return result_row(result, "m", with_token_ids=False)
+
+
+def item(path: str, key: str | None = None) -> MediaItem:
+    return MediaItem(path, MediaType.IMAGE, key=key or f"{path}|k")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_parts_are_flushed_every_n_rows_or_t_seconds(tmp_path: Path) -> None:
+    clock = Clock()
+    store = ResultStore(tmp_path / "r.parquet", False, flush_rows=3, flush_seconds=10, clock=clock)
+    store.begin({"settings": SETTINGS}, fresh=False)
+    store.add(row("/a"))
+    store.add(row("/b"))
+    assert store.saved_rows == 0 and store.pending_rows == 2
+    store.add(row("/c"))  # the third row fills a part
+    assert store.saved_rows == 3 and len(list(store.work_dir.glob("part-*.parquet"))) == 1
+    store.add(row("/d"))
+    clock.now = 9.9
+    store.flush_if_due()
+    assert store.pending_rows == 1
+    clock.now = 10.0  # the oldest waiting row is 10 s old
+    store.flush_if_due()
+    assert store.saved_rows == 4
+    stored = ResultStore(tmp_path / "r.parquet", False).read()
+    assert list(stored.rows) == ["/a", "/b", "/c", "/d"] and stored.parts == 2
+    assert stored.settings == {str(store.work_dir): SETTINGS}
+    assert not any(path.name.endswith(".tmp") for path in store.work_dir.iterdir())
+
+
+def test_commit_writes_out_atomically_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    store = ResultStore(out, False)
+    store.begin({"settings": SETTINGS}, fresh=False)
+    store.add(row("/a"))
+    store.flush()
+    store.commit([row("/a"), row("/b")], {"settings": SETTINGS}, {"complete": True})
+    assert pq.read_table(out).column("path").to_pylist() == ["/a", "/b"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["r.parquet"]
+    stored = ResultStore(out, False).read()
+    assert list(stored.rows) == ["/a", "/b"] and stored.settings == {str(out): SETTINGS}
+    assert json.loads(pq.read_metadata(out).metadata[PROVENANCE_KEY.encode()])["settings"] == SETTINGS
+
+
+def test_newer_rows_of_a_path_win_and_parts_left_by_a_killed_run_are_read(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    first = ResultStore(out, False)
+    first.begin({"settings": SETTINGS}, fresh=False)
+    first.commit([row("/a", error="bad"), row("/b")], {"settings": SETTINGS}, {})
+    second = ResultStore(out, False)
+    second.begin({"settings": SETTINGS}, fresh=False)
+    second.add(row("/a", caption="fixed"))
+    second.flush()
+    (second.work_dir / ".part-x.parquet.tmp").write_bytes(b"half a part")  # killed mid-write: never read
+    stored = ResultStore(out, False).read()
+    assert stored.rows["/a"]["caption"] == "fixed" and stored.rows["/a"]["error"] is None
+    assert list(stored.rows) == ["/b", "/a"]
+    ResultStore(out, False).begin({"settings": SETTINGS}, fresh=False)
+    assert not (second.work_dir / ".part-x.parquet.tmp").exists()
+
+
+def test_a_failed_part_write_says_how_many_rows_were_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    store = ResultStore(tmp_path / "r.parquet", False, flush_rows=100)
+    store.begin({"settings": SETTINGS}, fresh=False)
+    store.add(row("/a"))
+    store.flush()
+
+    def disk_full(table, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")  # what a full disk leaves: a torn temporary file
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", disk_full)
+    store.add(row("/b"))
+    store.add(row("/c"))
+    with pytest.raises(OutputWriteError, match="cannot save 2 finished rows .*No space left on device"):
+        store.flush()
+    assert store.saved_rows == 1
+    monkeypatch.undo()
+    stored = ResultStore(tmp_path / "r.parquet", False).read()
+    assert list(stored.rows) == ["/a"] and not stored.unreadable_parts  # the torn file is not a part
+
+
+def test_output_not_written_by_this_tool_is_refused(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    foreign = tmp_path / "f.parquet"
+    pq.write_table(pa.table({"x": [1]}), foreign)
+    with pytest.raises(OutputError, match="not written by this version"):
+        ResultStore(foreign, False).read()
+    garbage = tmp_path / "g.parquet"
+    garbage.write_text("hello")
+    with pytest.raises(OutputError, match="not a readable Parquet file"):
+        ResultStore(garbage, False).read()
+    with pytest.raises(OutputError, match="is a directory"):
+        ResultStore(tmp_path, False)
+
+
+def test_settings_mismatch_names_each_difference() -> None:
+    check_settings({"r.parquet": SETTINGS}, dict(SETTINGS))
+    check_settings({"r.parquet": SETTINGS}, {"model": "m", "seed": 7})  # greedy: the seed changes nothing
+    with pytest.raises(SettingsMismatchError) as error:
+        check_settings({"r.parquet": SETTINGS}, {**SETTINGS, "frames": 16, "prompt": "Say hi."})
+    message = str(error.value)
+    assert "r.parquet holds rows made with other settings" in message
+    assert "prompt (default) there, 'Say hi.' now" in message and "frames 8 there, 16 now" in message
+    assert "--overwrite" in message
+    with pytest.raises(SettingsMismatchError, match="seed 0 there, 7 now"):
+        check_settings({"r": {**SETTINGS, "temperature": 0.7}}, {"temperature": 0.7, "seed": 7})
+
+
+def test_plan_resumes_retries_reuses_and_prunes(tmp_path: Path) -> None:
+    stored = StoredRows(rows={
+        "/done": row("/done"), "/failed": row("/failed", error="boom"), "/changed": row("/changed", key="old"),
+        "/gone": row("/gone"), "/elsewhere": row("/elsewhere")})
+    items = [item("/new"), item("/done"), item("/failed"), item("/changed"), item("/link", key="/done|k"),
+             item("/copy1", key="same"), item("/copy2", key="same")]
+    existing = {"/elsewhere"}
+    plan = plan_run(items, stored, exists=existing.__contains__)
+    assert [i.path for i in plan.todo] == ["/new", "/changed", "/copy1"]
+    assert [i.path for i in plan.sharing["same"]] == ["/copy2"]
+    assert plan.items_to_caption == 4
+    assert plan.done["/link"]["caption"] == "c" and plan.done["/link"]["path"] == "/link"  # same content
+    assert plan.done["/failed"]["error"] == "boom" and plan.changed == 1
+    assert [r["path"] for r in plan.kept] == ["/gone", "/elsewhere"] and plan.missing_kept == 1
+    retry = plan_run(items, stored, retry_errors=True, prune_missing=True, exists=existing.__contains__)
+    assert [i.path for i in retry.todo] == ["/new", "/failed", "/changed", "/copy1"] and retry.retried == 1
+    assert [r["path"] for r in retry.kept] == ["/elsewhere"] and retry.missing_pruned == 1
+    new_rows = {path: row(path) for path in ["/new", "/changed", "/copy1", "/copy2"]}
+    ordered = plan.ordered_rows(items, new_rows)
+    assert [r["path"] for r in ordered] == [i.path for i in items] + ["/gone", "/elsewhere"]
+
+
+def test_second_locker_is_refused_and_told_who_holds_it(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    with OutputLock(out):
+        with pytest.raises(OutputLockedError, match=rf"another run is writing .*r.parquet \(pid {os.getpid()} on "):
+            OutputLock(out).acquire()
+    assert not (tmp_path / ".r.parquet.lock").exists()
+    with OutputLock(out):  # released: free again
+        pass
+
+
+def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, pathlib; from tarsier_batch.outputs.lock import OutputLock;"
+        f"OutputLock(pathlib.Path({str(out)!r})).acquire(); print('locked', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    with pytest.raises(OutputLockedError, match=f"pid {holder.pid}"):
+        OutputLock(out).acquire()
+    holder.kill()  # like kill -9: the lock file stays behind, naming a dead process
+    holder.wait()
+    assert (tmp_path / ".r.parquet.lock").read_text().startswith(f"pid {holder.pid}")
+    lock = OutputLock(out)
+    lock.acquire()
+    assert (tmp_path / ".r.parquet.lock").read_text().startswith(f"pid {os.getpid()}")
+    lock.release()

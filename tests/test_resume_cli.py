@@ -1,0 +1,293 @@
+"""Resuming, incremental runs, the output lock, cron behaviour and kills, through the `tarsier` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
+from tarsier_batch.outputs.lock import OutputLock
+from tarsier_batch.outputs.schema import SUMMARY_KEY
+
+runner = CliRunner()
+STABLE = ["path", "key", "caption", "num_frames", "frame_indices", "generated_tokens", "finish_reason", "error"]
+
+
+def caption(*args: str, env: dict[str, str] | None = None):
+    return runner.invoke(app, ["caption", *args], env=env)
+
+
+def stable(out: Path) -> list[dict]:
+    """The rows without timings, which differ between runs."""
+    return [{name: row[name] for name in STABLE} for row in pq.read_table(out).to_pylist()]
+
+
+@pytest.fixture
+def folder(shared_media: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ["clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4"]:
+        shutil.copy(shared_media / name, folder / name)
+    return folder
+
+
+def test_rerun_captions_only_what_is_new_and_keeps_input_order(tiny_model_dir: Path, folder: Path,
+                                                               shared_media: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3"]
+    first = caption(*args)
+    assert first.exit_code == 0, first.output
+    before = pq.read_table(out).to_pylist()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "r.parquet"]  # nothing left behind
+    stamp = out.stat().st_mtime_ns
+    again = caption(*args)
+    assert again.exit_code == 0 and "captioned 0" in again.output and "done earlier 3" in again.output
+    assert "unchanged" in again.output and out.stat().st_mtime_ns == stamp  # nothing new: the file is not rewritten
+    shutil.copy(shared_media / "demo_test_f40.jpg", folder / "a_new.jpg")  # sorts first
+    grown = caption(*args)
+    assert grown.exit_code == 0 and "captioned 1" in grown.output and "done earlier 3" in grown.output
+    after = pq.read_table(out).to_pylist()
+    assert [Path(row["path"]).name for row in after] == ["a_new.jpg", "clip_5f.gif", "short_5f.mp4",
+                                                         "tarsier_logo.jpg"]
+    assert after[1:] == before  # earlier rows are kept exactly, timings included
+    summary = json.loads(pq.read_metadata(out).metadata[SUMMARY_KEY.encode()])
+    assert summary["captioned"] == 1 and summary["already_done"] == 3
+
+
+def test_changed_file_is_captioned_again_and_overwrite_starts_over(tiny_model_dir: Path, folder: Path,
+                                                                   shared_media: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3"]
+    assert caption(*args).exit_code == 0
+    shutil.copy(shared_media / "demo_test_f40.jpg", folder / "tarsier_logo.jpg")  # new content, same name
+    changed = caption(*args)
+    assert changed.exit_code == 0 and "captioned 1" in changed.output
+    rows = {Path(row["path"]).name: row for row in pq.read_table(out).to_pylist()}
+    from PIL import Image
+
+    with Image.open(shared_media / "demo_test_f40.jpg") as new_content:
+        assert (rows["tarsier_logo.jpg"]["width"], rows["tarsier_logo.jpg"]["height"]) == new_content.size
+    assert rows["tarsier_logo.jpg"]["key"].split("|")[1] == str((folder / "tarsier_logo.jpg").stat().st_size)
+    fresh = caption(*args, "--overwrite")
+    assert fresh.exit_code == 0 and "captioned 3" in fresh.output and "done earlier" not in fresh.output
+
+
+def test_other_settings_are_refused_before_loading(tiny_model_dir: Path, folder: Path, shared_media: Path,
+                                                   tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3"]
+    assert caption(*args, "--frames", "2").exit_code == 0
+    stamp = out.stat().st_mtime_ns
+    refused = caption(*args, "--frames", "3")
+    assert refused.exit_code == 2
+    assert refused.output.startswith(f"Error: {out} holds rows made with other settings (frames 2 there, 3 now)")
+    assert "--overwrite" in refused.output and "loading" not in refused.output
+    shutil.copy(shared_media / "demo_test_f40.jpg", folder / "new.jpg")  # new work: the model loads
+    resolved = caption(*args)  # the default frames (8) only differ once the model says what they are
+    assert resolved.exit_code == 2 and "frames 2 there, 8 now" in resolved.output
+    assert out.stat().st_mtime_ns == stamp and not (tmp_path / ".r.parquet.tarsier").exists()
+
+
+def test_retry_errors_and_prune_missing(tiny_model_dir: Path, folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3",
+            "--decode-timeout", "30"]
+    crashed = caption(*args, env={"TARSIER_BATCH_FAULT": "segfault:clip_5f"})
+    assert crashed.exit_code == 1, crashed.output
+    rows = {Path(row["path"]).name: row for row in pq.read_table(out).to_pylist()}
+    assert "SIGSEGV" in rows["clip_5f.gif"]["error"]
+    kept = caption(*args)
+    assert kept.exit_code == 0 and "captioned 0" in kept.output  # an error row is finished work...
+    retried = caption(*args, "--retry-errors")  # ...until asked to retry it
+    assert retried.exit_code == 0 and "captioned 1" in retried.output
+    assert all(row["error"] is None for row in pq.read_table(out).to_pylist())
+    (folder / "short_5f.mp4").unlink()
+    missing = caption(*args)
+    assert missing.exit_code == 0 and "1 rows kept (--prune-missing drops them)" in missing.output
+    assert pq.read_table(out).num_rows == 3
+    pruned = caption(*args, "--prune-missing")
+    assert pruned.exit_code == 0 and "1 rows dropped" in pruned.output
+    assert [Path(p).name for p in pq.read_table(out).column("path").to_pylist()] == ["clip_5f.gif",
+                                                                                      "tarsier_logo.jpg"]
+
+
+def test_links_to_one_file_get_a_row_each_from_one_caption(tiny_model_dir: Path, shared_media: Path,
+                                                           tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for index in range(6):
+        (folder / f"link{index}.gif").symlink_to(shared_media / "clip_5f.gif")
+    out = tmp_path / "r.parquet"
+    result = caption(str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "3")
+    assert result.exit_code == 0, result.output
+    rows = pq.read_table(out).to_pylist()
+    assert [Path(row["path"]).name for row in rows] == [f"link{index}.gif" for index in range(6)]
+    assert len({(row["caption"], row["key"]) for row in rows}) == 1 and rows[0]["caption"]
+
+
+def test_sampling_seed_follows_the_file_not_the_spelling_of_its_path(tiny_model_dir: Path, folder: Path,
+                                                                    tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(folder)
+    sampled = ["--model", str(tiny_model_dir), "--max-new-tokens", "6", "--temperature", "1.5", "--seed", "3"]
+    relative = caption("./clip_5f.gif", "--out", str(tmp_path / "a.parquet"), *sampled)
+    absolute = caption(str(folder / "clip_5f.gif"), "--out", str(tmp_path / "b.parquet"), *sampled)
+    assert relative.exit_code == absolute.exit_code == 0
+    assert stable(tmp_path / "a.parquet") == stable(tmp_path / "b.parquet")
+
+
+def test_second_run_on_the_same_output_exits_75(tiny_model_dir: Path, folder: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    with OutputLock(out):
+        result = caption(str(folder), "--model", str(tiny_model_dir), "--out", str(out))
+    assert result.exit_code == 75
+    assert result.output.startswith(f"Error: another run is writing {out} (pid {os.getpid()} on ")
+    assert not out.exists()
+
+
+def test_empty_input_is_fine_for_cron_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    args = [str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
+    quiet = caption(*args)
+    assert quiet.exit_code == 0 and quiet.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other files skipped)"
+    assert caption(*args, "--fail-on-empty").exit_code == 1
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model_dir: Path, folder: Path,
+                                                                      tmp_path: Path) -> None:
+    import re
+
+    (folder / "broken.mp4").write_bytes(b"not a video")
+    log = tmp_path / "run.log"
+    result = caption(str(folder), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"),
+                     "--max-new-tokens", "2", "--quiet", "--log-file", str(log))
+    assert result.exit_code == 1 and result.output == ""
+    lines = log.read_text().splitlines()
+    assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d tarsier: ", line) for line in lines), lines
+    texts = [line.split(" tarsier: ", 1)[1] for line in lines]
+    assert texts[0].startswith(f"{tiny_model_dir} (Tarsier v1, 8 frames) on cpu") and "decoding workers" in texts[0]
+    assert texts[1] == "captioning 4 items"
+    assert any(text.startswith(f"failed {folder / 'broken.mp4'}: ") for text in texts)
+    assert texts[-2].startswith("4/4 items, 1 failed")
+    assert texts[-1].startswith("done: captioned 3; failed 1;")
+
+
+# --- kills and signals, in real processes --------------------------------------------------------------------
+
+def start(args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tarsier_batch.cli", "caption", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def wait_for(condition, process: subprocess.Popen, what: str, limit_s: float = 120) -> None:
+    """Poll the file system until `condition()` holds (the run's progress is only visible there)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert process.poll() is None, f"the run ended before {what}: {process.communicate()}"
+        assert time.monotonic() < deadline, f"no {what} after {limit_s} s"
+        time.sleep(0.02)
+
+
+def parts(out: Path) -> int:
+    work = out.parent / f".{out.name}.tarsier"
+    return len(list(work.glob("part-*.parquet"))) if work.is_dir() else 0
+
+
+def visible_files_are_readable(directory: Path) -> None:
+    for path in directory.iterdir():
+        if not path.name.startswith("."):
+            pq.read_table(path)  # raises if torn
+
+
+@pytest.fixture(scope="module")
+def many(shared_media: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("many")
+    for index in range(12):
+        source = ["clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4"][index % 3]
+        shutil.copy(shared_media / source, folder / f"{index:02d}_{source}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(many: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("reference") / "r.parquet"
+    result = caption(str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+                     "--batch-size", "2")
+    assert result.exit_code == 0, result.output
+    return stable(out)
+
+
+def test_kill_9_at_several_points_then_rerun_gives_the_uninterrupted_output(many: Path, tiny_model_dir: Path,
+                                                                           reference: list[dict],
+                                                                           tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--flush-rows", "1", "--quiet"]
+    lock_file = tmp_path / ".r.parquet.lock"
+    for kill_after_parts in (0, 3, 8):
+        run = start(args)
+        if kill_after_parts == 0:
+            wait_for(lock_file.exists, run, "the lock")  # killed while the model loads
+        else:
+            wait_for(lambda: parts(out) >= kill_after_parts, run, f"{kill_after_parts} parts")
+        run.kill()
+        run.communicate()
+        visible_files_are_readable(tmp_path)
+        assert not out.exists()
+    finish = start(args)
+    stdout, stderr = finish.communicate(timeout=300)
+    assert finish.returncode == 0, stderr
+    assert stable(out) == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.parquet"]
+
+
+@pytest.mark.parametrize(("signal_number", "code", "word"), [(signal.SIGINT, 130, "interrupted"),
+                                                           (signal.SIGTERM, 143, "terminated")])
+def test_signals_save_finished_rows_and_say_how_to_resume(many: Path, tiny_model_dir: Path, reference: list[dict],
+                                                         tmp_path: Path, signal_number: int, code: int,
+                                                         word: str) -> None:
+    out = tmp_path / "r.parquet"
+    args = [str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--flush-rows", "1000", "--flush-seconds", "1000"]
+    run = start(args)
+    wait_for(lambda: (tmp_path / ".r.parquet.tarsier" / "settings.json").exists(), run, "the run to start")
+    run.send_signal(signal_number)
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode == code, stderr
+    assert f"tarsier: {word}; " in stderr and "run the same command again to resume" in stderr
+    assert not out.exists()
+    saved = int(stderr.split(f"tarsier: {word}; ")[1].split(" finished rows")[0])
+    assert parts(out) == (1 if saved else 0)  # unflushed rows were saved on the way out
+    finish = start(args)
+    _, stderr = finish.communicate(timeout=300)
+    assert finish.returncode == 0, stderr
+    assert f"done earlier {saved}" in stderr or saved == 0
+    assert stable(out) == reference
+
+
+def test_second_signal_exits_at_once(tmp_path: Path) -> None:
+    script = ("import os, signal, time\n"
+              "from tarsier_batch.cli import _stop_signals\n"
+              "with _stop_signals():\n"
+              "    try:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(60)\n"
+              "    except BaseException as stop:\n"
+              "        print(type(stop).__name__, flush=True)\n"
+              "        os.kill(os.getpid(), signal.SIGINT)  # the second signal, while still stopping\n"
+              "        time.sleep(60)\n"
+              "        print('not reached')\n")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "Terminated\n" and done.returncode == 130
+    assert time.monotonic() - started < 30
