@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import resource
 import signal
 import threading
@@ -133,7 +134,7 @@ class DecodePool:
             return Decoded(index, item, 0.0, error="cancelled")
         error = task.exception()
         if error is None:
-            return task.result()
+            return pickle.loads(task.result())
         seconds = time.perf_counter() - started
         if isinstance(error, (FutureTimeout, TimeoutError)):
             message = f"decoding took longer than {self.timeout_s:g} s (--decode-timeout); the worker was stopped"
@@ -171,12 +172,18 @@ def _start_worker(job: DecodeJob, memory_limit_bytes: int | None, faults: list[t
         resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
-def _decode_in_worker(index: int, item: MediaItem) -> Decoded:
+def _decode_in_worker(index: int, item: MediaItem) -> bytes:
+    """The item decoded, pickled here by value.
+
+    Returned as is, its tensors would travel through torch's shared-memory reducer, which needs
+    room in /dev/shm (64 MB in a default Docker container: a few 16-frame items) and fails when
+    a file-size limit is set. Pickled bytes go through the pool's pipe like any result.
+    """
     assert _job is not None, "worker not initialised"
     for kind, pattern in _faults:
         if pattern in item.path:
             _misbehave(kind)
-    return decode_item(_job, index, item)
+    return pickle.dumps(decode_item(_job, index, item), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _misbehave(kind: str) -> None:

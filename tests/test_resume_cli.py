@@ -291,3 +291,34 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout == "Terminated\n" and done.returncode == 130
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("fails", ["part", "final"])
+def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path, tiny_model_dir: Path,
+                                                                    reference: list[dict], tmp_path: Path,
+                                                                    fails: str) -> None:
+    """RLIMIT_FSIZE makes writes past a size fail (EFBIG), as a full disk fails them (ENOSPC)."""
+    import resource
+
+    out = tmp_path / "r.parquet"
+    flush_rows = "3" if fails == "part" else "1"
+    args = [str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+            "--batch-size", "2", "--flush-rows", flush_rows]
+    # Measured: a part of 1 to 3 rows takes about 5.5 KB, the final file of 12 rows with its metadata 7.2 KB.
+    limit = 4_000 if fails == "part" else 6_300
+    run = start(args, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 3, stderr
+    saved = sum(pq.read_table(part).num_rows  # every row the message counts is in a readable part
+                for part in (tmp_path / ".r.parquet.tarsier").glob("part-*.parquet"))
+    if fails == "part":
+        assert "crashed (cannot save 3 finished rows in" in stderr and "0 finished rows are saved" in stderr
+        assert saved == 0
+    else:
+        assert f"crashed (cannot write {out}: " in stderr and "the finished rows are saved in" in stderr
+        assert saved == 12
+    assert not out.exists() and not list(tmp_path.glob(".r.parquet.*.tmp"))
+    finish = start(args)
+    _, stderr = finish.communicate(timeout=300)
+    assert finish.returncode == 0, stderr
+    assert stable(out) == reference
