@@ -60,7 +60,7 @@ def run_side(captioner: Captioner, items: list[MediaItem], flush_rows: int | Non
     store.flush()
     store.commit(job.final_rows(), {"settings": {}}, {})
     elapsed = time.perf_counter() - start
-    assert len(job.new_rows) == len(items) and all(row["error"] is None for row in job.new_rows.values())
+    assert job.stats.done == len(items) and job.stats.failed == 0
     return len(items) / elapsed
 
 

@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,7 +78,7 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
         media = job.processor.load_media(item.path, item.media_type, job.frames)
         prompt = job.processor.process(media, item.prompt or job.instruction)
     except MemoryError:
-        return Decoded(index, item, time.perf_counter() - start, error="decoding ran out of memory")
+        raise  # in a worker, the pool reports it with the memory limit; in threads, it is the whole run's
     except Exception as error:  # any decoder failure is this item's problem only
         return Decoded(index, item, time.perf_counter() - start, error=one_line(error))
     return Decoded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompt)
@@ -97,6 +98,8 @@ class DecodePool:
         self.job, self.timeout_s, self.memory_limit_bytes = job, timeout_s, memory_limit_bytes
         self._threads: ThreadPoolExecutor | None = None
         self._processes: ProcessPool | None = None
+        self._pending: dict[Future[Decoded], tuple[int, MediaItem]] = {}
+        self._lock = threading.Lock()
         if isolate:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__, type(job.processor).__module__])
@@ -111,17 +114,29 @@ class DecodePool:
         assert self._processes is not None
         started = time.perf_counter()
         decoded: Future[Decoded] = Future()
+        self._pending[decoded] = (index, item)
         task = self._processes.schedule(_decode_in_worker, (index, item), timeout=self.timeout_s)
-        task.add_done_callback(lambda done: decoded.set_result(self._outcome(done, index, item, started)))
+        task.add_done_callback(lambda done: self._settle(decoded, lambda: self._outcome(done, index, item, started)))
         return decoded
 
     def shutdown(self) -> None:
-        """Drop queued items and stop the workers at once (hung ones are killed); idempotent."""
+        """Drop queued items and stop the workers at once (hung ones are killed); idempotent.
+
+        Items not decoded by then come back as errors, so that no future is left waiting.
+        """
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
         if self._processes is not None:
             self._processes.stop()
             self._processes.join()
+            for decoded, (index, item) in list(self._pending.items()):
+                self._settle(decoded, lambda: Decoded(index, item, 0.0, error="stopped before it was decoded"))
+
+    def _settle(self, decoded: Future[Decoded], outcome: Callable[[], Decoded]) -> None:
+        """Resolve `decoded` once (the pool's callback thread and shutdown may both try)."""
+        with self._lock:
+            if self._pending.pop(decoded, None) is not None:
+                decoded.set_result(outcome())
 
     def __enter__(self) -> DecodePool:
         return self
@@ -131,20 +146,27 @@ class DecodePool:
 
     def _outcome(self, task: Future[Decoded], index: int, item: MediaItem, started: float) -> Decoded:
         if task.cancelled():
-            return Decoded(index, item, 0.0, error="cancelled")
+            return Decoded(index, item, 0.0, error="stopped before it was decoded")
         error = task.exception()
         if error is None:
             return pickle.loads(task.result())
         seconds = time.perf_counter() - started
         if isinstance(error, (FutureTimeout, TimeoutError)):
             message = f"decoding took longer than {self.timeout_s:g} s (--decode-timeout); the worker was stopped"
+        elif isinstance(error, MemoryError):
+            message = f"decoding ran out of memory ({self._limit_text()})"
         elif isinstance(error, ProcessExpired):
             message = f"the decoder crashed ({_death(error.exitcode)})"
-            if error.exitcode == -signal.SIGABRT and self.memory_limit_bytes:
-                message += f", probably out of memory (limit {self.memory_limit_bytes / 2**30:g} GiB, --decode-memory-gb)"
+            if error.exitcode == -signal.SIGABRT and self.memory_limit_bytes:  # C++ aborts when an allocation fails
+                message += f", probably out of memory ({self._limit_text()})"
         else:
             message = one_line(error)
         return Decoded(index, item, seconds, error=message)
+
+    def _limit_text(self) -> str:
+        if not self.memory_limit_bytes:
+            return "no limit set"
+        return f"limit {self.memory_limit_bytes / 2**30:g} GiB per worker, --decode-memory-gb"
 
 
 # --- inside a worker process -----------------------------------------------------------------

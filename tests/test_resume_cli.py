@@ -322,3 +322,15 @@ def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path,
     _, stderr = finish.communicate(timeout=300)
     assert finish.returncode == 0, stderr
     assert stable(out) == reference
+
+
+def test_native_decoder_messages_never_reach_the_terminal(tiny_model_dir: Path, folder: Path,
+                                                         tmp_path: Path) -> None:
+    """In-process, decord prints 'video_reader.cc:83: ERROR opening ...' on fd 2 for this file."""
+    (folder / "bad.mp4").write_bytes(b"garbage")
+    run = start([str(folder), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"),
+                 "--max-new-tokens", "2", "--quiet"])
+    stdout, stderr = run.communicate(timeout=300)
+    assert run.returncode == 1 and (stdout, stderr) == ("", "")
+    rows = {Path(row["path"]).name: row for row in pq.read_table(tmp_path / "r.parquet").to_pylist()}
+    assert rows["bad.mp4"]["error"].startswith("RuntimeError: Error reading")
