@@ -196,7 +196,7 @@ class Captioner:
             path=decoded.item.row_path, media_type=media.media_type.value, key=decoded.item.stable_key,
             caption=self.model.decode(seq.output_ids), prompt=seq.prompt.instruction,
             num_frames=len(media.frame_indices), frame_indices=media.frame_indices,
-            width=media.width, height=media.height, duration_s=media.duration_s, decoder=getattr(media, "decoder", None),  # TEMP until media.py has it
+            width=media.width, height=media.height, duration_s=media.duration_s, decoder=media.decoder,
             prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
 

@@ -6,13 +6,16 @@ import bisect
 import ctypes
 import functools
 import os
+import re
+import stat
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageSequence
+from PIL import Image, ImageOps, ImageSequence
 
 
 class MediaType(str, Enum):
@@ -21,7 +24,8 @@ class MediaType(str, Enum):
     IMAGE = "image"
 
 
-VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".webm", ".mov", ".mkv", ".wmv"})
+VIDEO_EXTENSIONS = frozenset({".mp4", ".avi", ".webm", ".mov", ".mkv", ".wmv", ".ts", ".m4v", ".mpg", ".mpeg",
+                              ".3gp", ".flv"})
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".tif", ".tiff"})
 
 
@@ -86,9 +90,10 @@ class Media:
     media_type: MediaType
     frames: list[Any]
     frame_indices: list[int]
-    width: int
+    width: int                # as displayed: after rotation and non-square pixels are applied
     height: int
     duration_s: float | None
+    decoder: str              # what produced the frames: "decord", "pyav" or "pillow"
 
 
 def load_media(path: str, media_type: MediaType, num_frames: int,
@@ -101,11 +106,35 @@ def load_media(path: str, media_type: MediaType, num_frames: int,
     keyframes) are decoded together first. A frame sampled twice (a video shorter than
     `num_frames`) is decoded and transformed once; its result appears at both places.
     """
+    _check_regular_file(path)
     if media_type is MediaType.VIDEO:
         return _load_video(path, num_frames, frame_transform, sampler)
     if media_type is MediaType.GIF:
         return _load_gif(path, num_frames, frame_transform, sampler)
-    return _load_image(path, frame_transform)
+    return _load_image(path, num_frames, frame_transform, sampler)
+
+
+def _check_regular_file(path: str) -> None:
+    """Fail with a clear reason, before opening, on anything but a readable, non-empty regular file.
+
+    Opening a FIFO named like media would block for ever, and a device would never end.
+    """
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError("the file no longer exists" if os.path.lexists(path) is False
+                         else "broken symbolic link") from None
+    except OSError as error:  # ELOOP (a symlink loop), EACCES on a folder on the way, ...
+        raise ValueError(f"cannot open: {error.strerror}") from None
+    kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
+    for test, kind in kinds:
+        if test(info.st_mode):
+            raise ValueError(f"not a regular file: {kind}")
+    if info.st_size == 0:
+        raise ValueError("empty file (0 bytes)")
+    if not os.access(path, os.R_OK):
+        raise ValueError("cannot open: permission denied")
 
 
 def decoder_versions() -> dict[str, str]:
@@ -113,16 +142,109 @@ def decoder_versions() -> dict[str, str]:
     import decord
     import PIL
 
-    return {"video": f"decord {decord.__version__}", "gif": f"pillow {PIL.__version__}",
-            "image": f"pillow {PIL.__version__}"}
+    import av
+
+    return {"video": f"decord {decord.__version__}", "video_fallback": f"pyav {av.__version__}",
+            "gif": f"pillow {PIL.__version__}", "image": f"pillow {PIL.__version__}"}
 
 
 def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+    """decord (the official decoder, so the official pixels) where it reads the file correctly; PyAV otherwise.
+
+    decord ignores a display rotation (phone videos) and non-square pixels (anamorphic
+    video), and cannot open some files FFmpeg reads (AV1, some MPEG-TS, WebM without a
+    duration, damaged files): PyAV decodes those, honouring rotation and pixel aspect.
+    """
+    if _needs_display_correction(path):
+        return _load_video_pyav(path, num_frames, transform, sampler)
+    try:
+        return _load_video_decord(path, num_frames, transform, sampler)
+    except Exception as decord_error:  # noqa: BLE001 - any decord failure gets a second decoder
+        try:
+            return _load_video_pyav(path, num_frames, transform, sampler)
+        except Exception as pyav_error:  # noqa: BLE001
+            raise ValueError(f"cannot decode video: decord: {_short(decord_error)}; "
+                             f"pyav: {_short(pyav_error)}") from None
+
+
+def _short(error: BaseException) -> str:
+    """An error on one line, without decord's "[12:00:00] /src/video/video_reader.cc:83: " prefix."""
+    text = _NATIVE_LOG_PREFIX.sub("", " ".join(str(error).split()))
+    return text[:200] or type(error).__name__
+
+
+_NATIVE_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+
+
+def _needs_display_correction(path: str) -> bool:
+    """Whether the stream is shown rotated or with non-square pixels (which decord would ignore)."""
+    import av
+
+    try:
+        with av.open(path) as container:
+            stream = container.streams.video[0]
+            sar = stream.sample_aspect_ratio
+            frame = next(container.decode(stream), None)
+            rotation = frame.rotation if frame is not None else 0
+    except Exception:  # noqa: BLE001 - not readable here: let the decoders say why
+        return False
+    return bool(rotation) or (sar is not None and sar != 0 and sar != 1)
+
+
+def _load_video_pyav(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+    """Decode with FFmpeg through PyAV: count the frames, then decode once, keeping the sampled ones."""
+    import av
+
+    with av.open(path) as container:
+        if not container.streams.video:
+            raise ValueError("no video stream")
+        stream = container.streams.video[0]
+        # Count by decoding headers-only is not possible in general; demuxing counts packets
+        # cheaply, and each video packet is one frame for the codecs in use.
+        total = sum(1 for packet in container.demux(stream) if packet.size)
+    indices = sampler(total, num_frames)
+    wanted = set(indices)
+    done: dict[int, Any] = {}
+    width = height = 0
+    rate: float | None = None
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate) if stream.average_rate else None
+        for index, frame in enumerate(container.decode(stream)):
+            if index in wanted:
+                image = _displayed(frame, stream.sample_aspect_ratio)
+                width, height = image.size
+                done[index] = _finish(image, transform, len(indices))
+                if transform is not None:
+                    _return_freed_memory()
+            if len(done) == len(wanted):
+                break
+    if not done:
+        raise ValueError("no decodable video frames")
+    kept = [index for index in indices if index in done]  # a damaged tail can hold fewer frames than packets
+    return Media(path, MediaType.VIDEO, [done[index] for index in kept], kept, width, height,
+                 total / rate if rate else None, "pyav")
+
+
+def _displayed(frame: Any, sar: Any) -> Image.Image:
+    """The frame as a player shows it: pixels stretched to their aspect ratio, then rotated."""
+    image = frame.to_image()  # RGB
+    if sar is not None and sar != 0 and sar != 1:
+        image = image.resize((max(1, round(image.width * sar)), image.height), Image.Resampling.BICUBIC)
+    if frame.rotation:
+        image = image.rotate(frame.rotation, expand=True)  # counter-clockwise degrees, like the display matrix
+    return image
+
+
+def _load_video_decord(path: str, num_frames: int, transform: FrameTransform | None,
+                       sampler: FrameSampler) -> Media:
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
     reader = decord.VideoReader(path, num_threads=1, ctx=decord.cpu(0))
     total = len(reader)
+    if total < 1:
+        raise ValueError("decord found no frames")
     indices = sampler(total, num_frames)
     keyframes = [int(key) for key in reader.get_key_indices()]
     # decord's get_batch on the whole index list decodes each distinct index in order (seeking
@@ -146,7 +268,7 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
     fps = reader.get_avg_fps()
     return Media(path, MediaType.VIDEO, frames, indices, width, height,
-                 total / fps if fps > 0 else None)
+                 total / fps if fps > 0 else None, "decord")
 
 
 def _video_frame(reader: Any, index: int) -> Any:
@@ -226,27 +348,76 @@ def _malloc_trim() -> Callable[[int], int] | None:
 def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
     # Like the official loader, walk the frames once and keep those whose index was sampled:
     # repeated indices collapse, so a short GIF yields fewer frames than requested.
-    with Image.open(path) as gif:
-        wanted = set(sampler(gif.n_frames, num_frames))
-        frames: list[Any] = []
-        kept: list[int] = []
-        duration_ms = 0
-        for index, frame in enumerate(ImageSequence.Iterator(gif)):
-            duration_ms += frame.info.get("duration", 0) or 0
-            if index in wanted:
-                frames.append(_finish(frame.convert("RGB"), transform, len(wanted)))
-                kept.append(index)
-                if transform is not None:
-                    _return_freed_memory()
-        width, height = gif.size
+    with _open_image(path) as gif:
+        return _sample_animation(path, gif, num_frames, transform, sampler, lambda frame: frame.convert("RGB"))
+
+
+def _sample_animation(path: str, animation: Image.Image, num_frames: int, transform: FrameTransform | None,
+                      sampler: FrameSampler, to_rgb: Callable[[Image.Image], Image.Image]) -> Media:
+    wanted = set(sampler(animation.n_frames, num_frames))
+    frames: list[Any] = []
+    kept: list[int] = []
+    duration_ms = 0
+    for index, frame in enumerate(ImageSequence.Iterator(animation)):
+        duration_ms += frame.info.get("duration", 0) or 0
+        if index in wanted:
+            frames.append(_finish(to_rgb(frame), transform, len(wanted)))
+            kept.append(index)
+            if transform is not None:
+                _return_freed_memory()
+    width, height = animation.size
     if not frames:
-        raise ValueError("the GIF has no readable frames")
+        raise ValueError("the animation has no readable frames")
     return Media(path, MediaType.GIF, frames, kept, width, height,
-                 duration_ms / 1000 if duration_ms else None)
+                 duration_ms / 1000 if duration_ms else None, "pillow")
 
 
-def _load_image(path: str, transform: FrameTransform | None) -> Media:
-    with Image.open(path) as image:
-        frame = image.convert("RGB")
+# Pillow warns between MAX_IMAGE_PIXELS and twice that; _open_image refuses those images itself.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+def _open_image(path: str) -> Image.Image:
+    """Open an image (lazily), refusing decompression bombs with a clear reason instead of Pillow's warning."""
+    try:
+        image = Image.open(path)
+    except Image.DecompressionBombError as error:
+        raise ValueError(f"image too large: {error}") from None
+    width, height = image.size
+    if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+        image.close()
+        raise ValueError(f"image too large: {width}x{height} = {width * height / 1e6:.0f} Mpx, above the "
+                         f"{Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx decompression-bomb limit")
+    return image
+
+
+def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+    """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
+    with _open_image(path) as image:
+        if getattr(image, "n_frames", 1) > 1:
+            return _sample_animation(path, image, num_frames, transform, sampler, _still_rgb)
+        frame = _still_rgb(image)
     width, height = frame.size
-    return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None)
+    return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None, "pillow")
+
+
+def _still_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB as displayed; ordinary 8-bit images are exactly `image.convert("RGB")`, as upstream.
+
+    Where upstream's plain conversion is wrong, this does what a viewer shows: the EXIF
+    orientation is applied; 16-bit grey levels are scaled to 8 bits (Pillow's conversion clips
+    them, which turns most photos white); transparent pixels are composited over white
+    (a plain conversion reveals whatever colour hides under alpha 0).
+    """
+    image = ImageOps.exif_transpose(image)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        import numpy as np
+
+        levels = np.asarray(image, dtype=np.uint32) >> 8  # 16-bit levels to 8-bit
+        return Image.fromarray(levels.astype(np.uint8), mode="L").convert("RGB")
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or \
+        (image.mode == "P" and "transparency" in image.info)
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image.convert("RGB")

@@ -333,4 +333,4 @@ def test_native_decoder_messages_never_reach_the_terminal(tiny_model_dir: Path, 
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 1 and (stdout, stderr) == ("", "")
     rows = {Path(row["path"]).name: row for row in pq.read_table(tmp_path / "r.parquet").to_pylist()}
-    assert rows["bad.mp4"]["error"].startswith("RuntimeError: Error reading")
+    assert rows["bad.mp4"]["error"].startswith("ValueError: cannot decode video: decord: Error reading")

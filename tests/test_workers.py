@@ -70,7 +70,7 @@ def test_corrupt_file_is_an_ordinary_error(job: DecodeJob, tmp_path: Path) -> No
     broken.write_bytes(os.urandom(4096))
     with DecodePool(job, workers=1, timeout_s=30) as pool:
         decoded = pool.submit(0, MediaItem(str(broken), MediaType.VIDEO)).result()
-    assert decoded.error is not None and decoded.error.startswith("RuntimeError: Error reading")
+    assert decoded.error is not None and decoded.error.startswith("ValueError: cannot decode video: decord: Error reading")
     assert decoded.prompt is None and decoded.media is None
 
 

@@ -28,9 +28,24 @@ def build_prompt(num_frames: int, instruction: str) -> str:
     return f"USER: {IMAGE_PLACEHOLDER * num_frames}\n{cleaned} ASSISTANT: "
 
 
+# The official square is as wide as the frame's longer side: a 695-byte 20000 x 10 PNG becomes a
+# 20000 x 20000 square (1.2 GB, 5.9 GB at peak). Beyond this side the frame is first shrunk (aspect
+# kept) so that the square is at most 8192 px (201 MB); 8K video and photos stay bit-identical.
+MAX_SQUARE_SIDE = 8192
+
+
 def stretch_to_square(frame: Image.Image) -> Image.Image:
-    """Stretch (no padding) to a square whose side is the longer side, as the official loader does."""
+    """Stretch (no padding) to a square whose side is the longer side, as the official loader does.
+
+    Frames whose longer side exceeds MAX_SQUARE_SIDE are shrunk to it first (bicubic, aspect
+    kept): the CLIP processor brings the square down to 336 px anyway.
+    """
     side = max(frame.size)
+    if side > MAX_SQUARE_SIDE:
+        scale = MAX_SQUARE_SIDE / side
+        frame = frame.resize((max(1, round(frame.width * scale)), max(1, round(frame.height * scale))),
+                             resample=Image.Resampling.BICUBIC)
+        side = MAX_SQUARE_SIDE
     return frame.resize((side, side), resample=Image.Resampling.BICUBIC)
 
 

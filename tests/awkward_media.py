@@ -1,0 +1,161 @@
+"""Generate a folder of awkward inputs: what users' folders hold besides clean H.264 and JPEG.
+
+`make_awkward_inputs(folder)` writes small files (64 x 48 frames) in a few seconds and returns,
+per input, what loading it must give: `Ok(...)` facts, or `Fails(reason)` with a substring of
+the one-line error. Nothing binary is committed: every file is made here with PyAV and Pillow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image
+
+W, H = 64, 48
+
+
+@dataclass(frozen=True)
+class Ok:
+    media_type: str                 # as reported in the row
+    size: tuple[int, int]           # displayed width, height
+    decoder: str | None = None      # None: either decoder may read it
+    frames: int | None = None       # frames kept with 8 requested (v1 sampling), if fixed
+
+
+@dataclass(frozen=True)
+class Fails:
+    reason: str
+
+
+def halves(width: int = W, height: int = H) -> np.ndarray:
+    """Left half red, right half blue: orientation is visible in the pixels."""
+    frame = np.zeros((height, width, 3), np.uint8)
+    frame[:, : width // 2] = (255, 0, 0)
+    frame[:, width // 2:] = (0, 0, 255)
+    return frame
+
+
+def write_video(path: Path, codec: str, frames: int = 10, container: str | None = None, rotation: int = 0,
+                sar: Fraction | None = None, pts_step: list[int] | None = None, options: dict | None = None,
+                pix_fmt: str = "yuv420p") -> Path:
+    with av.open(str(path), "w", format=container, options=options or {}) as output:
+        stream = output.add_stream(codec, rate=10)
+        stream.width, stream.height, stream.pix_fmt = W, H, pix_fmt
+        if sar is not None:
+            stream.codec_context.sample_aspect_ratio = sar
+        if rotation:
+            stream.set_display_rotation(rotation)
+        if pts_step is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
+        pts = 0
+        for index in range(frames):
+            frame = av.VideoFrame.from_ndarray(halves(), format="rgb24")
+            if pts_step is not None:
+                frame.pts, frame.time_base = pts, Fraction(1, 1000)
+                pts += pts_step[index % len(pts_step)]
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return path
+
+
+def write_audio_only(path: Path) -> Path:
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream("aac", rate=16000)
+        samples = np.zeros((1, 1024), np.float32)
+        for _ in range(20):
+            frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+            frame.sample_rate = 16000
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return path
+
+
+def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
+    folder.mkdir(parents=True, exist_ok=True)
+    expect: dict[Path, Ok | Fails] = {}
+
+    def add(path: Path, outcome: Ok | Fails) -> None:
+        expect[path] = outcome
+
+    good_mp4 = write_video(folder / "plain_h264.mp4", "libx264")
+    add(good_mp4, Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "one_frame.mp4", "libx264", frames=1), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "three_frames.mp4", "libx264", frames=3), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "long.mp4", "libx264", frames=1500), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "rotated_phone.mp4", "libx264", rotation=90), Ok("video", (H, W), "pyav", 8))
+    add(write_video(folder / "anamorphic.mp4", "libx264", sar=Fraction(2, 1)), Ok("video", (2 * W, H), "pyav", 8))
+    add(write_video(folder / "variable_rate.mkv", "libx264", pts_step=[40, 120, 70]), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "vp9.webm", "libvpx-vp9"), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "live.webm", "libvpx-vp9", options={"live": "1"}), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "hevc.mp4", "libx265"), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "av1.mkv", "libsvtav1"), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "mpeg2.ts", "mpeg2video", container="mpegts"), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "legacy.flv", "flv", container="flv"), Ok("video", (W, H), None, 8))
+    data = good_mp4.read_bytes()
+    (folder / "truncated.mp4").write_bytes(data[: len(data) // 2])
+    add(folder / "truncated.mp4", Fails("cannot decode video"))
+    (folder / "random_bytes.mp4").write_bytes(np.random.default_rng(0).bytes(5000))
+    add(folder / "random_bytes.mp4", Fails("cannot decode video"))
+    add(write_audio_only(folder / "audio_only.mp4"), Fails("no video stream"))
+    (folder / "zero.mp4").touch()
+    add(folder / "zero.mp4", Fails("empty file (0 bytes)"))
+    (folder / "zero.png").touch()
+    add(folder / "zero.png", Fails("empty file (0 bytes)"))
+
+    Image.fromarray(halves()).convert("CMYK").save(folder / "cmyk.jpg")
+    add(folder / "cmyk.jpg", Ok("image", (W, H), "pillow", 1))
+    levels = np.full((H, W), 0x8000, np.uint16)  # mid grey at 16 bits
+    Image.fromarray(levels).save(folder / "grey16.png")
+    add(folder / "grey16.png", Ok("image", (W, H), "pillow", 1))
+    hidden = np.zeros((H, W, 4), np.uint8)
+    hidden[..., 1] = 255  # pure green, fully transparent
+    Image.fromarray(hidden, "RGBA").save(folder / "transparent.png")
+    add(folder / "transparent.png", Ok("image", (W, H), "pillow", 1))
+    palette = Image.fromarray((halves()[..., 2] > 0).astype(np.uint8), "P")  # index 0 left, 1 right
+    palette.putpalette([255, 0, 0, 0, 0, 255])  # red, blue
+    palette.save(folder / "palette_alpha.png", transparency=0)  # the red entry is transparent
+    add(folder / "palette_alpha.png", Ok("image", (W, H), "pillow", 1))
+    Image.fromarray(halves()).convert("L").save(folder / "grey.png")
+    add(folder / "grey.png", Ok("image", (W, H), "pillow", 1))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: shown rotated 90 degrees clockwise
+    Image.fromarray(halves()).save(folder / "exif_rotated.jpg", exif=exif)
+    add(folder / "exif_rotated.jpg", Ok("image", (H, W), "pillow", 1))
+    animation = [Image.fromarray(np.full((H, W, 3), value, np.uint8)) for value in (0, 100, 200)]
+    animation[0].save(folder / "animated.webp", save_all=True, append_images=animation[1:], duration=100, loop=0)
+    add(folder / "animated.webp", Ok("gif", (W, H), "pillow", 3))
+    Image.new("RGB", (20000, 10), (10, 200, 30)).save(folder / "strip_20000x10.png")
+    add(folder / "strip_20000x10.png", Ok("image", (20000, 10), "pillow", 1))
+    Image.new("1", (12000, 8000)).save(folder / "bomb.png")  # 96 Mpx of zeros: a few KB on disk
+    add(folder / "bomb.png", Fails("image too large: 12000x8000"))
+
+    for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4"]:
+        shutil.copy(good_mp4, folder / name)
+        add(folder / name, Ok("video", (W, H), "decord", 8))
+    (folder / "link.mp4").symlink_to(good_mp4)
+    add(folder / "link.mp4", Ok("video", (W, H), "decord", 8))
+    (folder / "loop.mp4").symlink_to(folder / "loop.mp4")
+    add(folder / "loop.mp4", Fails("cannot open: Too many levels of symbolic links"))
+    (folder / "broken_link.mp4").symlink_to(folder / "nowhere.mp4")
+    add(folder / "broken_link.mp4", Fails("broken symbolic link"))
+    os.mkfifo(folder / "fifo.mp4")
+    add(folder / "fifo.mp4", Fails("not a regular file: a FIFO"))
+    (folder / "folder.mp4").mkdir()
+    add(folder / "folder.mp4", Fails("not a regular file: a directory"))
+    (folder / "device.mp4").symlink_to("/dev/zero")
+    add(folder / "device.mp4", Fails("not a regular file: a character device"))
+    if os.geteuid() != 0:  # root reads any file whatever its mode
+        shutil.copy(good_mp4, folder / "unreadable.mp4")
+        (folder / "unreadable.mp4").chmod(0)
+        add(folder / "unreadable.mp4", Fails("permission denied"))
+    return expect
