@@ -279,3 +279,14 @@ def test_dtype_choices_match_the_devices_module() -> None:
     from tarsier_batch.devices import DTYPES
 
     assert {choice.value for choice in DType} == {"auto", *DTYPES}
+
+
+def test_frames_beyond_what_the_kv_cache_can_hold_stop_at_once(tiny_model_dir: Path, shared_media: Path,
+                                                              tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    result = run(str(shared_media / "short_5f.mp4"), "--model", str(tiny_model_dir), "--out", str(out),
+                 "--frames", "100000", "--kv-cache-gb", "0.5")
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: --frames 100000 needs at least 2100000 positions per item, more than "
+                                    "the KV cache holds")
+    assert not out.exists() and not list(tmp_path.iterdir())
