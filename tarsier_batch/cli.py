@@ -184,8 +184,9 @@ def caption(
             code = _write_output(job, stored, provenance, console, quiet, log, discovery.skipped)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
         _fail(str(error))
-    except KeyboardInterrupt:
-        console.print("tarsier: interrupted before captioning began; nothing changed", markup=False)
+    except KeyboardInterrupt:  # while loading the model or writing --out: --out is whole, old or new
+        console.print(f"tarsier: interrupted; {out} was not changed; run the same command again to continue",
+                      highlight=False, markup=False)
         code = EXIT_INTERRUPTED
     finally:
         lock.release()
