@@ -103,6 +103,7 @@ class DecodePool:
         if isolate:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__, type(job.processor).__module__])
+            _start_quiet_fork_server()
             self._processes = ProcessPool(workers, initializer=_start_worker, context=context,
                                           initargs=(job, memory_limit_bytes, _faults_from_environment()))
         else:
@@ -167,6 +168,29 @@ class DecodePool:
         if not self.memory_limit_bytes:
             return "no limit set"
         return f"limit {self.memory_limit_bytes / 2**30:g} GiB per worker, --decode-memory-gb"
+
+
+def _start_quiet_fork_server() -> None:
+    """Start the fork server (once per process) with its stdout and stderr on /dev/null.
+
+    Workers inherit them from the server, so nothing a worker prints reaches the terminal, even
+    before its own set-up runs (a worker forked while the pool stops can fail to unpickle its
+    start-up state and print a traceback). Our descriptors are swapped only while the server is
+    launched, which does not wait for its imports.
+    """
+    from multiprocessing import forkserver
+
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        forkserver.ensure_running()
+    finally:
+        for descriptor, original in zip((1, 2), saved):
+            os.dup2(original, descriptor)
+            os.close(original)
+        os.close(devnull)
 
 
 # --- inside a worker process -----------------------------------------------------------------
