@@ -142,6 +142,9 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4"]:
         shutil.copy(good_mp4, folder / name)
         add(folder / name, Ok("video", (W, H), "decord", 8))
+    undecodable = folder / os.fsdecode(b"latin1-caf\xe9.mp4")  # not UTF-8: decord cannot open it, PyAV can
+    shutil.copy(good_mp4, undecodable)
+    add(undecodable, Ok("video", (W, H), "pyav", 8))
     (folder / "link.mp4").symlink_to(good_mp4)
     add(folder / "link.mp4", Ok("video", (W, H), "decord", 8))
     (folder / "loop.mp4").symlink_to(folder / "loop.mp4")

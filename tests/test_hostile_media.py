@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
 from tarsier_batch.media import Media, load_media, media_type_of
+from tarsier_batch.text import printable
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +99,9 @@ def test_the_cli_gives_every_awkward_input_a_row(awkward: dict[Path, Ok | Fails]
                                       "--max-new-tokens", "2", "--decode-timeout", "60", "--quiet"])
     assert result.exit_code == 1, result.output
     rows = {row["path"]: row for row in pq.read_table(out).to_pylist()}
-    assert set(rows) == {str(path) for path in awkward}
+    assert set(rows) == {printable(str(path)) for path in awkward}
     for path, expected in awkward.items():
-        row = rows[str(path)]
+        row = rows[printable(str(path))]
         if isinstance(expected, Fails):
             assert row["caption"] is None and expected.reason in row["error"], (path, row["error"])
         else:
