@@ -184,9 +184,19 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
 
 # --- kills and signals, in real processes --------------------------------------------------------------------
 
-def start(args: list[str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tarsier_batch.cli", "caption", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+def start(args: list[str], file_size_limit: int | None = None) -> subprocess.Popen:
+    """`tarsier caption ARGS` in a new process, optionally under RLIMIT_FSIZE.
+
+    The limit is set by a small launcher that then execs the CLI, not by `preexec_fn`, which
+    would make Python fork this (large) test process instead of spawning.
+    """
+    command = [sys.executable, "-m", "tarsier_batch.cli", "caption", *args]
+    if file_size_limit is not None:
+        launcher = ("import os, resource, sys; "
+                    f"resource.setrlimit(resource.RLIMIT_FSIZE, ({file_size_limit}, {file_size_limit})); "
+                    "os.execv(sys.executable, sys.argv[1:])")
+        command = [sys.executable, "-c", launcher, *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def wait_for(condition, process: subprocess.Popen, what: str, limit_s: float = 120) -> None:
@@ -298,15 +308,13 @@ def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path,
                                                                     reference: list[dict], tmp_path: Path,
                                                                     fails: str) -> None:
     """RLIMIT_FSIZE makes writes past a size fail (EFBIG), as a full disk fails them (ENOSPC)."""
-    import resource
-
     out = tmp_path / "r.parquet"
     flush_rows = "3" if fails == "part" else "1"
     args = [str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
             "--batch-size", "2", "--flush-rows", flush_rows]
     # Measured: a part of 1 to 3 rows takes about 5.5 KB, the final file of 12 rows with its metadata 7.2 KB.
     limit = 4_000 if fails == "part" else 6_300
-    run = start(args, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    run = start(args, file_size_limit=limit)
     _, stderr = run.communicate(timeout=300)
     assert run.returncode == 3, stderr
     saved = sum(pq.read_table(part).num_rows  # every row the message counts is in a readable part
