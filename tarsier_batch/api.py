@@ -26,7 +26,7 @@ from .catalog import DEFAULT_MODEL
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, SamplingParams, Sequence
-from .families import CaptionModel, ProcessedPrompt, load_caption_model
+from .families import CaptionModel, load_caption_model
 from .media import decoder_versions
 from .results import CaptionResult
 from .sources import MediaItem

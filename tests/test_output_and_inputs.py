@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
