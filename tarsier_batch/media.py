@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import functools
 import os
 import re
 import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -139,32 +141,39 @@ def _check_regular_file(path: str) -> None:
 
 def decoder_versions() -> dict[str, str]:
     """Versions of the frame decoders, recorded in the output's provenance."""
+    import av
     import decord
     import PIL
-
-    import av
 
     return {"video": f"decord {decord.__version__}", "video_fallback": f"pyav {av.__version__}",
             "gif": f"pillow {PIL.__version__}", "image": f"pillow {PIL.__version__}"}
 
 
 def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
-    """decord (the official decoder, so the official pixels) where it reads the file correctly; PyAV otherwise.
+    """decord where it gives the frames asked for, as they are shown (the official decoder, so the
+    official pixels); PyAV otherwise, and when decord fails.
 
-    decord ignores a display rotation (phone videos) and non-square pixels (anamorphic
-    video), and cannot open some files FFmpeg reads (AV1, some MPEG-TS, WebM without a
-    duration, damaged files): PyAV decodes those, honouring rotation and pixel aspect.
+    The decoders get the absolute path: FFmpeg reads a relative name such as "pipe:0.mp4" or
+    "http:x.mp4" as a protocol (standard input, the network), an absolute path always as a file.
+    Only a decoder's failure sends the file on to PyAV: an error raised by the frame transform,
+    or a MemoryError, propagates as it is.
     """
-    if _needs_display_correction(path):
-        return _load_video_pyav(path, num_frames, transform, sampler)
-    try:
-        return _load_video_decord(path, num_frames, transform, sampler)
-    except Exception as decord_error:  # noqa: BLE001 - any decord failure gets a second decoder
+    source = os.path.abspath(path)
+    failures: list[str] = []
+    if _decord_reads_correctly(source):
         try:
-            return _load_video_pyav(path, num_frames, transform, sampler)
-        except Exception as pyav_error:  # noqa: BLE001
-            raise ValueError(f"cannot decode video: decord: {_short(decord_error)}; "
-                             f"pyav: {_short(pyav_error)}") from None
+            return _load_video_decord(path, source, num_frames, transform, sampler)
+        except _DecoderFailure as failure:
+            failures.append(f"decord: {failure}")
+    try:
+        return _load_video_pyav(path, source, num_frames, transform, sampler)
+    except _DecoderFailure as failure:
+        failures.append(f"pyav: {failure}")
+    raise ValueError(f"cannot decode video: {'; '.join(failures)}")
+
+
+class _DecoderFailure(Exception):
+    """A decoder could not open or decode the file; the message is one line."""
 
 
 def _short(error: BaseException) -> str:
@@ -175,78 +184,175 @@ def _short(error: BaseException) -> str:
 
 _NATIVE_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 
+# Containers (FFmpeg's names) in which decord's seeking was checked against decoding every frame
+# and returns the frames asked for (tests/test_hostile_media.py). In MPEG-TS and MPEG-PS (.ts,
+# .mpg) it silently returns other frames, whatever the codec.
+_DECORD_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "flv", "asf", "avi"})
 
-def _needs_display_correction(path: str) -> bool:
-    """Whether the stream is shown rotated or with non-square pixels (which decord would ignore)."""
+
+def _decord_reads_correctly(source: str) -> bool:
+    """Whether decord returns the frames asked for, as players show them; False sends the file to PyAV.
+
+    A PyAV probe tells (opening the file and decoding its first frame: ~30 ms for 1080p H.264):
+    - a display rotation (phone videos) or non-square pixels: decord ignores both (and fails
+      on a 90-degree rotation); PyAV's path shows the frames as players do;
+    - containers and codecs where decord's seeking silently returns other frames than asked:
+      MPEG-TS and MPEG-PS, AVI with B-frames (AVI stores no presentation times), and MPEG-4
+      Part 2 (DivX, Xvid) with B-frames in any container.
+    A file PyAV cannot open is left to decord; if decord fails too, both reasons are reported.
+    A file without a video stream is an error here.
+    """
     import av
 
     try:
-        with av.open(path) as container:
-            stream = container.streams.video[0]
-            sar = stream.sample_aspect_ratio
-            frame = next(container.decode(stream), None)
-            rotation = frame.rotation if frame is not None else 0
-    except Exception:  # noqa: BLE001 - not readable here: let the decoders say why
-        return False
-    return bool(rotation) or (sar is not None and sar != 0 and sar != 1)
+        with _video_stream(source) as (container, stream):
+            first = next(_decoded_frames(container, stream), None)
+            codec = stream.codec_context
+            seeks_right = container.format.name in _DECORD_CONTAINERS and not (
+                codec.has_b_frames and (container.format.name == "avi" or codec.name == "mpeg4"))
+            shown_as_stored = (first is None or first.rotation == 0) and _pixel_aspect(stream) == 1
+    except (av.FFmpegError, _DecoderFailure):
+        return True
+    return seeks_right and shown_as_stored
 
 
-def _load_video_pyav(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
-    """Decode with FFmpeg through PyAV: count the frames, then decode once, keeping the sampled ones."""
+@contextlib.contextmanager
+def _video_stream(source: str) -> Iterator[tuple[Any, Any]]:
+    """The file open with PyAV, and the stream FFmpeg picks as its video (decord picks the same)."""
     import av
 
-    with av.open(path) as container:
-        if not container.streams.video:
-            raise ValueError("no video stream")
-        stream = container.streams.video[0]
-        # Count by decoding headers-only is not possible in general; demuxing counts packets
-        # cheaply, and each video packet is one frame for the codecs in use.
-        total = sum(1 for packet in container.demux(stream) if packet.size)
-    indices = sampler(total, num_frames)
+    with av.open(source) as container:
+        if not container.streams:  # e.g. an MP4 cut before its index: unreadable rather than without video
+            raise _DecoderFailure("no stream found")
+        stream = container.streams.best("video")
+        if stream is None:
+            held = ", ".join(sorted({other.type for other in container.streams}))
+            raise ValueError(f"no video stream (the file holds {held})")
+        yield container, stream
+
+
+def _packets(container: Any, stream: Any) -> Iterator[Any]:
+    """The stream's packets in file order, up to the end or to where the container is damaged."""
+    import av
+
+    demuxer = container.demux(stream)
+    while True:
+        try:
+            packet = next(demuxer)
+        except (StopIteration, av.FFmpegError):
+            return
+        if packet.size:  # the demuxer ends with an empty packet per stream, a flush request
+            yield packet
+
+
+def _decoded_frames(container: Any, stream: Any) -> Iterator[Any]:
+    """The stream's frames in display order; a packet that fails to decode is skipped, as players do."""
+    import av
+
+    for packet in _packets(container, stream):
+        try:
+            yield from stream.decode(packet)
+        except av.FFmpegError:
+            continue  # later packets (from the next keyframe at the latest) decode again
+    try:
+        yield from stream.decode(None)  # the frames the decoder still holds
+    except av.FFmpegError:
+        return
+
+
+def _pixel_aspect(stream: Any) -> Fraction:
+    """A stored pixel's displayed width over its height (1 where the file does not say)."""
+    return stream.sample_aspect_ratio or Fraction(1)  # None or 0 means unknown
+
+
+@dataclass(frozen=True)
+class _SampledFrames:
+    results: dict[int, Any]   # frame index -> the transformed frame
+    width: int                # as displayed
+    height: int
+    frame_count: int          # frames that decoded
+    fps: float | None
+
+
+def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTransform | None,
+                     sampler: FrameSampler) -> Media:
+    """Decode with FFmpeg through PyAV from the start of the file: no seeking, so the frames asked for.
+
+    Frames are counted by demuxing (no decoding: a packet is a frame). One decoding pass keeps
+    the sampled frames, each shown as a player shows it (`_displayed`) and transformed at once.
+    A damaged packet is skipped and a damaged or truncated container is read up to the damage;
+    if then not as many frames decode as packets were counted, the frames are sampled again
+    from the decoded count and decoded once more, so the indices follow `sampler` over frames
+    that exist, the last one included. Every frame is decoded (only sampled ones are converted
+    to RGB): ~150 frames/s for 1080p H.264 on one core, slower than decord's seeking on long
+    videos.
+    """
+    import av
+
+    try:
+        with _video_stream(source) as (container, stream):
+            total = sum(1 for _ in _packets(container, stream))
+        for _ in range(2):
+            if total < 1:
+                raise _DecoderFailure("no video frame decodes")
+            indices = sampler(total, num_frames)
+            sampled = _decode_sampled(source, indices, transform)
+            if sampled.frame_count == total:
+                break
+            total = sampled.frame_count
+        else:
+            raise _DecoderFailure("the number of frames that decode changes between two reads")
+    except av.FFmpegError as error:
+        raise _DecoderFailure(error.strerror or _short(error)) from error
+    frames = [sampled.results[index] for index in indices]  # a repeated index reuses its result
+    return Media(path, MediaType.VIDEO, frames, indices, sampled.width, sampled.height,
+                 total / sampled.fps if sampled.fps else None, "pyav")
+
+
+def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None) -> _SampledFrames:
+    """Decode every frame, keeping the transformed displayed frames at `indices`, and count them."""
     wanted = set(indices)
-    done: dict[int, Any] = {}
-    width = height = 0
-    rate: float | None = None
-    with av.open(path) as container:
-        stream = container.streams.video[0]
-        rate = float(stream.average_rate) if stream.average_rate else None
-        for index, frame in enumerate(container.decode(stream)):
-            if index in wanted:
-                image = _displayed(frame, stream.sample_aspect_ratio)
+    results: dict[int, Any] = {}
+    width = height = frame_count = 0
+    with _video_stream(source) as (container, stream):
+        aspect = _pixel_aspect(stream)
+        for frame in _decoded_frames(container, stream):
+            if frame_count in wanted:
+                image = _displayed(frame, aspect)
                 width, height = image.size
-                done[index] = _finish(image, transform, len(indices))
+                results[frame_count] = _finish(image, transform, len(indices))
+                del image  # otherwise the full frame stays alive while the next ones decode
                 if transform is not None:
                     _return_freed_memory()
-            if len(done) == len(wanted):
-                break
-    if not done:
-        raise ValueError("no decodable video frames")
-    kept = [index for index in indices if index in done]  # a damaged tail can hold fewer frames than packets
-    return Media(path, MediaType.VIDEO, [done[index] for index in kept], kept, width, height,
-                 total / rate if rate else None, "pyav")
+            frame_count += 1
+        fps = float(stream.average_rate) if stream.average_rate else None
+    return _SampledFrames(results, width, height, frame_count, fps)
 
 
-def _displayed(frame: Any, sar: Any) -> Image.Image:
-    """The frame as a player shows it: pixels stretched to their aspect ratio, then rotated."""
+def _displayed(frame: Any, aspect: Fraction) -> Image.Image:
+    """The frame as a player shows it: stretched to its pixel aspect (width x SAR, bicubic), then
+    rotated by the display matrix (counter-clockwise degrees; a mirroring in the matrix is ignored)."""
     image = frame.to_image()  # RGB
-    if sar is not None and sar != 0 and sar != 1:
-        image = image.resize((max(1, round(image.width * sar)), image.height), Image.Resampling.BICUBIC)
+    if aspect != 1:
+        image = image.resize((max(1, round(image.width * aspect)), image.height), Image.Resampling.BICUBIC)
     if frame.rotation:
-        image = image.rotate(frame.rotation, expand=True)  # counter-clockwise degrees, like the display matrix
+        image = image.rotate(frame.rotation, expand=True)
     return image
 
 
-def _load_video_decord(path: str, num_frames: int, transform: FrameTransform | None,
+def _load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
                        sampler: FrameSampler) -> Media:
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
-    reader = decord.VideoReader(path, num_threads=1, ctx=decord.cpu(0))
-    total = len(reader)
+    with _decord_failures():
+        reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
+        total = len(reader)
+        keyframes = [int(key) for key in reader.get_key_indices()]
+        fps = reader.get_avg_fps()
     if total < 1:
-        raise ValueError("decord found no frames")
+        raise _DecoderFailure("no frames")
     indices = sampler(total, num_frames)
-    keyframes = [int(key) for key in reader.get_key_indices()]
     # decord's get_batch on the whole index list decodes each distinct index in order (seeking
     # unless the reader can simply decode forward to it) and copies repeats. Calling it with
     # one index at a time, in the same order, runs the same decoder steps (plus a seek between
@@ -255,7 +361,8 @@ def _load_video_decord(path: str, num_frames: int, transform: FrameTransform | N
     done: dict[int, Any] = {}
     width = height = 0
     for run in _decoder_runs(sorted(set(indices)), keyframes, total):
-        arrays = [(index, _video_frame(reader, index)) for index in run]
+        with _decord_failures():
+            arrays = [(index, _video_frame(reader, index)) for index in run]
         height, width = arrays[0][1].shape[:2]
         _stop_read_ahead(reader)
         arrays.reverse()
@@ -266,9 +373,21 @@ def _load_video_decord(path: str, num_frames: int, transform: FrameTransform | N
             if transform is not None:
                 _return_freed_memory()
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
-    fps = reader.get_avg_fps()
     return Media(path, MediaType.VIDEO, frames, indices, width, height,
                  total / fps if fps > 0 else None, "decord")
+
+
+@contextlib.contextmanager
+def _decord_failures() -> Iterator[None]:
+    """decord's errors as a `_DecoderFailure`; nothing else is caught (no MemoryError, no caller's error)."""
+    import decord
+
+    try:
+        yield
+    except (RuntimeError, decord.DECORDError) as error:
+        raise _DecoderFailure(_short(error)) from error
+    except UnicodeEncodeError:  # decord hands the path to C as UTF-8: a name that is not UTF-8 cannot reach it
+        raise _DecoderFailure("the file name is not UTF-8") from None
 
 
 def _video_frame(reader: Any, index: int) -> Any:
@@ -390,33 +509,47 @@ def _open_image(path: str) -> Image.Image:
     return image
 
 
+# Formats whose extra frames are an animation. A JPEG holding more pictures (MPO: a camera's
+# preview, a phone's HDR gain map or depth map) and a multi-page TIFF are still images.
+_ANIMATED_FORMATS = frozenset({"GIF", "PNG", "WEBP"})
+
+
 def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
     """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
     with _open_image(path) as image:
-        if getattr(image, "n_frames", 1) > 1:
-            return _sample_animation(path, image, num_frames, transform, sampler, _still_rgb)
-        frame = _still_rgb(image)
+        if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
+            return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
+        ImageOps.exif_transpose(image, in_place=True)  # in place: a large photo is not held twice
+        frame = _to_rgb(image)
     width, height = frame.size
     return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None, "pillow")
 
 
-def _still_rgb(image: Image.Image) -> Image.Image:
-    """8-bit RGB as displayed; ordinary 8-bit images are exactly `image.convert("RGB")`, as upstream.
+def _animation_frame_rgb(frame: Image.Image) -> Image.Image:
+    # A copy, not in place: an APNG's next frame is drawn over this one.
+    return _to_rgb(ImageOps.exif_transpose(frame))
 
-    Where upstream's plain conversion is wrong, this does what a viewer shows: the EXIF
-    orientation is applied; 16-bit grey levels are scaled to 8 bits (Pillow's conversion clips
-    them, which turns most photos white); transparent pixels are composited over white
-    (a plain conversion reveals whatever colour hides under alpha 0).
+
+_SIXTEEN_BIT_GREY = frozenset({"I;16", "I;16B", "I;16L", "I"})
+_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """8-bit RGB as a viewer shows it; ordinary 8-bit images are exactly `image.convert("RGB")`, as upstream.
+
+    Where upstream's plain conversion is wrong, this does what a viewer shows: 16-bit grey
+    levels are scaled to 8 bits (Pillow's conversion clips them, which turns most photos white;
+    32-bit levels are taken as 16-bit ones, clipped to 0-65535); transparent pixels (an alpha
+    band, a transparent palette entry or colour key) are composited over white (a plain
+    conversion reveals whatever colour hides under them). CMYK, palette and greyscale images
+    are converted as Pillow does.
     """
-    image = ImageOps.exif_transpose(image)
-    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+    if image.mode in _SIXTEEN_BIT_GREY:
         import numpy as np
 
-        levels = np.asarray(image, dtype=np.uint32) >> 8  # 16-bit levels to 8-bit
+        levels = np.clip(np.asarray(image, dtype=np.int64), 0, 0xFFFF) >> 8
         return Image.fromarray(levels.astype(np.uint8), mode="L").convert("RGB")
-    has_alpha = image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or \
-        (image.mode == "P" and "transparency" in image.info)
-    if has_alpha:
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")

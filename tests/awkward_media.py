@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -41,12 +42,33 @@ def halves(width: int = W, height: int = H) -> np.ndarray:
     return frame
 
 
+# Numbered frames: frame i is grey level NUMBER_STEP * i below a fixed noisy top half (the noise
+# gives the file a real payload, so a cut leaves whole frames before it).
+NUMBER_STEP = 8
+_NOISE = np.random.default_rng(0).integers(0, 256, (H // 2, W, 1), dtype=np.uint8).repeat(3, axis=2)
+
+
+def numbered(index: int) -> np.ndarray:
+    frame = np.full((H, W, 3), NUMBER_STEP * index, np.uint8)
+    frame[: H // 2] = _NOISE
+    return frame
+
+
+def frame_number(frame: Image.Image) -> int:
+    """Which `numbered` frame a decoded frame is (its bottom rows, away from the noise)."""
+    return round(float(np.asarray(frame)[H // 2 + 6:].mean()) / NUMBER_STEP)
+
+
 def write_video(path: Path, codec: str, frames: int = 10, container: str | None = None, rotation: int = 0,
                 sar: Fraction | None = None, pts_step: list[int] | None = None, options: dict | None = None,
-                pix_fmt: str = "yuv420p") -> Path:
+                pix_fmt: str = "yuv420p", picture: Callable[[int], np.ndarray] = lambda index: halves(),
+                codec_options: dict | None = None, bit_rate: int | None = None) -> Path:
     with av.open(str(path), "w", format=container, options=options or {}) as output:
         stream = output.add_stream(codec, rate=10)
         stream.width, stream.height, stream.pix_fmt = W, H, pix_fmt
+        stream.options = codec_options or {}
+        if bit_rate is not None:
+            stream.bit_rate = bit_rate
         if sar is not None:
             stream.codec_context.sample_aspect_ratio = sar
         if rotation:
@@ -55,7 +77,7 @@ def write_video(path: Path, codec: str, frames: int = 10, container: str | None 
             stream.codec_context.time_base = Fraction(1, 1000)
         pts = 0
         for index in range(frames):
-            frame = av.VideoFrame.from_ndarray(halves(), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(picture(index), format="rgb24")
             if pts_step is not None:
                 frame.pts, frame.time_base = pts, Fraction(1, 1000)
                 pts += pts_step[index % len(pts_step)]
@@ -94,13 +116,28 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     add(write_video(folder / "long.mp4", "libx264", frames=1500), Ok("video", (W, H), "decord", 8))
     add(write_video(folder / "rotated_phone.mp4", "libx264", rotation=90), Ok("video", (H, W), "pyav", 8))
     add(write_video(folder / "anamorphic.mp4", "libx264", sar=Fraction(2, 1)), Ok("video", (2 * W, H), "pyav", 8))
-    add(write_video(folder / "variable_rate.mkv", "libx264", pts_step=[40, 120, 70]), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "vp9.webm", "libvpx-vp9"), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "live.webm", "libvpx-vp9", options={"live": "1"}), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "hevc.mp4", "libx265"), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "av1.mkv", "libsvtav1"), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "mpeg2.ts", "mpeg2video", container="mpegts"), Ok("video", (W, H), None, 8))
-    add(write_video(folder / "legacy.flv", "flv", container="flv"), Ok("video", (W, H), None, 8))
+    add(write_video(folder / "variable_rate.mkv", "libx264", pts_step=[40, 120, 70]), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "vp9.webm", "libvpx-vp9"), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "live.webm", "libvpx-vp9", options={"live": "1"}), Ok("video", (W, H), "pyav", 8))
+    add(write_video(folder / "hevc.mp4", "libx265"), Ok("video", (W, H), "decord", 8))
+    add(write_video(folder / "av1.mkv", "libsvtav1"), Ok("video", (W, H), "pyav", 8))  # decord has no AV1 decoder
+    add(write_video(folder / "mpeg2.ts", "mpeg2video", container="mpegts"), Ok("video", (W, H), "pyav", 8))
+    add(write_video(folder / "legacy.flv", "flv", container="flv"), Ok("video", (W, H), "decord", 8))
+    # 30 numbered frames, 12 per GOP, with B-frames: decord's seeking returns other frames than asked
+    # in MPEG-TS, MPEG-PS, and AVI or MPEG-4 Part 2 with B-frames; PyAV reads these.
+    gop = {"g": "12", "bf": "2"}
+    for name, codec, container, decoder in [("numbered_h264.mp4", "libx264", None, "decord"),
+                                            ("numbered_h264.ts", "libx264", "mpegts", "pyav"),
+                                            ("numbered_mpeg2.mpg", "mpeg2video", "mpeg", "pyav"),
+                                            ("numbered_divx.avi", "mpeg4", "avi", "pyav")]:
+        add(write_video(folder / name, codec, frames=30, container=container, picture=numbered, codec_options=gop,
+                        bit_rate=2_000_000), Ok("video", (W, H), decoder, 8))
+    indexed_first = write_video(folder / "indexed_first.mp4", "libx264", frames=30, options={"movflags": "faststart"},
+                                picture=numbered, codec_options=gop)
+    data = indexed_first.read_bytes()
+    indexed_first.unlink()
+    (folder / "numbered_cut.mp4").write_bytes(data[: len(data) * 3 // 4])  # index intact, last frames missing
+    add(folder / "numbered_cut.mp4", Ok("video", (W, H), "pyav", 8))
     data = good_mp4.read_bytes()
     (folder / "truncated.mp4").write_bytes(data[: len(data) // 2])
     add(folder / "truncated.mp4", Fails("cannot decode video"))
@@ -134,12 +171,15 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     animation = [Image.fromarray(np.full((H, W, 3), value, np.uint8)) for value in (0, 100, 200)]
     animation[0].save(folder / "animated.webp", save_all=True, append_images=animation[1:], duration=100, loop=0)
     add(folder / "animated.webp", Ok("gif", (W, H), "pillow", 3))
+    preview = Image.fromarray(halves(16, 12))  # a JPEG holding a second picture (camera preview, HDR gain map)
+    Image.fromarray(halves()).save(folder / "multi_picture.jpg", "MPO", save_all=True, append_images=[preview])
+    add(folder / "multi_picture.jpg", Ok("image", (W, H), "pillow", 1))
     Image.new("RGB", (20000, 10), (10, 200, 30)).save(folder / "strip_20000x10.png")
     add(folder / "strip_20000x10.png", Ok("image", (20000, 10), "pillow", 1))
     Image.new("1", (12000, 8000)).save(folder / "bomb.png")  # 96 Mpx of zeros: a few KB on disk
     add(folder / "bomb.png", Fails("image too large: 12000x8000"))
 
-    for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4"]:
+    for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4", "pipe:0.mp4"]:
         shutil.copy(good_mp4, folder / name)
         add(folder / name, Ok("video", (W, H), "decord", 8))
     undecodable = folder / os.fsdecode(b"latin1-caf\xe9.mp4")  # not UTF-8: decord cannot open it, PyAV can

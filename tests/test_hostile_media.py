@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from awkward_media import Fails, Ok, halves, make_awkward_inputs
+import torch
+from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from PIL import Image
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
-from tarsier_batch.media import Media, load_media, media_type_of
+from tarsier_batch.families import load_caption_model
+from tarsier_batch.media import (
+    Media,
+    MediaType,
+    frame_indices,
+    load_media,
+    media_type_of,
+)
 from tarsier_batch.text import printable
+from tarsier_batch.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +70,118 @@ def test_rotated_and_anamorphic_video_are_shown_as_a_player_shows_them(awkward: 
     assert wide.shape == (48, 128, 3) and wide[24, 60, 0] > 200 and wide[24, 68, 2] > 200
 
 
+def test_every_container_gives_the_frames_asked_for(awkward: dict[Path, Ok | Fails]) -> None:
+    """Numbered frames: where decord would seek to other frames (MPEG-TS, MPEG-PS, AVI and MPEG-4
+    Part 2 with B-frames), PyAV decodes; a file cut short is sampled over the frames that decode."""
+    for name in ["numbered_h264.mp4", "numbered_h264.ts", "numbered_mpeg2.mpg", "numbered_divx.avi"]:
+        media = load(named(awkward, name))
+        assert media.frame_indices == frame_indices(30, 8)
+        assert [frame_number(frame) for frame in media.frames] == media.frame_indices, name
+    cut = load(named(awkward, "numbered_cut.mp4"))
+    decoded = cut.frame_indices[-1] + 1
+    assert 1 < decoded < 30 and cut.frame_indices == frame_indices(decoded, 8)  # the last decodable frame included
+    assert [frame_number(frame) for frame in cut.frames] == cut.frame_indices
+
+
+def test_a_multi_picture_jpeg_is_its_first_picture(awkward: dict[Path, Ok | Fails]) -> None:
+    """Pillow opens a JPEG with an embedded preview or gain map as two frames: not an animation."""
+    path = named(awkward, "multi_picture.jpg")
+    with Image.open(path) as image:
+        assert image.format == "MPO" and image.n_frames == 2
+        first = image.convert("RGB").tobytes()
+    media = load(path)
+    assert (media.media_type, media.frame_indices, media.frames[0].tobytes()) == (MediaType.IMAGE, [0], first)
+
+
+@pytest.fixture()
+def no_standard_input() -> Iterator[None]:
+    """Standard input on /dev/null, so that a decoder reading it could neither block nor read a clip."""
+    saved = os.dup(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+        yield
+    finally:
+        os.dup2(saved, 0)
+        os.close(null)
+        os.close(saved)
+
+
+def test_a_relative_name_like_an_ffmpeg_protocol_is_read_as_a_file(awkward: dict[Path, Ok | Fails], no_standard_input: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(named(awkward, "pipe:0.mp4").parent)  # FFmpeg reads "pipe:0..." as standard input
+    media = load_media("pipe:0.mp4", MediaType.VIDEO, 8)
+    assert (media.path, media.decoder, len(media.frames)) == ("pipe:0.mp4", "decord", 8)
+
+
+def test_a_fifo_is_refused_without_being_opened(awkward: dict[Path, Ok | Fails]) -> None:
+    outcome: list[BaseException] = []
+
+    def attempt() -> None:
+        try:
+            load(named(awkward, "fifo.mp4"))
+        except BaseException as error:  # noqa: BLE001 - handed to the test thread
+            outcome.append(error)
+
+    worker = threading.Thread(target=attempt, daemon=True)  # a safety net: opening would block for ever
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "load_media blocked on a FIFO"
+    assert [str(error) for error in outcome] == ["not a regular file: a FIFO (named pipe)"]
+
+
+def test_an_unreadable_file_is_refused(awkward: dict[Path, Ok | Fails], tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("running as root: chmod 000 does not stop root from reading a file")
+    unreadable = tmp_path / "unreadable.mp4"
+    shutil.copy(named(awkward, "plain_h264.mp4"), unreadable)
+    unreadable.chmod(0)
+    with pytest.raises(ValueError, match="permission denied"):
+        load(unreadable)
+
+
+@pytest.mark.parametrize("name", ["plain_h264.mp4", "rotated_phone.mp4"])  # decord's path, PyAV's path
+def test_a_transform_error_is_not_taken_for_a_decoder_failure(awkward: dict[Path, Ok | Fails], name: str) -> None:
+    calls: list[int] = []
+
+    def broken(frame: Image.Image, frame_count: int) -> None:
+        calls.append(frame_count)
+        raise RuntimeError("the transform broke")
+
+    with pytest.raises(RuntimeError, match="the transform broke"):  # raised as it is, not "cannot decode video"
+        load_media(str(named(awkward, name)), MediaType.VIDEO, 8, frame_transform=broken)
+    assert len(calls) == 1  # the other decoder was not tried
+
+    def out_of_memory(frame: Image.Image, frame_count: int) -> None:
+        raise MemoryError
+
+    with pytest.raises(MemoryError):  # the worker pool reports it with its memory limit
+        load_media(str(named(awkward, name)), MediaType.VIDEO, 8, frame_transform=out_of_memory)
+
+
+def test_tarsier2_preprocesses_frames_as_they_are_shown(awkward: dict[Path, Ok | Fails],
+                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-tarsier2"), "tiny", seed=0, family="tarsier2")
+    processor = load_caption_model(model_dir, torch.float32, torch.device("cpu")).processor
+
+    def prompt(name: str, frames: int = 4) -> tuple[Media, int]:
+        path = named(awkward, name)
+        media = processor.load_media(str(path), media_type_of(path), frames)
+        return media, len(processor.process(media, None).token_ids)
+
+    wide, _ = prompt("anamorphic.mp4")
+    assert (wide.decoder, wide.width, wide.height) == ("pyav", 128, 48)
+    assert all(frame.grid_w > frame.grid_h for frame in wide.frames)  # the displayed 8:3 frame, not the stored 4:3
+    rotated, _ = prompt("rotated_phone.mp4")
+    assert (rotated.width, rotated.height, len(rotated.frames)) == (48, 64, 4)
+    clip, _ = prompt("numbered_h264.ts", frames=30)
+    assert clip.frame_indices == list(range(30))  # Tarsier2 takes every frame of a clip of at most 30
+    animated, _ = prompt("animated.webp")
+    assert animated.frame_indices == [0, 1, 2]
+    with pytest.raises(ValueError, match="^absolute aspect ratio must be smaller than 200, got 2000.0$"):
+        prompt("strip_20000x10.png")  # Qwen2-VL's own limit, as upstream: a one-line error row
+
+
 def test_unusual_images_are_converted_as_a_viewer_shows_them(awkward: dict[Path, Ok | Fails]) -> None:
     grey16 = np.asarray(load(named(awkward, "grey16.png")).frames[0])
     assert (grey16 == 128).all()  # 0x8000 of 0xffff, not clipped to white
@@ -82,7 +207,10 @@ def test_ordinary_images_stay_exactly_upstream_conversion(tmp_path: Path) -> Non
 
 
 def test_v1_square_stretch_is_bounded(tiny_model_dir: Path, awkward: dict[Path, Ok | Fails]) -> None:
-    from tarsier_batch.families.tarsier.processing import MAX_SQUARE_SIDE, stretch_to_square
+    from tarsier_batch.families.tarsier.processing import (
+        MAX_SQUARE_SIDE,
+        stretch_to_square,
+    )
 
     with Image.open(named(awkward, "strip_20000x10.png")) as strip:
         square = stretch_to_square(strip.convert("RGB"))
