@@ -1,37 +1,59 @@
 """Decode and preprocess media in worker processes that can crash, hang or run out of memory alone.
 
-decord and FFmpeg are native code: a corrupt file can segfault them, a FIFO or a broken stream
-can block them for ever, a hostile file can make them allocate without bound, and they print
-their own log lines on stderr. Here each item is decoded in a worker process: a worker that
-dies, or runs past `timeout_s`, is killed and replaced by the pool (pebble), and the item comes
-back as an error; workers write to /dev/null, not the terminal.
+decord and FFmpeg are native code: a corrupt file can segfault them, a broken stream can block
+them for ever, a hostile file can make them allocate without bound, and they print their own
+log lines on stderr. `DecodePool` runs "decode + preprocess one item" (`decode_item`) in worker
+processes: a worker that dies, or runs past `timeout_s`, is killed and replaced (pebble's
+`ProcessPool`), and the item comes back as a `Decoded` whose `error` names the cause. Workers
+write to /dev/null, never to the terminal. Their futures never raise.
 
-Workers are started through a fork server: the parent holds torch threads (and maybe CUDA),
-which a plain fork would copy in an undefined state, while spawning would re-import torch and
-transformers for every replacement worker. The server imports the decoding modules once, then
-forks a fresh worker in milliseconds.
+Workers start through a fork server. The parent holds torch threads (and maybe CUDA), which a
+plain fork would copy in an undefined state; spawning would import torch and transformers again
+for every worker, including each replacement. The server imports the decoding modules once
+(about 3.5 s, when the first pool is created), then forks a ready worker in under 0.1 s.
 
-Test hook: `TARSIER_BATCH_FAULT` makes a worker misbehave on chosen items, to prove the isolation
-end to end. It holds comma-separated `kind:substring` entries; an item whose path contains the
-substring makes the worker `segfault` (SIGSEGV), `hang` (block for ever) or `oom` (allocate until
-the memory limit stops it). It is read when a pool is created.
+Memory: each worker's data segment is limited with RLIMIT_DATA (heap and private writable
+mappings: what a decoder allocates), not RLIMIT_AS (which also counts the shared libraries
+and address space reserved but never used: a worker maps about 1.2 GiB before it decodes
+anything, but holds about 0.45 GiB of data; decoding 16 frames of a 1920 x 800 clip needs
+0.1-0.2 GiB more). Past the limit, Python code gets a MemoryError or torch.OutOfMemoryError
+(reported with the limit), C++ code usually aborts on std::bad_alloc (SIGABRT, reported as a
+crash that was probably out of memory), and FFmpeg reports ENOMEM (its error, with the limit).
+RLIMIT_DATA counts mmap'ed memory since Linux 4.7; on older kernels it bounds only the heap.
+
+Without isolation (`isolate=False`), the same `decode_item` runs in threads of this process:
+no timeout, no memory limit and no crash protection (a native crash or hang takes the process
+with it). That is for benchmarks comparing the two, and for callers that isolate already (a
+Ray worker).
+
+Test hook: `TARSIER_BATCH_FAULT` makes workers misbehave on chosen items, to prove the
+isolation end to end (also through the CLI). It holds comma-separated `kind:substring` entries;
+an item whose path contains the substring makes its worker `segfault` (SIGSEGV), `abort`
+(SIGABRT, as std::bad_alloc does), `hang` (blocked for ever in native code, where no Python
+signal handler runs) or `oom` (allocate until the memory limit stops it). It is read when a
+pool is created (the fork server keeps the environment it started with) and is ignored without
+isolation. Never set it outside tests.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
 import pickle
 import resource
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
-from typing import Any
+from functools import partial
+from pathlib import Path
 
+import torch
 from pebble import ProcessExpired, ProcessPool
 
 from .families.base import ProcessedPrompt, Processor
@@ -40,12 +62,17 @@ from .sources import MediaItem
 from .text import one_line
 
 FAULT_VARIABLE = "TARSIER_BATCH_FAULT"
-MAX_DEFAULT_WORKERS = 4  # beyond this, decoding outpaces even a GPU's prefill of the frames
+FAULT_KINDS = ("segfault", "abort", "hang", "oom")
+MAX_DEFAULT_WORKERS = 4
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+STOPPED = "stopped before it was decoded"
+# Errors whose text says an allocation failed (ENOMEM, C++ bad_alloc, a library that could not map).
+_NO_MEMORY_WORDS = ("cannot allocate memory", "bad_alloc", "out of memory", "failed to map segment")
 
 
 @dataclass(frozen=True)
 class DecodeJob:
-    """What every item of a run is decoded with; sent once to each worker."""
+    """What every item of a run is decoded with; pickled once and sent to each worker."""
 
     processor: Processor
     frames: int
@@ -54,90 +81,143 @@ class DecodeJob:
 
 @dataclass
 class Decoded:
-    """One item after decoding and preprocessing, or the error that stopped it."""
+    """One item after decoding and preprocessing, or the error (one line) that stopped it."""
 
     index: int
     item: MediaItem
-    seconds: float
+    seconds: float                    # decoding time; for a failed worker, the time since submission
     media: Media | None = None        # facts about the file; its frames are dropped (the prompt holds the pixels)
     prompt: ProcessedPrompt | None = None
     error: str | None = None
 
 
 def default_workers() -> int:
-    """One core for the model's own threads, the rest (at most MAX_DEFAULT_WORKERS) for decoding."""
+    """How many decoding workers to run when the caller does not say.
+
+    One core stays with the parent, which runs the model's own threads and receives the
+    decoded items; the others decode (each worker runs torch on one thread). The cap is a
+    judgement: past a few workers, decoding keeps ahead of the model, while each more worker
+    costs memory (about 60 MB of its own at rest, most of its 0.35 GB resident being shared
+    with the fork server, plus what it decodes, up to its memory limit). The cores
+    counted are those this process may run on (its affinity mask, and a cgroup v2 CPU quota,
+    as in a container started with --cpus), not all of the machine's.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_cpu_quota()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
     return max(1, min(MAX_DEFAULT_WORKERS, cores - 1))
 
 
+def _cgroup_cpu_quota() -> float | None:
+    """CPUs' worth of time per period this cgroup may use (cgroup v2 `cpu.max`), or None without a quota."""
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
 def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
-    """Decode, sample and preprocess one item; any failure is this item's error."""
+    """Decode, sample and preprocess one item; any failure is this item's error.
+
+    Except running out of memory, which raises (MemoryError, torch.OutOfMemoryError): the
+    caller knows which limit was hit (`DecodePool` reports it as this item's error).
+    """
     start = time.perf_counter()
     try:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
         media = job.processor.load_media(item.path, item.media_type, job.frames)
         prompt = job.processor.process(media, item.prompt or job.instruction)
-    except MemoryError:
-        raise  # in a worker, the pool reports it with the memory limit; in threads, it is the whole run's
     except Exception as error:  # any decoder failure is this item's problem only
+        if _is_out_of_memory(error):
+            raise
         return Decoded(index, item, time.perf_counter() - start, error=one_line(error))
     return Decoded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompt)
 
 
 class DecodePool:
-    """Decodes items in worker processes (or threads, with `isolate=False`); futures never raise.
+    """Decodes items in worker processes (or threads, with `isolate=False`).
 
-    A crashed, timed-out or killed worker turns into a `Decoded` with an error naming the cause,
-    and the pool starts a replacement. Without isolation there is no timeout and no memory
-    limit: a native crash or hang takes the process with it (for benchmarks, and for callers
-    that isolate already, like a Ray worker).
+    `submit` returns a future that never raises and cannot be cancelled: a crashed, timed-out
+    or out-of-memory worker, or the pool being shut down, gives a `Decoded` with an error that
+    names the cause, and a replacement worker takes the next item. `timeout_s` bounds each
+    item's decoding from the moment a worker takes it; `memory_limit_bytes` bounds each
+    worker's data segment. Both need isolation; threads ignore them.
+
+    Results travel back as pickled bytes through the pool's pipe. For the 16 x 3 x 336 x 336
+    float32 pixels of a 16-frame Tarsier item (20.7 MiB): 15 ms to pickle in the worker, then
+    50-90 ms until unpickled here, of which about 45 ms of this process's CPU (in pebble's
+    receiving thread); decoding such a clip takes a worker 1-2 s.
     """
 
     def __init__(self, job: DecodeJob, workers: int, timeout_s: float | None = None,
                  memory_limit_bytes: int | None = None, isolate: bool = True):
-        self.job, self.timeout_s, self.memory_limit_bytes = job, timeout_s, memory_limit_bytes
+        if workers < 1:
+            raise ValueError("workers must be at least 1")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError("the decoding timeout must be positive")
+        if memory_limit_bytes is not None and memory_limit_bytes <= 0:
+            raise ValueError("the memory limit must be positive")
+        self.job, self.workers, self.isolate = job, workers, isolate
+        self.timeout_s = timeout_s if isolate else None
+        self.memory_limit_bytes = memory_limit_bytes if isolate else None
+        self._lock = threading.Lock()          # guards _pending and _closed (taken on pebble's threads too)
+        self._pool_lock = threading.Lock()     # guards replacing the process pool
+        self._pending: dict[Future[Decoded], tuple[int, MediaItem, float]] = {}
+        self._closed = False
         self._threads: ThreadPoolExecutor | None = None
         self._processes: ProcessPool | None = None
-        self._pending: dict[Future[Decoded], tuple[int, MediaItem]] = {}
-        self._lock = threading.Lock()
         if isolate:
+            # Pickled here, once: an unpicklable processor fails now, in the caller, and torch's
+            # multiprocessing reducers (shared memory for tensors) never see the job.
+            self._initargs = (pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), self.memory_limit_bytes,
+                              _faults_from_environment())
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload([__name__, type(job.processor).__module__])
+            context.set_forkserver_preload(_preload_modules())  # honoured when the server starts
             _start_quiet_fork_server()
-            self._processes = ProcessPool(workers, initializer=_start_worker, context=context,
-                                          initargs=(job, memory_limit_bytes, _faults_from_environment()))
+            self._processes = self._new_process_pool()
+            # Start the workers now: the first start waits for the server's imports (about 3 s).
+            self._live_processes()
         else:
             self._threads = ThreadPoolExecutor(workers, thread_name_prefix="tarsier-decode")
 
     def submit(self, index: int, item: MediaItem) -> Future[Decoded]:
-        if self._threads is not None:
-            return self._threads.submit(decode_item, self.job, index, item)
-        assert self._processes is not None
-        started = time.perf_counter()
+        """Queue `item` (`index` comes back in its `Decoded`); raises only if the pool is shut down."""
         decoded: Future[Decoded] = Future()
-        self._pending[decoded] = (index, item)
-        task = self._processes.schedule(_decode_in_worker, (index, item), timeout=self.timeout_s)
-        task.add_done_callback(lambda done: self._settle(decoded, lambda: self._outcome(done, index, item, started)))
+        decoded.set_running_or_notify_cancel()  # the pool settles it; callers stop work with shutdown()
+        started = time.perf_counter()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the decoding pool is shut down")
+            self._pending[decoded] = (index, item, started)
+        try:
+            task = self._schedule(index, item)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(decoded, None)
+            raise
+        task.add_done_callback(partial(self._task_done, decoded))
         return decoded
 
     def shutdown(self) -> None:
-        """Drop queued items and stop the workers at once (hung ones are killed); idempotent.
+        """Drop queued items and stop the workers at once, killing busy or hung ones; idempotent.
 
-        Items not decoded by then come back as errors, so that no future is left waiting.
+        With threads, waits for the items being decoded (a thread cannot be stopped). Items not
+        decoded by then come back as errors, so that no future is left waiting.
         """
+        with self._lock:
+            self._closed = True
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
         if self._processes is not None:
-            self._processes.stop()
-            self._processes.join()
-            for decoded, (index, item) in list(self._pending.items()):
-                self._settle(decoded, lambda: Decoded(index, item, 0.0, error="stopped before it was decoded"))
-
-    def _settle(self, decoded: Future[Decoded], outcome: Callable[[], Decoded]) -> None:
-        """Resolve `decoded` once (the pool's callback thread and shutdown may both try)."""
+            with self._pool_lock:  # after a replacement under way, if any
+                self._processes.stop()  # a worker's SIGTERM is fatal at once (see _start_worker)
+                self._processes.join()
         with self._lock:
-            if self._pending.pop(decoded, None) is not None:
-                decoded.set_result(outcome())
+            left, self._pending = self._pending, {}
+        for decoded, (index, item, _) in left.items():
+            decoded.set_result(Decoded(index, item, 0.0, error=STOPPED))
 
     def __enter__(self) -> DecodePool:
         return self
@@ -145,29 +225,98 @@ class DecodePool:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _outcome(self, task: Future[Decoded], index: int, item: MediaItem, started: float) -> Decoded:
+    # --- in this process -------------------------------------------------------------------
+
+    def _new_process_pool(self) -> ProcessPool:
+        return ProcessPool(self.workers, initializer=_start_worker, initargs=self._initargs,
+                           context=multiprocessing.get_context("forkserver"))
+
+    def _schedule(self, index: int, item: MediaItem) -> Future[bytes] | Future[Decoded]:
+        if self._threads is not None:
+            return self._threads.submit(_decode_here, self.job, index, item)
+        try:
+            return self._live_processes().schedule(_decode_in_worker, (index, item), timeout=self.timeout_s)
+        except RuntimeError:  # it broke between the check and the call
+            return self._live_processes().schedule(_decode_in_worker, (index, item), timeout=self.timeout_s)
+
+    def _live_processes(self) -> ProcessPool:
+        """The process pool, replaced first if pebble gave up on it.
+
+        pebble abandons a pool when a worker dies while no task is known to be running on it
+        (killed while idle, or a crash it could not attribute yet); its tasks then fail with
+        BrokenProcessPool. A fresh pool takes the items that follow.
+        """
+        with self._pool_lock:
+            if self._closed:
+                raise RuntimeError("the decoding pool is shut down")
+            assert self._processes is not None
+            if not self._processes.active:  # (a pool not started yet starts here)
+                broken, self._processes = self._processes, self._new_process_pool()
+                broken.stop()
+                broken.join()
+            return self._processes
+
+    def _task_done(self, decoded: Future[Decoded], task: Future[bytes] | Future[Decoded]) -> None:
+        """Settle `decoded` from its task (on the pool's thread); shutdown may have settled it first."""
+        with self._lock:
+            entry = self._pending.pop(decoded, None)
+        if entry is None:
+            return
+        index, item, started = entry
+        try:
+            outcome = self._outcome(task, index, item, started)
+        except BaseException as error:  # never leave a future waiting (e.g. a result that cannot be unpickled)
+            outcome = Decoded(index, item, time.perf_counter() - started,
+                              error=f"the decoded item could not be received ({one_line(error)})")
+        decoded.set_result(outcome)
+
+    def _outcome(self, task: Future[bytes] | Future[Decoded], index: int, item: MediaItem,
+                 started: float) -> Decoded:
         if task.cancelled():
-            return Decoded(index, item, 0.0, error="stopped before it was decoded")
+            return Decoded(index, item, 0.0, error=STOPPED)
         error = task.exception()
         if error is None:
-            return pickle.loads(task.result())
+            result = task.result()
+            return pickle.loads(result) if isinstance(result, bytes) else result
         seconds = time.perf_counter() - started
-        if isinstance(error, (FutureTimeout, TimeoutError)):
+        if self._closed:  # pebble fails what it held when it stops (BrokenProcessPool)
+            return Decoded(index, item, seconds, error=STOPPED)
+        if isinstance(error, (FutureTimeout, TimeoutError)):  # pebble raises the former (the same class from 3.11)
             message = f"decoding took longer than {self.timeout_s:g} s (--decode-timeout); the worker was stopped"
-        elif isinstance(error, MemoryError):
-            message = f"decoding ran out of memory ({self._limit_text()})"
+        elif _is_out_of_memory(error):
+            message = _out_of_memory(self.memory_limit_bytes, self.isolate)
         elif isinstance(error, ProcessExpired):
-            message = f"the decoder crashed ({_death(error.exitcode)})"
-            if error.exitcode == -signal.SIGABRT and self.memory_limit_bytes:  # C++ aborts when an allocation fails
-                message += f", probably out of memory ({self._limit_text()})"
+            message = _crash_message(error.exitcode, self.memory_limit_bytes)
+        elif isinstance(error, WorkerNotReady):
+            message = str(error)
+        elif isinstance(error, BrokenProcessPool):
+            cause = str(error) or (one_line(error.__cause__) if error.__cause__ else "their channel broke")
+            message = f"the decoding workers failed ({cause}); they were restarted for the next items"
         else:
             message = one_line(error)
         return Decoded(index, item, seconds, error=message)
 
-    def _limit_text(self) -> str:
-        if not self.memory_limit_bytes:
-            return "no limit set"
-        return f"limit {self.memory_limit_bytes / 2**30:g} GiB per worker, --decode-memory-gb"
+
+class WorkerNotReady(Exception):
+    """A worker could not set itself up (its message says why); every item it takes fails with it."""
+
+
+def _preload_modules() -> list[str]:
+    """What the fork server imports once, so that a new worker only has to fork.
+
+    The decoders (imported lazily by media.py: about 70 ms per worker otherwise), and every
+    module of this package the parent has imported, the families' processors among them: a
+    worker also imports the parent's main script again (the `tarsier` console script imports
+    the CLI, about 0.25 s) and finds them loaded. Only the first pool's list counts (the server
+    lives as long as this process). A processor from elsewhere is imported by each worker; it
+    is not preloaded, because a module that fails in the server stops every worker.
+    """
+    package = __name__.split(".")[0]
+    ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
+    return ["decord", "av", __name__, *ours]
+
+
+_quiet_server_pid: int | None = None
 
 
 def _start_quiet_fork_server() -> None:
@@ -175,14 +324,23 @@ def _start_quiet_fork_server() -> None:
 
     Workers inherit them from the server, so nothing a worker prints reaches the terminal, even
     before its own set-up runs (a worker forked while the pool stops can fail to unpickle its
-    start-up state and print a traceback). Our descriptors are swapped only while the server is
-    launched, which does not wait for its imports.
+    start-up state and print a traceback). Our descriptors 1 and 2 point to /dev/null only while
+    the server is launched (a few milliseconds; launching does not wait for its imports): a line
+    another thread prints meanwhile is lost. If the server dies, multiprocessing restarts it on
+    its own, without this; each worker still silences itself first thing.
     """
+    global _quiet_server_pid
     from multiprocessing import forkserver
 
+    server = forkserver._forkserver  # private, but stable: the process-wide server
+    if _quiet_server_pid is not None and getattr(server, "_forkserver_pid", None) == _quiet_server_pid:
+        return
     saved = [os.dup(1), os.dup(2)]
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and not stream.closed:
+                stream.flush()
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         forkserver.ensure_running()
@@ -191,31 +349,68 @@ def _start_quiet_fork_server() -> None:
             os.dup2(original, descriptor)
             os.close(original)
         os.close(devnull)
+    _quiet_server_pid = getattr(server, "_forkserver_pid", None)
+
+
+def _decode_here(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
+    return decode_item(job, index, item)  # looked up at call time (tests replace decode_item)
+
+
+def _is_out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, (MemoryError, getattr(torch, "OutOfMemoryError", MemoryError)))
+
+
+def _out_of_memory(limit: int | None, isolated: bool = True) -> str:
+    if limit:
+        return f"decoding ran out of memory (limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)"
+    return "decoding ran out of memory" + ("" if isolated else " (in this process: no per-worker limit)")
+
+
+def _crash_message(exitcode: object, limit: int | None) -> str:
+    if not isinstance(exitcode, int) or exitcode >= 0:
+        return f"the decoder exited unexpectedly (exit code {exitcode})"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    if exitcode == -signal.SIGKILL:  # never sent by the pool to a worker it still counts on
+        return "the decoder was killed (SIGKILL), probably by the system running out of memory"
+    message = f"the decoder crashed ({name})"
+    if exitcode == -signal.SIGABRT and limit:  # C++ aborts when an allocation fails (std::bad_alloc)
+        message += f", probably out of memory (limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)"
+    return message
 
 
 # --- inside a worker process -----------------------------------------------------------------
 
 _job: DecodeJob | None = None
-_faults: list[tuple[str, str]] = []
+_memory_limit: int | None = None
+_faults: tuple[tuple[str, str], ...] = ()
+_start_error: str | None = None
 
 
-def _start_worker(job: DecodeJob, memory_limit_bytes: int | None, faults: list[tuple[str, str]]) -> None:
-    global _job, _faults
-    _job, _faults = job, faults
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tuple[str, str], ...]) -> None:
+    """pebble's initializer. Never raises: a worker that fails here would break the whole pool,
+    so the failure is kept and becomes every item's error instead."""
+    global _job, _memory_limit, _faults, _start_error
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # decord and FFmpeg log from native code: keep it off the terminal
     os.dup2(devnull, 2)
     os.close(devnull)
-    import torch
-
-    torch.set_num_threads(1)  # the cores belong to the model and the other workers
-    if memory_limit_bytes:
-        # RLIMIT_DATA bounds the heap and private mappings (what decoders allocate), not the
-        # address space that libraries reserve without using; an allocation beyond it fails.
-        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
-        limit = memory_limit_bytes if hard == resource.RLIM_INFINITY else min(memory_limit_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    # pebble's SIGTERM handler is Python code, which never runs while a decoder hangs in native
+    # code: pebble would wait 3 s before SIGKILL on each timeout and each worker at shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _memory_limit, _faults = memory_limit_bytes, faults
+    try:
+        torch.set_num_threads(1)  # the cores belong to the model and the other workers
+        _job = pickle.loads(job)
+        if memory_limit_bytes:
+            _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+            limit = memory_limit_bytes if hard == resource.RLIM_INFINITY else min(memory_limit_bytes, hard)
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+    except Exception as error:
+        _start_error = f"the decoding worker could not start ({one_line(error)})"
 
 
 def _decode_in_worker(index: int, item: MediaItem) -> bytes:
@@ -225,33 +420,47 @@ def _decode_in_worker(index: int, item: MediaItem) -> bytes:
     room in /dev/shm (64 MB in a default Docker container: a few 16-frame items) and fails when
     a file-size limit is set. Pickled bytes go through the pool's pipe like any result.
     """
-    assert _job is not None, "worker not initialised"
+    if _start_error is not None or _job is None:
+        raise WorkerNotReady(_start_error or "the decoding worker was not initialised")
     for kind, pattern in _faults:
         if pattern in item.path:
-            _misbehave(kind)
-    return pickle.dumps(decode_item(_job, index, item), protocol=pickle.HIGHEST_PROTOCOL)
+            _misbehave(kind, item.path)
+    decoded = decode_item(_job, index, item)
+    if decoded.error is not None and _memory_limit and any(word in decoded.error.lower()
+                                                           for word in _NO_MEMORY_WORDS):
+        decoded.error = f"{_out_of_memory(_memory_limit)}: {decoded.error}"
+    return pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _misbehave(kind: str) -> None:
+def _misbehave(kind: str, path: str) -> None:
     if kind == "segfault":
         os.kill(os.getpid(), signal.SIGSEGV)
+    elif kind == "abort":
+        os.abort()
     elif kind == "hang":
-        threading.Event().wait()
+        with open(path, "rb"):  # like a decoder stuck reading it (tests see the worker holds the file)
+            _hang_in_native_code()
     elif kind == "oom":
         hog: list[bytes] = []
-        while True:
-            hog.append(bytes(2**28))
+        while True:  # untouched zero pages: the limit stops it, not the machine's memory
+            hog.append(bytes(2**26))
 
 
-def _faults_from_environment() -> list[tuple[str, str]]:
-    entries = [entry.split(":", 1) for entry in os.environ.get(FAULT_VARIABLE, "").split(",") if ":" in entry]
-    return [(kind, pattern) for kind, pattern in entries if kind in ("segfault", "hang", "oom")]
+def _hang_in_native_code() -> None:
+    """Block for ever in C, like a stuck decoder: lock a plain mutex twice (it never returns)."""
+    libc = ctypes.CDLL(None)
+    mutex = ctypes.create_string_buffer(64)  # zeroed: a default (non error-checking) mutex in glibc
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+    threading.Event().wait()  # where the second lock returned an error instead
 
 
-def _death(exitcode: Any) -> str:
-    if isinstance(exitcode, int) and exitcode < 0:
-        try:
-            return signal.Signals(-exitcode).name
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
+def _faults_from_environment() -> tuple[tuple[str, str], ...]:
+    faults = []
+    for entry in filter(None, (part.strip() for part in os.environ.get(FAULT_VARIABLE, "").split(","))):
+        kind, _, pattern = entry.partition(":")
+        if kind not in FAULT_KINDS or not pattern:
+            raise ValueError(f"{FAULT_VARIABLE}: {entry!r} is not kind:substring with kind one of "
+                             f"{', '.join(FAULT_KINDS)}")
+        faults.append((kind, pattern))
+    return tuple(faults)
