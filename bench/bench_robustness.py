@@ -34,7 +34,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_engine import bench_items, without_eos  # noqa: E402
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.job import CaptionJob  # noqa: E402
+from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
 from tarsier_batch.outputs.resume import plan_run  # noqa: E402
+from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.outputs.store import FLUSH_ROWS, ResultStore, StoredRows  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
 from tarsier_batch.sources import MediaItem, item_key  # noqa: E402
@@ -51,10 +53,11 @@ SIDES = {  # name -> (decode in processes, rows per part file or None for no par
 def run_side(captioner: Captioner, items: list[MediaItem], flush_rows: int | None, workdir: Path) -> float:
     out = Path(tempfile.mkdtemp(dir=workdir)) / "r.parquet"
     # No parts: rows wait in memory until the end (one flush), as the previous design kept them.
-    store = ResultStore(out, False, flush_rows=flush_rows or 10**9, flush_seconds=float("inf"))
+    store = ResultStore(OutputTarget(out), OutputColumns(), flush_rows=flush_rows or 10**9,
+                        flush_seconds=float("inf"))
     store.begin({"settings": {}}, fresh=True)
     plan = plan_run(items, StoredRows())
-    job = CaptionJob(items, plan, store, RunStats(total=len(items)), "bench", False)
+    job = CaptionJob(items, plan, store, RunStats(total=len(items)), "bench", OutputColumns())
     start = time.perf_counter()
     job.run(captioner, [])
     store.flush()

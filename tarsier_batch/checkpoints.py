@@ -33,13 +33,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tarsier-batch"
 
 
+def tiny_model_dir(alias: str) -> Path:
+    """Where the built-in random model `alias` ('tiny-random', 'tiny-random-tarsier2') is cached."""
+    return cache_dir() / f"{alias}-tiny-seed0"
+
+
+def needs_building(reference: str) -> bool:
+    """Whether `reference` is a built-in random model not built yet (the first use builds it)."""
+    return any(reference == family.tiny_alias for family in FAMILIES) and \
+        not (tiny_model_dir(reference) / "model.safetensors").exists()
+
+
 def resolve_model(reference: str) -> ResolvedModel:
     """A local directory, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded)."""
     for family in FAMILIES:
         if reference == family.tiny_alias:
             from .tiny import ensure_tiny_model
 
-            return ResolvedModel(reference, ensure_tiny_model(cache_dir(), family.key), None)
+            return ResolvedModel(reference, ensure_tiny_model(tiny_model_dir(reference), family.key), None)
     local = Path(reference).expanduser()
     if local.is_dir():
         return ResolvedModel(reference, local.resolve(), None)
@@ -54,8 +65,28 @@ def _download(repo_id: str) -> ResolvedModel:
     try:
         path = Path(snapshot_download(repo_id, allow_patterns=_CHECKPOINT_PATTERNS))
     except Exception as error:  # offline, unknown repository, gated, interrupted: all end here
-        raise ModelNotFoundError(
-            f"could not download {repo_id!r} from the Hugging Face hub ({type(error).__name__}). "
-            f"If this machine is offline, download it elsewhere (huggingface-cli download {repo_id} "
-            f"--local-dir DIR), copy DIR here and pass --model DIR") from error
+        raise ModelNotFoundError(download_problem(repo_id, error)) from error
     return ResolvedModel(repo_id, path, path.name)
+
+
+def download_problem(repo_id: str, error: BaseException) -> str:
+    """Whether the name or the network is the problem, and what to do about it."""
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        return (f"{repo_id!r} is gated on the Hugging Face hub: accept its terms on https://huggingface.co/{repo_id}, "
+                f"then log in with 'hf auth login' (or set HF_TOKEN)")
+    if isinstance(error, RepositoryNotFoundError):
+        return (f"there is no model {repo_id!r} on the Hugging Face hub (check the name; see 'tarsier models'; "
+                f"a private one needs 'hf auth login' or HF_TOKEN)")
+    offline = (f"download it on a machine that is online with 'hf download {repo_id} --local-dir DIR', copy DIR "
+               f"here and pass --model DIR")
+    if isinstance(error, (LocalEntryNotFoundError, ConnectionError, TimeoutError)) or "Connect" in type(error).__name__:
+        cause = error.__cause__ or error.__context__ or error
+        return f"cannot reach the Hugging Face hub to download {repo_id!r} ({_first_line(cause)}); {offline}"
+    return f"could not download {repo_id!r} from the Hugging Face hub ({_first_line(error)}); {offline}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from . import __version__
 from .catalog import DEFAULT_MODEL, FAMILIES, family_named
-from .checkpoints import ModelNotFoundError
+from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
+from .config import ConfigError, config_defaults
 from .job import CaptionJob
+from .manifest import ManifestError, check_manifest_path, read_manifest
+from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.resume import SettingsMismatchError, check_settings, plan_run
-from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputError, OutputWriteError, ResultStore, StoredRows
-from .progress import LineLog, RunStats, make_reporters, print_summary, summary_line, summary_rows
-from .sources import InputNotFoundError, discover
+from .outputs.resume import SettingsMismatchError, check_settings, describe_plan, plan_run
+from .outputs.schema import RESERVED_NAMES, OutputColumns
+from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputWriteError, ResultStore, StoredRows
+from .outputs.stream import JsonLinesStream
+from .progress import LineLog, RunStats, make_reporters, plural, print_summary, summary_line, summary_rows
+from .sources import Discovery, InputNotFoundError, discover
 from .text import one_line
 
 if TYPE_CHECKING:
@@ -36,11 +43,13 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
 EXIT_LOCKED = 75  # EX_TEMPFAIL: try again later
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
 
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 app = typer.Typer(
     help="Batch-caption videos and images with Tarsier video-language models.",
-    rich_markup_mode=None, pretty_exceptions_enable=False, no_args_is_help=True, add_completion=False)
-dev_app = typer.Typer(help="Developer tools.", rich_markup_mode=None, no_args_is_help=True)
+    rich_markup_mode=None, pretty_exceptions_enable=False, no_args_is_help=True, context_settings=CONTEXT)
+dev_app = typer.Typer(help="Developer tools.", rich_markup_mode=None, no_args_is_help=True, context_settings=CONTEXT)
 app.add_typer(dev_app, name="dev")
 
 
@@ -68,7 +77,10 @@ Examples:
   tarsier caption ./videos --out results.parquet
   tarsier caption ./videos -o v1.parquet --model omni-research/Tarsier-7b
   tarsier caption 'clips/**/*.mp4' photo.jpg -o out.parquet --model tiny-random-tarsier2
-  find /data -name '*.mp4' -mtime -1 | tarsier caption - -o today.parquet
+  find /data -name '*.mp4' -print0 | tarsier caption - -0 -o today.parquet
+  tarsier caption clips/ -o - --model tiny-random-tarsier2 | jq -r .caption
+  tarsier caption --manifest videos.csv --keep-columns all -o captions.jsonl
+  tarsier caption --config nightly.toml --dry-run
 
 \b
 Running the same command again continues the same --out: finished rows are kept and only
@@ -81,6 +93,7 @@ Exit codes:
   2    bad usage: flag value, missing input, unusable model or output, other settings than --out's
   3    crashed mid-run (a bug, a failed device, a full disk); saved rows are resumed by the next run
   75   another run is writing the same --out
+  141  stdout was closed while streaming with '-o -' (e.g. '| head')
   130  interrupted (Ctrl-C); finished rows are saved, run the same command to resume
   143  terminated (SIGTERM); finished rows are saved, run the same command to resume
 """
@@ -91,83 +104,122 @@ class KeyMode(str, Enum):
     sha256 = "sha256"
 
 
+DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
+SHARD_ROWS = 10_000
+# Options whose relative paths in a --config file are relative to that file's folder.
+PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file"})
+
+
+def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
+    """Eager: a --config file's values become the defaults of the other flags (flags and env vars win)."""
+    if value is not None and not ctx.resilient_parsing:
+        try:
+            ctx.default_map = {**(ctx.default_map or {}),
+                               **config_defaults(value, ctx.command, "caption", PATH_SETTINGS)}
+        except ConfigError as error:
+            _fail(str(error))
+    return value
+
+
 @app.command(epilog=EXAMPLES)
 def caption(
-    inputs: Annotated[list[str], typer.Argument(help="Media files, directories or glob patterns; '-' reads paths from stdin, one per line.", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Parquet file to write, or to continue if it exists.", show_default=False)],
-    model: Annotated[str, typer.Option(help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
+    inputs: Annotated[Optional[list[str]], typer.Argument(metavar="INPUTS", hidden=True, show_default=False)] = None,  # described in the docstring: help would show a Python type
+    out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv; '-' streams JSON Lines to stdout.", show_default=False)] = None,
+    out_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR instead of one --out file (continued like --out).", show_default=False)] = None,
+    shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
+    manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt.", show_default=False)] = None,
+    path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
+    keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output (a name taken by an output column gets the prefix input_).", show_default=False)] = None,
+    null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
+    limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option(metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config, help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables win over it.", show_default=False)] = None,
+    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
-    prompt: Annotated[Optional[str], typer.Option(help="Instruction replacing the model's default ('Describe the video in detail.').")] = None,
-    frames: Annotated[Optional[int], typer.Option(min=1, help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option(min=1, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
-    max_batch_tokens: Annotated[int, typer.Option(min=1, help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
-    prefill_chunk: Annotated[int, typer.Option(min=0, help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
-    kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
+    prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
+    frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
+    max_batch_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
+    prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
+    kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens generated per caption.")] = 512,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy decoding; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(min=0.0, max=1.0, help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
-    repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
-    dtype: Annotated[DType, typer.Option(help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")] = "auto",
-    workers: Annotated[Optional[int], typer.Option(min=1, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
-    decode_timeout: Annotated[float, typer.Option(min=0.1, help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
-    decode_memory_gb: Annotated[float, typer.Option(min=0.5, help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
+    repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, metavar="X", help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
+    seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
+    dtype: Annotated[DType, typer.Option(envvar="TARSIER_DTYPE", show_envvar=True, help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
+    device: Annotated[str, typer.Option(metavar="DEVICE", envvar="TARSIER_DEVICE", show_envvar=True, help="auto, cpu, cuda or cuda:N.")] = "auto",
+    workers: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
+    decode_timeout: Annotated[float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
+    decode_memory_gb: Annotated[float, typer.Option(min=0.5, metavar="GIB", help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
     recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
     with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
-    key: Annotated[KeyMode, typer.Option(help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' (content; reads each file).")] = KeyMode.path,
+    key: Annotated[KeyMode, typer.Option(help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' (content; reads each file; adds a sha256 column).")] = KeyMode.path,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Start from scratch: caption everything again and replace --out.")] = False,
     retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Caption again the items whose stored rows are errors.")] = False,
     prune_missing: Annotated[bool, typer.Option("--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
     fail_on_empty: Annotated[bool, typer.Option("--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
-    flush_rows: Annotated[int, typer.Option(min=1, help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
-    flush_seconds: Annotated[float, typer.Option(min=0.0, help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
-    log_file: Annotated[Optional[Path], typer.Option(help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
+    flush_rows: Annotated[int, typer.Option(min=1, metavar="N", help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
+    flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
+    log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
 ) -> None:
-    """Caption every video, GIF and image in INPUTS into one Parquet row per file, resuming --out if it exists."""
+    """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if it exists.
+
+    INPUTS are media files, directories or glob patterns; '-' reads paths from stdin, one per
+    line (-0: NUL-separated).
+    """
     console = Console(stderr=True, soft_wrap=True)
-    if batch_size is not None and max_batch_tokens < batch_size:
-        _fail(f"--max-batch-tokens {max_batch_tokens} is below --batch-size {batch_size}: "
-              f"every generating item needs one position per step")
+    stream = out == "-"
+    target = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
+                          null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
+                          overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
+    columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
+                                     key.value, with_token_ids, console)
     try:
-        discovery = discover(inputs, recursive, _stdin_paths(inputs), key.value)
-        store = ResultStore(out, with_token_ids, flush_rows, flush_seconds)
+        store = None if stream else ResultStore(target, columns, flush_rows, flush_seconds)
         log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
-    except (InputNotFoundError, OutputError, OSError) as error:
+    except (OutputError, OSError) as error:
         _fail(str(error))
     log = LineLog(file=log_handle)
-    for problem in discovery.unreadable:
-        console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
     if not discovery.items:
-        message = f"no supported media in {' '.join(inputs)} ({discovery.skipped_count} other files skipped)"
+        where = f"--manifest {manifest}" if manifest else " ".join(inputs or [])
+        message = f"no supported media in {where} ({plural(discovery.skipped_count, 'other file')} skipped)"
         if log_handle:
             log(message)
         console.print(f"tarsier: {message}", highlight=False, markup=False)
         raise typer.Exit(EXIT_SOME_FAILED if fail_on_empty else EXIT_OK)
-    lock = OutputLock(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-    except (OutputLockedError, OSError) as error:
-        typer.echo(f"Error: {error}", err=True)
-        raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
     requested = {"model": model, "prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
                  "top_p": top_p, "seed": seed, "with_token_ids": with_token_ids, "key": key.value,
                  **({"frames": frames} if frames is not None else {}),
                  **({"repetition_penalty": repetition_penalty} if repetition_penalty is not None else {})}
+    if dry_run:
+        raise typer.Exit(_dry_run(discovery, store, requested, overwrite, retry_errors, prune_missing, limit))
+    lock = OutputLock(target.path) if store else None
     try:
-        stored = StoredRows() if overwrite else store.read()
+        if lock:
+            target.path.parent.mkdir(parents=True, exist_ok=True)
+            lock.acquire()
+    except (OutputLockedError, OSError) as error:
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
+    try:
+        stored = StoredRows() if overwrite or store is None else store.read()
         check_settings(stored.settings, requested)
         plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
+        later = len(plan.limit(limit)) if limit else 0
         for problem in stored.unreadable_parts:
             console.print(f"tarsier: warning: unreadable part file {problem}", highlight=False, markup=False)
         stats = RunStats(total=plan.items_to_caption, skipped=discovery.skipped_count,
                          already_done=len(plan.done), missing_kept=plan.missing_kept,
-                         missing_pruned=plan.missing_pruned)
-        job = CaptionJob(discovery.items, plan, store, stats, model, with_token_ids)
+                         missing_pruned=plan.missing_pruned, left_for_later=later)
+        sink = store or JsonLinesStream(plan.captioned_paths(discovery.items), sys.stdout)
+        job = CaptionJob(discovery.items, plan, sink, stats, model, columns)
         if plan.todo:
+            if needs_building(model) and not quiet:
+                console.print(f"tarsier: building the random-weight model {model} (first use; cached in "
+                              f"{tiny_model_dir(model)}; its captions are noise)", highlight=False, markup=False)
             captioner = _load_captioner(console, quiet, log, model=model, prompt=prompt, frames=frames,
                                         batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                         prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
@@ -176,23 +228,109 @@ def caption(
                                         sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
             provenance = {**captioner.provenance(), "settings": _resume_settings(captioner, with_token_ids, key.value)}
             check_settings(stored.settings, provenance["settings"])
-            store.begin(provenance, fresh=overwrite)
-            code = _run(captioner, job, console, quiet, log)
+            code = _run(captioner, job, console, quiet, log,
+                        start=(lambda: store.begin(provenance, fresh=overwrite)) if store else (lambda: None))
         else:
             provenance, code = stored.provenance or {}, EXIT_OK
         if code in (EXIT_OK, EXIT_SOME_FAILED):
-            code = _write_output(job, stored, provenance, console, quiet, log, discovery.skipped)
+            code = _write_output(job, store, stored, provenance, console, quiet, log, discovery.skipped)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
         _fail(str(error))
     except KeyboardInterrupt:  # while loading the model or writing --out: --out is whole, old or new
-        console.print(f"tarsier: interrupted; {out} was not changed; run the same command again to continue",
+        console.print(f"tarsier: interrupted; {target.path} was not changed; run the same command again to continue",
                       highlight=False, markup=False)
         code = EXIT_INTERRUPTED
     finally:
-        lock.release()
+        if lock:
+            lock.release()
         if log_handle:
             log_handle.close()
     raise typer.Exit(code)
+
+
+def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard_rows: int | None,
+                 manifest: Path | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
+                 stream: bool, prompt: str | None, device: str, batch_size: int | None, max_batch_tokens: int,
+                 top_p: float, **resume_flags: bool) -> OutputTarget:
+    """Answer every wrong flag or combination at once, before anything is read, loaded or imported."""
+    if (out is None) == (out_dir is None):
+        _fail("give --out FILE (.parquet, .jsonl, .csv; '-' for stdout) or --out-dir DIR, one of them"
+              if out is None else "give --out or --out-dir, not both")
+    if shard_rows is not None and out_dir is None:
+        _fail("--shard-rows needs --out-dir")
+    if stream:
+        given = [f"--{name.replace('_', '-')}" for name, on in resume_flags.items() if on]
+        if given:
+            _fail(f"{', '.join(given)} continue an output file; '-o -' streams to stdout and keeps nothing to continue")
+    if manifest is None:
+        if not inputs:
+            _fail("give INPUTS (files, folders, globs, '-' for stdin) or --manifest FILE")
+        for flag, value in (("--path-column", path_column), ("--keep-columns", keep_columns)):
+            if value is not None:
+                _fail(f"{flag} needs --manifest")
+    elif inputs:
+        _fail("give INPUTS or --manifest, not both")
+    if null_separated and "-" not in inputs:
+        _fail("-0 reads NUL-separated paths from stdin; add '-' to INPUTS")
+    if prompt is not None and not prompt.strip():
+        _fail("--prompt is empty; leave it out to use the model's default instruction")
+    if not 0 < top_p <= 1:
+        _fail(f"--top-p {top_p}: give a probability mass in (0, 1]; 1 keeps every token")
+    if not DEVICE_NAMES.fullmatch(device):
+        _fail(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
+    if batch_size is not None and max_batch_tokens < batch_size:
+        _fail(f"--max-batch-tokens {max_batch_tokens} is below --batch-size {batch_size}: "
+              f"every generating item needs one position per step")
+    target = OutputTarget(out_dir, shard_rows or SHARD_ROWS) if out_dir is not None else OutputTarget(Path(out or "-"))
+    try:
+        if manifest is not None:
+            check_manifest_path(manifest)
+        if not stream:
+            target.check()
+    except (ManifestError, OutputError) as error:
+        _fail(str(error))
+    return target
+
+
+def _find_items(inputs: list[str], manifest: Path | None, path_column: str | None, keep_columns: str | None,
+                null_separated: bool, recursive: bool, key: str, with_token_ids: bool,
+                console: Console) -> tuple[OutputColumns, Discovery]:
+    """The items of this run, from INPUTS or the manifest, and the columns their rows will have."""
+    hashed = key == "sha256"
+    try:
+        if manifest is not None:
+            listed = read_manifest(manifest, key, RESERVED_NAMES, path_column, keep_columns)
+            for name, renamed in listed.renamed.items():
+                console.print(f"tarsier: manifest column {name!r} is an output column too; kept as {renamed!r}",
+                              highlight=False, markup=False)
+            return OutputColumns(with_token_ids, hashed, tuple(listed.kept_fields)), listed.discovery
+        discovery = discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
+    except (InputNotFoundError, ManifestError, OSError) as error:
+        _fail(str(error))
+    for problem in discovery.unreadable:
+        console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
+    return OutputColumns(with_token_ids, hashed), discovery
+
+
+def _dry_run(discovery: Discovery, store: ResultStore | None, requested: dict[str, Any], overwrite: bool,
+             retry_errors: bool, prune_missing: bool, limit: int | None) -> int:
+    """Print one line per input (what would happen and why) on stdout, the counts on stderr."""
+    try:
+        stored = StoredRows() if overwrite or store is None else store.read()
+        check_settings(stored.settings, requested)
+    except (OutputError, SettingsMismatchError) as error:
+        _fail(str(error))
+    plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
+    later = {item.row_path for item in plan.limit(limit)} if limit else set()
+    lines, counts = describe_plan(discovery, stored, plan, later)
+    sys.stdout.writelines(f"{action}\t{path}\t{reason}\n" for action, path, reason in lines)
+    by_action: dict[str, Counter[str]] = {}
+    for (action, kind), count in counts.items():
+        by_action.setdefault(action, Counter())[kind] += count
+    summary = "; ".join(f"{action} {sum(kinds.values())} ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
+                        for action, kinds in by_action.items())
+    typer.echo(f"tarsier: dry run, nothing loaded or written: {summary or 'nothing to do'}", err=True)
+    return EXIT_OK
 
 
 class Terminated(BaseException):
@@ -230,7 +368,7 @@ def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple
     line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
             f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
             f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB), "
-            f"{captioner.workers} decoding workers{offload}")
+            f"{plural(captioner.workers, 'decoding worker')}{offload}")
     if not quiet:
         console.print(f"tarsier: {line}", highlight=False, markup=False)
     log(line)
@@ -260,11 +398,17 @@ def _stop_signals() -> Iterator[None]:
             signal.signal(number, handler)
 
 
-def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, log: LineLog) -> int:
-    """Caption the plan's items, saving rows as they finish; the exit code says how it ended."""
+def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, log: LineLog,
+         start: Callable[[], None]) -> int:
+    """Caption the plan's items, saving rows as they finish; the exit code says how it ended.
+
+    `start` prepares the output's work directory, under the same signal handling as the run:
+    once it exists, a stop always saves rows and says how to resume.
+    """
     reporters = make_reporters(job.stats, console, quiet, log.file)
     try:
         with _stop_signals(), ExitStack() as display:
+            start()
             for reporter in reporters:
                 display.enter_context(reporter)
             job.run(captioner, reporters)
@@ -273,10 +417,18 @@ def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, l
     except (KeyboardInterrupt, Terminated) as stop:
         reason, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(stop, KeyboardInterrupt) \
             else ("terminated", EXIT_TERMINATED)
+    except BrokenPipeError:  # `-o - | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
+        reason, code = "stdout was closed", EXIT_BROKEN_PIPE
     except Exception as error:  # a bug, a dead device or a full disk: keep what finished, say what happened
         if not quiet and not isinstance(error, OutputWriteError):
             console.print_exception()
         reason, code = f"crashed ({error if isinstance(error, OutputWriteError) else one_line(error)})", EXIT_CRASHED
+    if not isinstance(job.store, ResultStore):
+        message = f"{reason}; {plural(job.store.saved_rows, 'row')} went to stdout"
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+        log(message)
+        return code
     with _stop_signals():  # a second signal while saving exits at once
         try:
             job.store.flush()
@@ -284,30 +436,34 @@ def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, l
         except OutputWriteError as error:
             lost = f"; {error}"
     saved = job.store.saved_rows + job.stats.already_done
-    message = (f"{reason}{lost}; {saved} finished rows are saved in {job.store.work_dir} "
+    message = (f"{reason}{lost}; {plural(saved, 'finished row')} {'is' if saved == 1 else 'are'} saved in "
+               f"{job.store.work_dir} "
                f"and {job.store.out} was not changed; run the same command again to resume")
     console.print(f"tarsier: {message}", highlight=False, markup=False)
     log(message)
     return code
 
 
-def _write_output(job: CaptionJob, stored: StoredRows, provenance: dict[str, Any], console: Console, quiet: bool,
-                  log: LineLog, skipped: Counter[str]) -> int:
+def _write_output(job: CaptionJob, store: ResultStore | None, stored: StoredRows, provenance: dict[str, Any],
+                  console: Console, quiet: bool, log: LineLog, skipped: Counter[str]) -> int:
     """Write --out with every row (unless nothing changed) and report; returns the exit code."""
     stats = job.stats
-    rows = job.final_rows()
-    unchanged = job.store.out.exists() and not stored.parts and not stats.done \
-        and [row["path"] for row in rows] == list(stored.rows)
-    if not unchanged:
-        try:
-            job.store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
-        except OutputWriteError as error:
-            message = (f"crashed ({error}); the finished rows are saved in {job.store.work_dir}; "
-                       f"free space and run the same command again to write {job.store.out}")
-            console.print(f"tarsier: {message}", highlight=False, markup=False)
-            log(message)
-            return EXIT_CRASHED
-    written = f"{job.store.out} ({len(rows)} rows{', unchanged' if unchanged else ''})"
+    if store is None:
+        written = f"stdout ({plural(job.store.saved_rows, 'row')})"
+    else:
+        rows = job.final_rows()
+        unchanged = store.target.exists() and not stored.parts and not stats.done \
+            and [row["path"] for row in rows] == list(stored.rows)
+        if not unchanged:
+            try:
+                store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
+            except OutputWriteError as error:
+                message = (f"crashed ({error}); the finished rows are saved in {store.work_dir}; "
+                           f"free space and run the same command again to write {store.out}")
+                console.print(f"tarsier: {message}", highlight=False, markup=False)
+                log(message)
+                return EXIT_CRASHED
+        written = f"{store.out} ({plural(len(rows), 'row')}{', unchanged' if unchanged else ''})"
     summary = summary_rows(stats, written, ", ".join(f"{count} {suffix}" for suffix, count in sorted(skipped.items())))
     if not quiet:
         if console.is_terminal:
@@ -354,11 +510,19 @@ def make_tiny_model_command(
         _fail(str(error))
 
 
-def _stdin_paths(inputs: list[str]) -> list[str]:
-    """The paths on standard input if an input is `-` (one per line, blank lines ignored)."""
+def _stdin_paths(inputs: list[str], null_separated: bool = False) -> list[str]:
+    """The paths on standard input if an input is `-`: one per line (blank lines ignored) or NUL-separated.
+
+    Read as bytes: a file name that is not valid UTF-8 still names its file.
+    """
     if "-" not in inputs:
         return []
-    return [line.rstrip("\r\n") for line in sys.stdin if line.strip()]
+    data = sys.stdin.buffer.read()
+    if null_separated:
+        return [os.fsdecode(path) for path in data.split(b"\0") if path]
+    return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
+
+
 
 
 def _fail(message: str) -> NoReturn:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .outputs.resume import Plan
-from .outputs.schema import result_row
-from .outputs.store import ResultStore
+from .outputs.schema import OutputColumns
 from .progress import Reporter, RunStats
 from .results import CaptionResult
 from .sources import MediaItem
@@ -16,18 +15,29 @@ if TYPE_CHECKING:
     from .api import Captioner
 
 
+class RowSink(Protocol):
+    """Where finished rows go: the crash-safe store of an output file, or a stream on stdout."""
+
+    saved_rows: int
+
+    def add(self, row: dict[str, Any]) -> None: ...
+    def flush_if_due(self) -> None: ...
+    def flush(self) -> None: ...
+
+
 class CaptionJob:
-    """Feeds the plan's items to a captioner and hands every finished row to the store.
+    """Feeds the plan's items to a captioner and hands every finished row to the sink.
 
     An item whose content another item of the run shares (same key: links to one file,
     copies with `--key sha256`) is captioned once; each path still gets its own row.
     """
 
-    def __init__(self, items: list[MediaItem], plan: Plan, store: ResultStore, stats: RunStats, model_name: str,
-                 with_token_ids: bool):
+    def __init__(self, items: list[MediaItem], plan: Plan, store: RowSink, stats: RunStats, model_name: str,
+                 columns: OutputColumns):
         self.items, self.plan, self.store, self.stats = items, plan, store, stats
-        self.model_name, self.with_token_ids = model_name, with_token_ids
+        self.model_name, self.columns = model_name, columns
         self.new_rows: dict[str, dict[str, Any]] = {}
+        self._by_path = {item.row_path: item for item in items}
 
     def run(self, captioner: Captioner, reporters: list[Reporter]) -> None:
         def on_tokens(count: int) -> None:
@@ -41,13 +51,16 @@ class CaptionJob:
                 self._finish(copy, reporters)
 
     def final_rows(self) -> list[dict[str, Any]]:
-        return self.plan.ordered_rows(self.items, self.new_rows)
+        """Every row of the output; rows of earlier runs get this run's file facts and manifest columns."""
+        rows = self.plan.ordered_rows(self.items, self.new_rows)
+        return [{**row, **self.columns.item_values(self._by_path[row["path"]])} if row["path"] in self._by_path
+                else row for row in rows]
 
     def _copies(self, result: CaptionResult) -> list[CaptionResult]:
         return [replace(result, path=item.row_path) for item in self.plan.sharing.get(result.key or "", [])]
 
     def _finish(self, result: CaptionResult, reporters: list[Reporter]) -> None:
-        row = result_row(result, self.model_name, self.with_token_ids)
+        row = self.columns.row(result, self._by_path[result.path], self.model_name)
         self.new_rows[result.path] = row
         self.store.add(row)
         self.stats.record(result)

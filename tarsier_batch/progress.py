@@ -33,6 +33,7 @@ class RunStats:
     already_done: int = 0
     missing_kept: int = 0
     missing_pruned: int = 0
+    left_for_later: int = 0   # beyond --limit
     done: int = 0
     failed: int = 0
     generated_tokens: int = 0
@@ -57,8 +58,18 @@ class RunStats:
 
     @property
     def eta_s(self) -> float | None:
-        rate = self.items_per_s
-        return (self.total - self.done) / rate if rate > 0 else None
+        """Seconds left, once an item has finished.
+
+        Rows finish a batch at a time, so counting finished items alone makes the first ETAs
+        jump. Tokens stream steadily: the tokens of items still generating count as the part of
+        an item they are (by the mean tokens per finished item), which smooths the estimate.
+        """
+        if self.done == 0 or self.elapsed_s <= 0:
+            return None
+        mean_tokens = self.generated_tokens / self.done
+        in_flight = (self.streamed_tokens - self.generated_tokens) / mean_tokens if mean_tokens else 0.0
+        progress = self.done + min(max(in_flight, 0.0), self.total - self.done)
+        return max(self.total - progress, 0.0) * self.elapsed_s / progress
 
     def record(self, result: CaptionResult) -> None:
         self.done += 1
@@ -68,7 +79,7 @@ class RunStats:
     def as_dict(self) -> dict[str, float | int]:
         return {"total": self.total, "captioned": self.captioned, "failed": self.failed,
                 "already_done": self.already_done, "missing_kept": self.missing_kept,
-                "missing_pruned": self.missing_pruned, "skipped": self.skipped,
+                "missing_pruned": self.missing_pruned, "skipped": self.skipped, "left_for_later": self.left_for_later,
                 "generated_tokens": self.generated_tokens, "wall_time_s": round(self.elapsed_s, 3),
                 "items_per_s": round(self.items_per_s, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
 
@@ -117,8 +128,8 @@ class LogReporter:
         self._last_line = clock()
 
     def __enter__(self) -> LogReporter:
-        resumed = f" ({self.stats.already_done} done by earlier runs)" if self.stats.already_done else ""
-        self.log(f"captioning {self.stats.total} items{resumed}")
+        resumed = f" ({plural(self.stats.already_done, 'item')} done by earlier runs)" if self.stats.already_done else ""
+        self.log(f"captioning {plural(self.stats.total, 'item')}{resumed}")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,7 +164,9 @@ class RichReporter:
 
     def __enter__(self) -> RichReporter:
         if self.stats.already_done:
-            self.progress.console.print(f"resuming: {self.stats.already_done} items were done by earlier runs",
+            done = self.stats.already_done
+            self.progress.console.print(f"resuming: {plural(done, 'item')} {'was' if done == 1 else 'were'} done by "
+                                        f"earlier runs",
                                         highlight=False, markup=False)
         self.progress.start()
         return self
@@ -180,7 +193,7 @@ class RichReporter:
 
 def progress_line(stats: RunStats) -> str:
     """One log line: done/total, failures, rates, elapsed time and ETA."""
-    return (f"{stats.done}/{stats.total} items, {stats.failed} failed, {stats.items_per_s:.2f} items/s, "
+    return (f"{stats.done}/{plural(stats.total, 'item')}, {stats.failed} failed, {stats.items_per_s:.2f} items/s, "
             f"{stats.tokens_per_s:.1f} tokens/s, elapsed {_duration(stats.elapsed_s)}, "
             f"ETA {_duration(stats.eta_s)}")
 
@@ -193,6 +206,8 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
         rows.append(("files gone", f"{stats.missing_kept} rows kept (--prune-missing drops them)"))
     if stats.missing_pruned:
         rows.append(("files gone", f"{stats.missing_pruned} rows dropped (--prune-missing)"))
+    if stats.left_for_later:
+        rows.append(("left for later", f"{stats.left_for_later} (--limit); run again to caption them"))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
              ("wall time", _duration(stats.elapsed_s)),
              ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens"),
@@ -210,6 +225,11 @@ def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
 
 def summary_line(rows: list[tuple[str, str]]) -> str:
     return "done: " + "; ".join(f"{name} {value}" for name, value in rows)
+
+
+def plural(number: int, noun: str) -> str:
+    """'1 item', '2 items'."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _duration(seconds: float | None) -> str:

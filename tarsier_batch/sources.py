@@ -9,7 +9,7 @@ import stat
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .media import MediaType, media_type_of
 from .text import printable
@@ -23,17 +23,29 @@ class InputNotFoundError(Exception):
 
 
 @dataclass(frozen=True)
+class FileFacts:
+    """What the output records of a file for joins and dedupe: size, modification time, content hash."""
+
+    size_bytes: int | None = None
+    mtime_ns: int | None = None
+    sha256: str | None = None   # only with `--key sha256` (hashing reads every file)
+
+
+@dataclass(frozen=True)
 class MediaItem:
     """One file to caption; `prompt` overrides the run's instruction for this item only.
 
-    `key` identifies the file's content across runs (see `item_key`); without one, the path
-    stands in for it (sampling seeds derive from it).
+    `key` identifies the file's content (and its own prompt, if any) across runs (see
+    `item_key`); without one, the path stands in for it (sampling seeds derive from it).
+    `columns` are a manifest's columns carried through into the item's output row.
     """
 
     path: str
     media_type: MediaType
     prompt: str | None = None
     key: str | None = None
+    facts: FileFacts = FileFacts()
+    columns: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def stable_key(self) -> str:
@@ -51,11 +63,22 @@ class Discovery:
 
     items: list[MediaItem] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)  # unsupported files by extension
+    skipped_paths: list[str] = field(default_factory=list)  # the same files, for --dry-run
     unreadable: list[str] = field(default_factory=list)     # "folder: reason"
 
     @property
     def skipped_count(self) -> int:
         return sum(self.skipped.values())
+
+    def add(self, path: str, key_mode: KeyMode | None, prompt: str | None = None,
+            columns: dict[str, Any] | None = None) -> None:
+        """List `path` as an item, or count it as skipped if it is not named like media."""
+        item = new_item(path, key_mode, prompt, columns)
+        if item is None:
+            self.skipped[skipped_kind(path)] += 1
+            self.skipped_paths.append(path)
+        else:
+            self.items.append(item)
 
 
 def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None = None,
@@ -82,16 +105,55 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
             if path in seen:
                 continue
             seen.add(path)
-            media_type = media_type_of(path)
-            if media_type is None:
-                found.skipped[Path(path).suffix.lower() or "(no extension)"] += 1
-            else:
-                key = item_key(path, key_mode) if key_mode else None
-                found.items.append(MediaItem(path, media_type, key=key))
+            found.add(path, key_mode)
     return found
 
 
-def item_key(path: str, mode: KeyMode = "path") -> str:
+def skipped_kind(path: str) -> str:
+    """How an unsupported file is counted: by its extension."""
+    return Path(path).suffix.lower() or "(no extension)"
+
+
+def new_item(path: str, key_mode: KeyMode | None, prompt: str | None = None,
+             columns: dict[str, Any] | None = None) -> MediaItem | None:
+    """The item of `path` (None if it is not named like media), with its key and file facts if asked.
+
+    An item's own prompt is part of its key: changing it makes the item new for a later run.
+    """
+    media_type = media_type_of(path)
+    if media_type is None:
+        return None
+    if not key_mode:
+        return MediaItem(path, media_type, prompt, columns=columns or {})
+    facts = file_facts(path, key_mode)
+    key = item_key(path, key_mode, facts)
+    if prompt is not None:
+        key += "|prompt-sha256:" + hashlib.sha256(prompt.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return MediaItem(path, media_type, prompt, key, facts, columns or {})
+
+
+def file_facts(path: str, mode: KeyMode = "path") -> FileFacts:
+    """Size and mtime of a regular file (and its hash in "sha256" mode); empty for anything else.
+
+    Never reads a FIFO or a device: it could block for ever.
+    """
+    try:
+        info = os.stat(path)
+    except OSError:
+        return FileFacts()
+    if not stat.S_ISREG(info.st_mode):
+        return FileFacts()
+    digest = None
+    if mode == "sha256":
+        try:
+            with open(path, "rb") as handle:
+                digest = hashlib.file_digest(handle, "sha256").hexdigest()
+        except OSError:
+            pass  # the key says so; the item fails when decoding tries to read it
+    return FileFacts(info.st_size, info.st_mtime_ns, digest)
+
+
+def item_key(path: str, mode: KeyMode = "path", facts: FileFacts | None = None) -> str:
     """What identifies a file's content across runs: a changed file gets a new key.
 
     "path": the resolved absolute path, size and modification time (cheap; touching a file
@@ -101,19 +163,12 @@ def item_key(path: str, mode: KeyMode = "path") -> str:
     error rows.
     """
     resolved = printable(os.path.realpath(path))
-    try:
-        info = os.stat(path)
-    except OSError:
-        return f"{resolved}|unavailable"
-    if not stat.S_ISREG(info.st_mode):  # never read a FIFO or a device: it could block for ever
-        return f"{resolved}|not-a-file"
+    facts = facts or file_facts(path, mode)
+    if facts.size_bytes is None:
+        return f"{resolved}|{'not-a-file' if os.path.exists(path) else 'unavailable'}"
     if mode == "sha256":
-        try:
-            with open(path, "rb") as handle:
-                return "sha256:" + hashlib.file_digest(handle, "sha256").hexdigest()
-        except OSError:
-            return f"{resolved}|unreadable"
-    return f"{resolved}|{info.st_size}|{info.st_mtime_ns}"
+        return f"sha256:{facts.sha256}" if facts.sha256 else f"{resolved}|unreadable"
+    return f"{resolved}|{facts.size_bytes}|{facts.mtime_ns}"
 
 
 def _entries(inputs: list[str], piped: list[str]) -> list[tuple[str, bool]]:

@@ -15,7 +15,8 @@ from tarsier_batch.outputs.schema import PROVENANCE_KEY, SUMMARY_KEY
 
 runner = CliRunner()
 COLUMNS = ["path", "key", "media_type", "caption", "model", "prompt", "num_frames", "frame_indices", "width", "height",
-           "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s"]
+           "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s",
+           "size_bytes", "mtime"]
 
 
 def run(*args: str):
@@ -82,8 +83,11 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     assert provenance["frame_decoders"]["video"].startswith("decord")
     assert provenance["tool_version"]
     summary = json.loads(metadata[SUMMARY_KEY.encode()])
-    assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 2
-    assert "skipped 2" in result.output and "captioned 15" in result.output
+    assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 1  # README.md
+    assert "skipped 1 (1 .md)" in result.output and "captioned 15" in result.output
+    assert table.schema.metadata[PROVENANCE_KEY.encode()] == metadata[PROVENANCE_KEY.encode()]  # read_table sees it
+    assert rows[0]["size_bytes"] == os.stat(rows[0]["path"]).st_size
+    assert rows[0]["mtime"].timestamp() == pytest.approx(os.stat(rows[0]["path"]).st_mtime, abs=1e-6)
     log = [line.split(" ", 1)[1] for line in result.output.splitlines()]  # not a terminal: timestamped lines
     assert "tarsier: captioning 15 items" in log
     assert any(line.startswith("tarsier: 15/15 items, 0 failed,") for line in log)
@@ -218,7 +222,7 @@ def test_sigterm_stops_like_ctrl_c_and_exits_143(tiny_model_dir: Path, shared_me
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 143
-    assert "terminated; 1 finished rows are saved" in result.output
+    assert "terminated; 1 finished row is saved" in result.output
     assert saved_rows(out) == 1
     assert signal.getsignal(signal.SIGTERM) == previous
 

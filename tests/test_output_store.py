@@ -14,7 +14,8 @@ import pytest
 from tarsier_batch.media import MediaType
 from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
 from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings, plan_run
-from tarsier_batch.outputs.schema import PROVENANCE_KEY, result_row
+from tarsier_batch.outputs.formats import OutputTarget
+from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 from tarsier_batch.outputs.store import OutputError, OutputWriteError, ResultStore, StoredRows
 from tarsier_batch.results import CaptionResult
 from tarsier_batch.sources import MediaItem
@@ -27,7 +28,7 @@ SETTINGS = {"model": "m", "model_revision": None, "prompt": None, "frames": 8, "
 def row(path: str, key: str | None = None, error: str | None = None, caption: str = "c") -> dict:
     result = CaptionResult(path=path, media_type="image", key=key or f"{path}|k", caption=None if error else caption,
                            error=error, finish_reason="error" if error else "stop")
-    return result_row(result, "m", with_token_ids=False)
+    return OutputColumns().row(result, MediaItem(path, MediaType.IMAGE), "m")
 
 
 def item(path: str, key: str | None = None) -> MediaItem:
@@ -44,7 +45,8 @@ class Clock:
 
 def test_parts_are_flushed_every_n_rows_or_t_seconds(tmp_path: Path) -> None:
     clock = Clock()
-    store = ResultStore(tmp_path / "r.parquet", False, flush_rows=3, flush_seconds=10, clock=clock)
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=3, flush_seconds=10,
+                        clock=clock)
     store.begin({"settings": SETTINGS}, fresh=False)
     store.add(row("/a"))
     store.add(row("/b"))
@@ -58,7 +60,7 @@ def test_parts_are_flushed_every_n_rows_or_t_seconds(tmp_path: Path) -> None:
     clock.now = 10.0  # the oldest waiting row is 10 s old
     store.flush_if_due()
     assert store.saved_rows == 4
-    stored = ResultStore(tmp_path / "r.parquet", False).read()
+    stored = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns()).read()
     assert list(stored.rows) == ["/a", "/b", "/c", "/d"] and stored.parts == 2
     assert stored.settings == {str(store.work_dir): SETTINGS}
     assert not any(path.name.endswith(".tmp") for path in store.work_dir.iterdir())
@@ -66,39 +68,39 @@ def test_parts_are_flushed_every_n_rows_or_t_seconds(tmp_path: Path) -> None:
 
 def test_commit_writes_out_atomically_and_leaves_nothing_behind(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
-    store = ResultStore(out, False)
+    store = ResultStore(OutputTarget(out), OutputColumns())
     store.begin({"settings": SETTINGS}, fresh=False)
     store.add(row("/a"))
     store.flush()
     store.commit([row("/a"), row("/b")], {"settings": SETTINGS}, {"complete": True})
     assert pq.read_table(out).column("path").to_pylist() == ["/a", "/b"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["r.parquet"]
-    stored = ResultStore(out, False).read()
+    stored = ResultStore(OutputTarget(out), OutputColumns()).read()
     assert list(stored.rows) == ["/a", "/b"] and stored.settings == {str(out): SETTINGS}
     assert json.loads(pq.read_metadata(out).metadata[PROVENANCE_KEY.encode()])["settings"] == SETTINGS
 
 
 def test_newer_rows_of_a_path_win_and_parts_left_by_a_killed_run_are_read(tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
-    first = ResultStore(out, False)
+    first = ResultStore(OutputTarget(out), OutputColumns())
     first.begin({"settings": SETTINGS}, fresh=False)
     first.commit([row("/a", error="bad"), row("/b")], {"settings": SETTINGS}, {})
-    second = ResultStore(out, False)
+    second = ResultStore(OutputTarget(out), OutputColumns())
     second.begin({"settings": SETTINGS}, fresh=False)
     second.add(row("/a", caption="fixed"))
     second.flush()
     (second.work_dir / ".part-x.parquet.tmp").write_bytes(b"half a part")  # killed mid-write: never read
-    stored = ResultStore(out, False).read()
+    stored = ResultStore(OutputTarget(out), OutputColumns()).read()
     assert stored.rows["/a"]["caption"] == "fixed" and stored.rows["/a"]["error"] is None
     assert list(stored.rows) == ["/b", "/a"]
-    ResultStore(out, False).begin({"settings": SETTINGS}, fresh=False)
+    ResultStore(OutputTarget(out), OutputColumns()).begin({"settings": SETTINGS}, fresh=False)
     assert not (second.work_dir / ".part-x.parquet.tmp").exists()
 
 
 def test_a_failed_part_write_says_how_many_rows_were_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import errno
 
-    store = ResultStore(tmp_path / "r.parquet", False, flush_rows=100)
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=100)
     store.begin({"settings": SETTINGS}, fresh=False)
     store.add(row("/a"))
     store.flush()
@@ -114,7 +116,7 @@ def test_a_failed_part_write_says_how_many_rows_were_lost(tmp_path: Path, monkey
         store.flush()
     assert store.saved_rows == 1
     monkeypatch.undo()
-    stored = ResultStore(tmp_path / "r.parquet", False).read()
+    stored = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns()).read()
     assert list(stored.rows) == ["/a"] and not stored.unreadable_parts  # the torn file is not a part
 
 
@@ -124,13 +126,13 @@ def test_output_not_written_by_this_tool_is_refused(tmp_path: Path) -> None:
     foreign = tmp_path / "f.parquet"
     pq.write_table(pa.table({"x": [1]}), foreign)
     with pytest.raises(OutputError, match="not written by this version"):
-        ResultStore(foreign, False).read()
+        ResultStore(OutputTarget(foreign), OutputColumns()).read()
     garbage = tmp_path / "g.parquet"
     garbage.write_text("hello")
-    with pytest.raises(OutputError, match="not a readable Parquet file"):
-        ResultStore(garbage, False).read()
+    with pytest.raises(OutputError, match="not readable parquet results"):
+        ResultStore(OutputTarget(garbage), OutputColumns()).read()
     with pytest.raises(OutputError, match="is a directory"):
-        ResultStore(tmp_path, False)
+        ResultStore(OutputTarget(tmp_path), OutputColumns())
 
 
 def test_settings_mismatch_names_each_difference() -> None:

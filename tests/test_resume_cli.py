@@ -158,7 +158,7 @@ def test_empty_input_is_fine_for_cron_unless_asked(tiny_model_dir: Path, tmp_pat
     (tmp_path / "notes.txt").write_text("hello")
     args = [str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
     quiet = caption(*args)
-    assert quiet.exit_code == 0 and quiet.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other files skipped)"
+    assert quiet.exit_code == 0 and quiet.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other file skipped)"
     assert caption(*args, "--fail-on-empty").exit_code == 1
     assert not (tmp_path / "r.parquet").exists()
 
@@ -175,7 +175,7 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
     lines = log.read_text().splitlines()
     assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d tarsier: ", line) for line in lines), lines
     texts = [line.split(" tarsier: ", 1)[1] for line in lines]
-    assert texts[0].startswith(f"{tiny_model_dir} (Tarsier v1, 8 frames) on cpu") and "decoding workers" in texts[0]
+    assert texts[0].startswith(f"{tiny_model_dir} (Tarsier v1, 8 frames) on cpu") and "decoding worker" in texts[0]
     assert texts[1] == "captioning 4 items"
     assert any(text.startswith(f"failed {folder / 'broken.mp4'}: ") for text in texts)
     assert texts[-2].startswith("4/4 items, 1 failed")

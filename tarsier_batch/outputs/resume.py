@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sources import MediaItem
+from ..sources import Discovery, MediaItem, skipped_kind
 from .store import StoredRows
 
 # The settings that decide a caption. Rows made with other values must not be mixed in one file.
@@ -55,6 +56,18 @@ class Plan:
     @property
     def items_to_caption(self) -> int:
         return len(self.todo) + sum(len(more) for more in self.sharing.values())
+
+    def limit(self, count: int) -> list[MediaItem]:
+        """Caption only the first `count` items that need it (`--limit`); returns the items left for later."""
+        later = self.todo[count:]
+        self.todo = self.todo[:count]
+        return later + [more for item in later for more in self.sharing.pop(item.stable_key, [])]
+
+    def captioned_paths(self, items: list[MediaItem]) -> list[str]:
+        """The row paths this run captions, in input order."""
+        planned = {item.row_path for item in self.todo} | \
+            {item.row_path for more in self.sharing.values() for item in more}
+        return [item.row_path for item in items if item.row_path in planned]
 
     def ordered_rows(self, items: list[MediaItem], new_rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The final rows: this run's items in input order, then the kept rows in their stored order."""
@@ -107,3 +120,44 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
 
 def _shown(value: Any) -> str:
     return "(default)" if value is None else repr(value)
+
+
+def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: set[str],
+                  exists: Callable[[str], bool] = os.path.lexists
+                  ) -> tuple[list[tuple[str, str, str]], Counter[tuple[str, str]]]:
+    """What a run would do with each input, for --dry-run: (action, path, reason) lines, and counts.
+
+    Actions: `caption`, `later` (beyond --limit), `skip` (done earlier, or not media), and for
+    stored rows of paths not in this run, `keep` or `drop` (--prune-missing).
+    """
+    shared_with = {item.row_path: first.row_path
+                   for first in plan.todo for item in plan.sharing.get(first.stable_key, [])}
+    todo = {item.row_path for item in plan.todo}
+    lines: list[tuple[str, str, str]] = []
+    counts: Counter[tuple[str, str]] = Counter()   # (action, kind of reason)
+
+    def add(action: str, path: str, reason: str, kind: str | None = None) -> None:
+        lines.append((action, path, reason))
+        counts[action, kind or reason] += 1
+
+    for item in discovery.items:
+        path = item.row_path
+        row = stored.rows.get(path)
+        if path in plan.done:
+            add("skip", path, "done earlier" if row is not None else "same content done earlier")
+        elif path in later:
+            add("later", path, "beyond --limit")
+        elif path in shared_with:
+            add("caption", path, f"same content as {shared_with[path]}", "same content as another")
+        elif path in todo:
+            add("caption", path, "new" if row is None else "changed since" if row["key"] != item.stable_key
+                else "retry error")
+    for path in discovery.skipped_paths:
+        add("skip", path, f"not media ({skipped_kind(path)})", "not media")
+    kept = {row["path"] for row in plan.kept}
+    for path in stored.rows:
+        if path in kept:
+            add("keep", path, "not in this run, row kept" if exists(path) else "file gone, row kept")
+        elif path not in plan.done and path not in todo and path not in shared_with and path not in later:
+            add("drop", path, "file gone (--prune-missing)")
+    return lines, counts

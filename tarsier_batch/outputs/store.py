@@ -1,6 +1,7 @@
 """Crash-safe output: finished rows go to part files as they come; `--out` is written once, atomically.
 
-Beside `--out` (say `r.parquet`) a run keeps a hidden work directory `.r.parquet.tarsier/`:
+Beside `--out` (say `r.parquet`; or a folder of shards) a run keeps a hidden work directory
+`.r.parquet.tarsier/`:
 
     settings.json                 what decides the captions (model, prompt, frames, generation)
     part-<time>-<pid>.parquet     finished rows, every N rows or T seconds
@@ -8,9 +9,10 @@ Beside `--out` (say `r.parquet`) a run keeps a hidden work directory `.r.parquet
 Each part is written under a temporary name, fsynced, renamed and its directory fsynced, so a
 part either exists whole or not at all: a `kill -9` or a power cut loses at most the rows not
 yet flushed. When the run ends, the rows of `--out` (if any), of the parts and of this run
-are merged into a temporary file that replaces `--out` atomically; then the work directory is
-removed. A reader never sees a half-written file, and a later run reads both `--out` and any
-parts left behind to resume.
+are merged into a temporary file that replaces `--out` atomically (in `--out`'s format, see
+`formats`; with shards, each shard is replaced atomically); then the work directory is removed.
+A reader never sees a half-written file, and a later run reads both `--out` and any parts left
+behind to resume.
 """
 
 from __future__ import annotations
@@ -29,16 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..text import one_line
-from .schema import PROVENANCE_KEY, SUMMARY_KEY, output_schema
+from .formats import (OutputError, OutputTarget, meta_text, read_results, with_metadata, write_csv, write_jsonl,
+                      write_parquet)
+from .schema import OutputColumns
 
 FLUSH_ROWS = 64          # rows per part file: few files on long runs, little lost to a `kill -9`
 FLUSH_SECONDS = 30.0     # and at most this long between flushes while rows wait
-ROWS_PER_GROUP = 1024    # row groups of the final file
 SETTINGS_FILE = "settings.json"
-
-
-class OutputError(Exception):
-    """`--out` cannot be used: a directory, or a file this tool did not write."""
 
 
 class OutputWriteError(Exception):
@@ -57,15 +56,15 @@ class StoredRows:
 
 
 class ResultStore:
-    """The output file `out` and its work directory of part files."""
+    """The output (a file, or a folder of shards) and its work directory of part files."""
 
-    def __init__(self, out: Path, with_token_ids: bool, flush_rows: int = FLUSH_ROWS,
+    def __init__(self, target: OutputTarget, columns: OutputColumns, flush_rows: int = FLUSH_ROWS,
                  flush_seconds: float = FLUSH_SECONDS, clock: Callable[[], float] = time.monotonic):
-        if out.is_dir():
-            raise OutputError(f"--out {out} is a directory; give a file name such as {out / 'results.parquet'}")
-        self.out = out
-        self.work_dir = out.parent / f".{out.name}.tarsier"
-        self.schema = output_schema(with_token_ids)
+        target.check()
+        self.target = target
+        self.out = target.path
+        self.work_dir = self.out.parent / f".{self.out.name}.tarsier"
+        self.schema = columns.schema()
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
         self._pending: list[dict[str, Any]] = []
         self._oldest_pending = 0.0
@@ -74,8 +73,8 @@ class ResultStore:
     def read(self) -> StoredRows:
         """The rows and settings of `--out` and of the parts an unfinished run left."""
         stored = StoredRows()
-        if self.out.exists():
-            table, stored.provenance = _read_output(self.out)
+        if self.target.exists():
+            table, stored.provenance = _read_output(self.target, self.schema)
             stored.settings[str(self.out)] = stored.provenance["settings"]
             _take_rows(stored, table)
         settings_file = self.work_dir / SETTINGS_FILE
@@ -139,19 +138,44 @@ class ResultStore:
 
     def commit(self, rows: list[dict[str, Any]], provenance: dict[str, Any], summary: dict[str, Any]) -> None:
         """Write `rows` as `--out` (atomically replacing it), then remove the work directory."""
-        table = pa.Table.from_pylist(rows, schema=self.schema)
-        metadata = {PROVENANCE_KEY: json.dumps(provenance), SUMMARY_KEY: json.dumps(summary)}
-
-        def write(path: Path) -> None:
-            with pq.ParquetWriter(str(path), self.schema) as writer:
-                writer.write_table(table, row_group_size=ROWS_PER_GROUP)
-                writer.add_key_value_metadata(metadata)
-
+        table = pa.Table.from_pylist(rows, schema=with_metadata(self.schema, provenance, summary))
         try:
-            _write_atomically(self.out, write, temporary=self.out.parent / f".{self.out.name}.{os.getpid()}.tmp")
+            if self.target.shard_rows:
+                self._write_shards(table)
+            elif self.target.format == "parquet":
+                self._replace(self.out, lambda path: write_parquet(path, table))
+            else:
+                # The provenance first: a crash between the two leaves the old rows with the new
+                # settings, which the next run refuses to mix (never the other way round).
+                self._replace(self.target.meta_path,
+                              lambda path: path.write_text(meta_text(provenance, summary), encoding="utf-8"))
+                self._replace(self.out, lambda path: self._write_text(path, table))
         except OSError as error:
             raise OutputWriteError(f"cannot write {self.out}: {error.strerror or error}") from error
         shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def _replace(self, path: Path, write: Callable[[Path], None]) -> None:
+        _write_atomically(path, write, temporary=path.parent / f".{path.name}.{os.getpid()}.tmp")
+
+    def _write_text(self, path: Path, table: pa.Table) -> None:
+        with open(path, "w", encoding="utf-8", newline="") as handle:
+            if self.target.format == "jsonl":
+                write_jsonl(handle, table.to_pylist())
+            else:
+                write_csv(handle, table)
+
+    def _write_shards(self, table: pa.Table) -> None:
+        """`shard_rows` rows per shard, `part-00000.parquet` on; shards beyond the new count are removed."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        size = self.target.shard_rows or 1
+        count = max(1, -(-table.num_rows // size))
+        names = [f"part-{index:05d}.parquet" for index in range(count)]
+        for index, name in enumerate(names):
+            shard = table.slice(index * size, size)
+            self._replace(self.out / name, lambda path: write_parquet(path, shard))
+        for stale in self.target.shards():
+            if stale.name not in names:
+                stale.unlink(missing_ok=True)
 
     def discard(self) -> None:
         """Remove the work directory (nothing left to resume)."""
@@ -161,20 +185,14 @@ class ResultStore:
         return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
 
 
-def read_provenance(path: Path) -> dict[str, Any]:
-    """The provenance stored in an output file ({} if it has none)."""
-    metadata = pq.read_metadata(path).metadata or {}
-    return json.loads(metadata.get(PROVENANCE_KEY.encode(), b"{}"))
-
-
-def _read_output(out: Path) -> tuple[pa.Table, dict[str, Any]]:
+def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any]]:
+    out = target.path
     try:
-        provenance = read_provenance(out)
-        table = pq.read_table(out) if "settings" in provenance else None
-    except (OSError, pa.ArrowException, ValueError) as error:
-        raise OutputError(f"{out} exists but is not a readable Parquet file ({one_line(error)}); "
-                          f"pass --overwrite to replace it") from error
-    if table is None or "key" not in table.column_names:
+        table, provenance = read_results(target, schema)
+    except (OSError, pa.ArrowException, ValueError, KeyError) as error:
+        raise OutputError(f"{out} exists but is not readable {target.format} results of tarsier-batch "
+                          f"({one_line(error)}); pass --overwrite to replace it") from error
+    if "settings" not in provenance or "key" not in table.column_names:
         raise OutputError(f"{out} exists but was not written by this version of tarsier-batch, so it cannot "
                           f"be continued; pass --overwrite to replace it")
     return table, provenance
@@ -209,4 +227,4 @@ def _fsync_directory(directory: Path) -> None:
             os.close(descriptor)
 
 
-__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "read_provenance"]
+__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows"]

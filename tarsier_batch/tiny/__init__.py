@@ -31,14 +31,16 @@ def make_tiny_model(out_dir: Path, size: str = "tiny", seed: int = 0, family: st
     return out_dir
 
 
-def ensure_tiny_model(cache_dir: Path, family: str = "tarsier", size: str = "tiny", seed: int = 0) -> Path:
-    """The cached tiny checkpoint, built once (into a temporary folder, then moved in place)."""
-    prefix = "tiny-random" if family == "tarsier" else f"tiny-random-{family}"
-    target = cache_dir / f"{prefix}-{size}-seed{seed}"
+def ensure_tiny_model(target: Path, family: str = "tarsier", size: str = "tiny", seed: int = 0) -> Path:
+    """The tiny checkpoint at `target`, built once (into a temporary folder, then moved in place)."""
     if (target / "model.safetensors").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=cache_dir))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    # mkdtemp makes the folder private (0700); a cache shared by a group must stay readable to it.
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         make_tiny_model(staging, size, seed, family)
         os.replace(staging, target)

@@ -1,7 +1,7 @@
 """Regenerate the synthetic media in sample_data/ (needs `pip install av`; the pictures are
 deterministic, though container timestamps make some files differ byte-wise).
 
-    python sample_data/make_samples.py
+    python tools/make_sample_data.py
 
 Each file exercises a different path: H.264 in MP4 and MKV containers, a clip shorter than the
 default 8 sampled frames, VP9 in WebM, an animated GIF, a PNG and a JPEG with an upper-case
@@ -17,7 +17,7 @@ import av
 import numpy as np
 from PIL import Image, ImageDraw
 
-HERE = Path(__file__).resolve().parent
+SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 
 
 def scene(index: int, count: int, width: int, height: int) -> Image.Image:
@@ -53,13 +53,13 @@ def write_video(path: Path, codec: str, frames: int, size: tuple[int, int], fps:
 
 
 def main() -> None:
-    write_video(HERE / "ball_h264.mp4", "libx264", frames=48, size=(320, 192), fps=12)
-    write_video(HERE / "ball_short.mkv", "libx264", frames=4, size=(256, 144), fps=8)
-    write_video(HERE / "ball_vp9.webm", "libvpx-vp9", frames=24, size=(192, 320), fps=12)
+    write_video(SAMPLE_DATA / "ball_h264.mp4", "libx264", frames=48, size=(320, 192), fps=12)
+    write_video(SAMPLE_DATA / "ball_short.mkv", "libx264", frames=4, size=(256, 144), fps=8)
+    write_video(SAMPLE_DATA / "ball_vp9.webm", "libvpx-vp9", frames=24, size=(192, 320), fps=12)
     gif_frames = [scene(i, 10, 160, 96).quantize(64) for i in range(10)]
-    gif_frames[0].save(HERE / "ball.gif", save_all=True, append_images=gif_frames[1:], duration=100, loop=0)
-    scene(5, 10, 300, 200).save(HERE / "still.png")
-    scene(2, 10, 200, 320).save(HERE / "portrait.JPG", quality=85)
+    gif_frames[0].save(SAMPLE_DATA / "ball.gif", save_all=True, append_images=gif_frames[1:], duration=100, loop=0)
+    scene(5, 10, 300, 200).save(SAMPLE_DATA / "still.png")
+    scene(2, 10, 200, 320).save(SAMPLE_DATA / "portrait.JPG", quality=85)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""Read a manifest: a table of files to caption, with optional per-row prompts and columns to carry through."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+import pyarrow as pa
+
+from .sources import Discovery, KeyMode
+
+MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson", ".parquet")
+PATH_COLUMNS = ("path", "file_name", "video", "image")   # tried in this order when --path-column is not given
+PROMPT_COLUMN = "prompt"
+RENAMED_PREFIX = "input_"   # a kept column named like an output column is renamed with this prefix
+
+
+class ManifestError(Exception):
+    """The manifest cannot be used as asked (unreadable, no path column, unknown column, ...)."""
+
+
+@dataclass
+class Manifest:
+    """The manifest's items (in `discovery`) and the types of the columns carried into the output."""
+
+    discovery: Discovery
+    kept_fields: list[pa.Field]
+    renamed: dict[str, str]   # manifest column -> output column, for kept columns that collided
+
+
+def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_column: str | None = None,
+                  keep_columns: str | None = None) -> Manifest:
+    """The items listed in `path` (CSV, TSV, JSONL or Parquet, by suffix), in row order.
+
+    Relative paths resolve against the manifest's folder, so a manifest travels with its
+    media. A `prompt` column (empty cells: the run's prompt) gives rows their own prompt.
+    `keep_columns` is "all" or comma-separated names carried into each output row; a kept
+    column that is also an output column (`reserved`) is renamed `input_<name>`. A path listed
+    twice is refused: output rows are identified by path.
+    """
+    table = _read_table(path)
+    column = _path_column(table, path_column, path)
+    kept = _kept_columns(table, keep_columns, path)
+    renamed = {name: RENAMED_PREFIX + name for name in kept if name in reserved}
+    prompts = table.column(PROMPT_COLUMN).to_pylist() if PROMPT_COLUMN in table.column_names else None
+    if prompts is not None and not pa.types.is_string(table.schema.field(PROMPT_COLUMN).type) \
+            and not pa.types.is_large_string(table.schema.field(PROMPT_COLUMN).type):
+        raise ManifestError(f"{path}: the '{PROMPT_COLUMN}' column holds {table.schema.field(PROMPT_COLUMN).type}, "
+                            f"not text")
+    kept_values = {name: table.column(name).to_pylist() for name in kept}
+    base = path.parent.resolve()
+    discovery = Discovery()
+    first_row: dict[str, int] = {}
+    for index, value in enumerate(table.column(column).to_pylist()):
+        row_number = index + 1
+        if not isinstance(value, str) or not value.strip():
+            raise ManifestError(f"{path}: row {row_number} has no path in column '{column}'")
+        media_path = os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+        if media_path in first_row:
+            raise ManifestError(f"{path}: row {row_number} repeats the path of row {first_row[media_path]} "
+                                f"({value}); give each file one row")
+        first_row[media_path] = row_number
+        prompt = prompts[index] if prompts is not None else None
+        columns = {renamed.get(name, name): values[index] for name, values in kept_values.items()}
+        discovery.add(media_path, key_mode, prompt if prompt and prompt.strip() else None, columns)
+    fields = [pa.field(renamed.get(name, name), table.schema.field(name).type) for name in kept]
+    return Manifest(discovery, fields, renamed)
+
+
+def check_manifest_path(path: Path) -> None:
+    """Answer a wrong --manifest at once, before anything is read or imported."""
+    if path.suffix.lower() not in MANIFEST_SUFFIXES:
+        raise ManifestError(f"--manifest {path}: unknown kind; name it .csv, .tsv, .jsonl or .parquet")
+    if not path.is_file():
+        raise ManifestError(f"--manifest {path}: no such file")
+
+
+def _read_table(path: Path) -> pa.Table:
+    check_manifest_path(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".csv", ".tsv"):
+            from pyarrow import csv
+
+            # Every column as text: a path column of digits or a zip code keeps its leading zeros.
+            return csv.read_csv(path, parse_options=csv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
+                                convert_options=csv.ConvertOptions(column_types=_all_text(path, suffix),
+                                                                   strings_can_be_null=True))
+        if suffix in (".jsonl", ".ndjson"):
+            from pyarrow import json
+
+            return json.read_json(path)
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path)
+    except (OSError, pa.ArrowException) as error:
+        raise ManifestError(f"cannot read --manifest {path}: {' '.join(str(error).split())}") from error
+
+
+def _all_text(path: Path, suffix: str) -> dict[str, pa.DataType]:
+    """Every column of a CSV or TSV manifest read as text."""
+    from pyarrow import csv
+
+    delimiter = "\t" if suffix == ".tsv" else ","
+    with csv.open_csv(path, parse_options=csv.ParseOptions(delimiter=delimiter)) as reader:
+        return {name: pa.string() for name in reader.schema.names}
+
+
+def _path_column(table: pa.Table, asked: str | None, path: Path) -> str:
+    names = table.column_names
+    if asked is not None:
+        if asked not in names:
+            raise ManifestError(f"--path-column {asked!r} is not a column of {path} (columns: {', '.join(names)})")
+        return asked
+    for name in PATH_COLUMNS:
+        if name in names:
+            return name
+    raise ManifestError(f"{path} has none of the columns {', '.join(PATH_COLUMNS)}; name the column of file "
+                        f"paths with --path-column (columns: {', '.join(names)})")
+
+
+def _kept_columns(table: pa.Table, asked: str | None, path: Path) -> list[str]:
+    if not asked:
+        return []
+    names = table.column_names
+    if asked.strip() == "all":  # the path column too: its original (relative) value is what users join on
+        return [name for name in names if name != PROMPT_COLUMN]
+    wanted = [name.strip() for name in asked.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
+        raise ManifestError(f"--keep-columns: {', '.join(unknown)} not in {path} (columns: {', '.join(names)})")
+    return list(dict.fromkeys(wanted))

@@ -1,0 +1,179 @@
+"""Result files on disk: Parquet, JSON Lines, CSV, or a folder of Parquet shards, written and read back.
+
+Parquet carries the provenance in its Arrow schema metadata, so `pyarrow.parquet.read_table`,
+pandas, DuckDB and `datasets` all see it. JSON Lines and CSV have no place for it: a small
+`<out>.meta.json` beside the file holds it instead. Every format can be read back, so any of
+them can be continued by a later run.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import PROVENANCE_KEY, SUMMARY_KEY
+
+FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
+ROWS_PER_GROUP = 4096          # a few MB per row group: big enough to scan fast, small enough for viewers
+PARQUET_COMPRESSION = "zstd"
+SHARD_PATTERN = "part-*.parquet"
+META_SUFFIX = ".meta.json"
+
+
+class OutputError(Exception):
+    """`--out` cannot be used: a directory, an unknown suffix, or a file this tool did not write."""
+
+
+@dataclass(frozen=True)
+class OutputTarget:
+    """Where the results go: one file (its format by suffix) or, with `shard_rows`, a folder of shards."""
+
+    path: Path
+    shard_rows: int | None = None
+
+    @property
+    def format(self) -> str:
+        return "parquet" if self.shard_rows else FORMATS[self.path.suffix.lower()]
+
+    def check(self) -> None:
+        """Answer a wrong --out or --out-dir before any work."""
+        if self.shard_rows:
+            if self.path.exists() and not self.path.is_dir():
+                raise OutputError(f"--out-dir {self.path} is a file; give a folder for the shards")
+            strangers = [entry.name for entry in self.path.iterdir()
+                         if not entry.name.startswith(".") and not entry.match(SHARD_PATTERN)] \
+                if self.path.is_dir() else []
+            if strangers:
+                raise OutputError(f"--out-dir {self.path} holds other files ({', '.join(sorted(strangers)[:3])}); "
+                                  f"give an empty or new folder, or the folder of an earlier sharded run")
+            return
+        if self.path.is_dir():
+            raise OutputError(f"--out {self.path} is a directory; give a file name such as "
+                              f"{self.path / 'results.parquet'}, or use --out-dir with --shard-rows")
+        if self.path.suffix.lower() not in FORMATS:
+            raise OutputError(f"--out {self.path}: unknown format {self.path.suffix or '(no suffix)'!r}; "
+                              f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
+
+    def exists(self) -> bool:
+        return bool(self.shards()) if self.shard_rows else self.path.exists()
+
+    def shards(self) -> list[Path]:
+        return sorted(self.path.glob(SHARD_PATTERN)) if self.path.is_dir() else []
+
+    @property
+    def meta_path(self) -> Path:
+        """Where JSON Lines and CSV results keep their provenance."""
+        return self.path.with_name(self.path.name + META_SUFFIX)
+
+
+def with_metadata(schema: pa.Schema, provenance: dict[str, Any], summary: dict[str, Any]) -> pa.Schema:
+    return schema.with_metadata({PROVENANCE_KEY: json.dumps(provenance), SUMMARY_KEY: json.dumps(summary)})
+
+
+def write_parquet(path: Path, table: pa.Table) -> None:
+    """One Parquet file, zstd-compressed, its schema metadata (provenance) kept."""
+    pq.write_table(table, path, row_group_size=ROWS_PER_GROUP, compression=PARQUET_COMPRESSION)
+
+
+def write_jsonl(handle: TextIO, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        handle.write(json_line(row))
+
+
+def json_line(row: dict[str, Any]) -> str:
+    """One row as a line of JSON (times as ISO 8601, text as UTF-8)."""
+    return json.dumps(row, ensure_ascii=False, default=_json_value) + "\n"
+
+
+def write_csv(handle: TextIO, table: pa.Table) -> None:
+    """A header and one line per row; lists are JSON text, missing values empty."""
+    writer = csv.writer(handle, lineterminator="\n")
+    writer.writerow(table.column_names)
+    for row in table.to_pylist():
+        writer.writerow([_csv_cell(value) for value in row.values()])
+
+
+def read_results(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any]]:
+    """The rows and provenance of earlier results; `schema` types text formats' columns.
+
+    Raises ValueError (or an Arrow/OS error) when the file is not results of this tool.
+    """
+    if target.shard_rows:
+        shards = target.shards()
+        tables = [pq.read_table(shard) for shard in shards]
+        provenance = _parquet_provenance(tables[0].schema)
+        return pa.concat_tables(tables, promote_options="permissive"), provenance
+    kind = target.format
+    if kind == "parquet":
+        table = pq.read_table(target.path)
+        return table, _parquet_provenance(table.schema)
+    if not target.meta_path.exists():
+        raise ValueError(f"{target.meta_path.name} is missing beside it")
+    provenance = json.loads(target.meta_path.read_text(encoding="utf-8"))[PROVENANCE_KEY]
+    return (_read_jsonl(target.path, schema) if kind == "jsonl" else _read_csv(target.path, schema)), provenance
+
+
+def read_provenance(path: Path) -> dict[str, Any]:
+    """The provenance stored in a Parquet result file ({} if it has none)."""
+    return _parquet_provenance(pq.read_schema(path))
+
+
+def meta_text(provenance: dict[str, Any], summary: dict[str, Any]) -> str:
+    return json.dumps({PROVENANCE_KEY: provenance, SUMMARY_KEY: summary}, indent=2, ensure_ascii=False) + "\n"
+
+
+def _parquet_provenance(schema: pa.Schema) -> dict[str, Any]:
+    return json.loads((schema.metadata or {}).get(PROVENANCE_KEY.encode(), b"{}"))
+
+
+def _read_jsonl(path: Path, schema: pa.Schema) -> pa.Table:
+    from pyarrow import json as arrow_json
+
+    if path.stat().st_size == 0:
+        return schema.empty_table()
+    options = arrow_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    return arrow_json.read_json(path, parse_options=options)
+
+
+def _read_csv(path: Path, schema: pa.Schema) -> pa.Table:
+    from pyarrow import csv as arrow_csv
+
+    text_types = {field.name: pa.string() if _is_list(field.type) else field.type for field in schema}
+    header = arrow_csv.open_csv(path).schema.names
+    options = arrow_csv.ConvertOptions(column_types={name: kind for name, kind in text_types.items() if name in header},
+                                       strings_can_be_null=True, include_columns=[n for n in schema.names if n in header])
+    table = arrow_csv.read_csv(path, convert_options=options)
+    for field in schema:
+        if _is_list(field.type) and field.name in table.column_names:
+            values = [None if text is None else json.loads(text) for text in table.column(field.name).to_pylist()]
+            table = table.set_column(table.column_names.index(field.name), field.name, pa.array(values, field.type))
+    return table
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_struct(kind)
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "backslashreplace")
+    return str(value)
+
+
+def _csv_cell(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False, default=_json_value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return value
