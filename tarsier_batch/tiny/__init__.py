@@ -43,6 +43,8 @@ def ensure_tiny_model(target: Path, family: str = "tarsier", size: str = "tiny",
     staging.chmod(0o777 & ~umask)
     try:
         make_tiny_model(staging, size, seed, family)
+        for written in staging.iterdir():  # some writers (safetensors) create private files
+            written.chmod(0o666 & ~umask)
         os.replace(staging, target)
     except OSError:
         if not (target / "model.safetensors").exists():  # not another process winning the race

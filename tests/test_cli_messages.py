@@ -1,0 +1,85 @@
+"""Messages that name the fix, first-use notices, shared caches and the ETA."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from typer.testing import CliRunner
+
+from tarsier_batch.checkpoints import download_problem
+from tarsier_batch.cli import app
+from tarsier_batch.progress import RunStats
+
+runner = CliRunner()
+
+
+def bare(error_type: type[BaseException], message: str) -> BaseException:
+    """An instance of a hub error without the HTTP response its constructor wants."""
+    error = error_type.__new__(error_type)
+    Exception.__init__(error, message)
+    return error
+
+
+def test_hub_problems_say_whether_the_name_or_the_network_is_wrong(tmp_path: Path) -> None:
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    assert "there is no model 'someone/typo' on the Hugging Face hub (check the name" in \
+        download_problem("someone/typo", bare(RepositoryNotFoundError, "404"))
+    assert "is gated on the Hugging Face hub: accept its terms" in \
+        download_problem("org/gated", bare(GatedRepoError, "403"))
+    (tmp_path / "a.jpg").touch()
+    done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "caption", str(tmp_path), "-o",
+                           str(tmp_path / "r.parquet"), "--model", "someone/model"], capture_output=True,
+                          env={**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")},
+                          timeout=120)
+    error = done.stderr.decode().strip()
+    assert done.returncode == 2 and len(error.splitlines()) == 1, error
+    assert "cannot reach the Hugging Face hub to download 'someone/model'" in error
+    assert "'hf download someone/model --local-dir DIR'" in error and "huggingface-cli" not in error
+
+
+def test_first_use_of_a_built_in_model_says_so_and_the_cache_is_group_readable(shared_media: Path,
+                                                                               tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    args = [str(shared_media / "tarsier_logo.jpg"), "--model", "tiny-random", "--max-new-tokens", "2"]
+    env = {"TARSIER_BATCH_CACHE": str(cache)}
+    old_umask = os.umask(0o002)   # a group-shared cache
+    try:
+        first = runner.invoke(app, ["caption", *args, "-o", str(tmp_path / "a.parquet")], env=env)
+    finally:
+        os.umask(old_umask)
+    assert first.exit_code == 0, first.output
+    assert "building the random-weight model tiny-random (first use; cached in" in first.output
+    built = cache / "tiny-random-tiny-seed0"
+    assert stat.S_IMODE(built.stat().st_mode) == 0o775   # mkdtemp alone would leave 0700
+    assert all(stat.S_IMODE(path.stat().st_mode) & 0o040 for path in built.iterdir())
+    again = runner.invoke(app, ["caption", *args, "-o", str(tmp_path / "b.parquet")], env=env)
+    assert again.exit_code == 0 and "building" not in again.output
+
+
+def test_sha256_key_adds_a_sha256_column(shared_media: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    image = shared_media / "tarsier_logo.jpg"
+    result = runner.invoke(app, ["caption", str(image), "--model", str(tiny_model_dir), "-o", str(out),
+                                 "--max-new-tokens", "2", "--key", "sha256"])
+    assert result.exit_code == 0, result.output
+    row = pq.read_table(out).to_pylist()[0]
+    digest = hashlib.sha256(image.read_bytes()).hexdigest()
+    assert row["sha256"] == digest and row["key"] == f"sha256:{digest}" and row["size_bytes"] == image.stat().st_size
+
+
+def test_eta_counts_items_still_generating_by_their_tokens() -> None:
+    stats = RunStats(total=10)
+    stats.started -= 100.0   # 100 s into the run
+    assert stats.eta_s is None   # nothing finished: no basis for an estimate
+    stats.done, stats.generated_tokens, stats.streamed_tokens = 2, 200, 200
+    # Two items in 100 s and nothing in flight: 8 left at 50 s each.
+    assert abs(stats.eta_s - 400.0) < 1.0
+    stats.streamed_tokens = 400   # 200 more tokens: two items' worth are under way
+    assert abs(stats.eta_s - 150.0) < 1.0   # 4 items' worth done in 100 s; 6 left at 25 s
