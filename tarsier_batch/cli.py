@@ -93,9 +93,9 @@ Exit codes:
   2    bad usage: flag value, missing input, unusable model or output, other settings than --out's
   3    crashed mid-run (a bug, a failed device, a full disk); saved rows are resumed by the next run
   75   another run is writing the same --out
-  141  stdout was closed while streaming with '-o -' (e.g. '| head')
   130  interrupted (Ctrl-C); finished rows are saved, run the same command to resume
   143  terminated (SIGTERM); finished rows are saved, run the same command to resume
+  141  stdout was closed while streaming with '-o -' (e.g. '| head')
 """
 
 
@@ -121,7 +121,7 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
     return value
 
 
-@app.command(epilog=EXAMPLES)
+@app.command(epilog=EXAMPLES, no_args_is_help=True)
 def caption(
     inputs: Annotated[Optional[list[str]], typer.Argument(metavar="INPUTS", hidden=True, show_default=False)] = None,  # described in the docstring: help would show a Python type
     out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv; '-' streams JSON Lines to stdout.", show_default=False)] = None,
@@ -490,12 +490,12 @@ def models() -> None:
 
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
-    directory: Annotated[Path, typer.Argument(help="Where to write the checkpoint.", show_default=False)],
-    family: Annotated[str, typer.Option(help="tarsier (v1) or tarsier2.")] = "tarsier",
-    size: Annotated[str, typer.Option(help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide (that LM, real frames).")] = "tiny",
-    seed: Annotated[int, typer.Option(min=0, help="Seed of the random weights.")] = 0,
+    directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True, show_default=False)],
+    family: Annotated[str, typer.Option(metavar="NAME", help="tarsier (v1) or tarsier2.")] = "tarsier",
+    size: Annotated[str, typer.Option(metavar="SIZE", help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide (that LM, real frames).")] = "tiny",
+    seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed of the random weights.")] = 0,
 ) -> None:
-    """Write a deterministic random-weight checkpoint in the family's real format (captions are noise)."""
+    """Write a deterministic random-weight checkpoint in the family's real format into DIRECTORY (captions are noise)."""
     try:
         family_named(family)
     except ValueError as error:
