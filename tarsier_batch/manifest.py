@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 import pyarrow as pa
 
 from .sources import Discovery, KeyMode
@@ -83,7 +84,7 @@ def _read_table(path: Path) -> pa.Table:
             from pyarrow import csv
 
             # Every column as text: a path column of digits or a zip code keeps its leading zeros.
-            return csv.read_csv(path, parse_options=csv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ","),
+            return csv.read_csv(path, parse_options=_csv_options(suffix),
                                 convert_options=csv.ConvertOptions(column_types=_all_text(path, suffix),
                                                                    strings_can_be_null=True))
         if suffix in (".jsonl", ".ndjson"):
@@ -97,12 +98,17 @@ def _read_table(path: Path) -> pa.Table:
         raise ManifestError(f"cannot read --manifest {path}: {' '.join(str(error).split())}") from error
 
 
+def _csv_options(suffix: str) -> Any:
+    from pyarrow import csv
+
+    return csv.ParseOptions(delimiter="\t" if suffix == ".tsv" else ",", newlines_in_values=True)
+
+
 def _all_text(path: Path, suffix: str) -> dict[str, pa.DataType]:
     """Every column of a CSV or TSV manifest read as text."""
     from pyarrow import csv
 
-    delimiter = "\t" if suffix == ".tsv" else ","
-    with csv.open_csv(path, parse_options=csv.ParseOptions(delimiter=delimiter)) as reader:
+    with csv.open_csv(path, parse_options=_csv_options(suffix)) as reader:
         return {name: pa.string() for name in reader.schema.names}
 
 

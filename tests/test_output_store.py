@@ -196,3 +196,22 @@ def test_lock_of_a_killed_process_is_taken_over(tmp_path: Path) -> None:
     lock.acquire()
     assert (tmp_path / ".r.parquet.lock").read_text().startswith(f"pid {os.getpid()}")
     lock.release()
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".csv"])
+def test_every_format_reads_back_what_it_wrote(tmp_path: Path, suffix: str) -> None:
+    """Captions with newlines, quotes, commas and any Unicode; lists; nulls; times."""
+    from datetime import datetime, timezone
+
+    out = tmp_path / f"r{suffix}"
+    store = ResultStore(OutputTarget(out), OutputColumns(with_token_ids=True, hashed=True))
+    tricky = row("/a", caption='line one\nline "two", with commas\r\n\u00e9\u4e2d \U0001F600')
+    tricky.update(frame_indices=[0, 5, 9], generated_ids=[1, 2], width=640, duration_s=1.5, sha256="ab" * 32,
+                  size_bytes=123, mtime=datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=timezone.utc))
+    failed = row("/b,with comma", error="Decoder: bad\nframe")
+    failed.update(frame_indices=None, generated_ids=None, sha256=None, size_bytes=None, mtime=None)
+    store.begin({"settings": SETTINGS}, fresh=False)
+    store.commit([tricky, failed], {"settings": SETTINGS}, {"complete": True})
+    stored = ResultStore(OutputTarget(out), OutputColumns(with_token_ids=True, hashed=True)).read()
+    assert list(stored.rows.values()) == [tricky, failed]
+    assert stored.settings == {str(out): SETTINGS}

@@ -146,10 +146,11 @@ def _read_csv(path: Path, schema: pa.Schema) -> pa.Table:
     from pyarrow import csv as arrow_csv
 
     text_types = {field.name: pa.string() if _is_list(field.type) else field.type for field in schema}
-    header = arrow_csv.open_csv(path).schema.names
+    parse = arrow_csv.ParseOptions(newlines_in_values=True)   # captions may span lines
+    header = arrow_csv.open_csv(path, parse_options=parse).schema.names
     options = arrow_csv.ConvertOptions(column_types={name: kind for name, kind in text_types.items() if name in header},
                                        strings_can_be_null=True, include_columns=[n for n in schema.names if n in header])
-    table = arrow_csv.read_csv(path, convert_options=options)
+    table = arrow_csv.read_csv(path, parse_options=parse, convert_options=options)
     for field in schema:
         if _is_list(field.type) and field.name in table.column_names:
             values = [None if text is None else json.loads(text) for text in table.column(field.name).to_pylist()]
