@@ -488,6 +488,41 @@ def models() -> None:
                    f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
 
 
+class FamilyKey(str, Enum):
+    tarsier = "tarsier"
+    tarsier2 = "tarsier2"
+
+
+@app.command("inspect", no_args_is_help=True)
+def inspect_command(
+    files: Annotated[list[str], typer.Argument(metavar="FILE", hidden=True, show_default=False)],
+    model: Annotated[Optional[str], typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Sample frames as this model's family does [default: the default model, Tarsier2].", show_default=False)] = None,
+    family: Annotated[Optional[FamilyKey], typer.Option(help="Or name the family directly.", show_default=False)] = None,
+    frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, one per line.")] = False,
+) -> None:
+    """What captioning would see in each FILE: type, size, codec, rotation, frame rate, duration, frame count,
+    the decoder and why, the frame indices it would sample, and the error it would give.
+
+    Decodes the sampled frames exactly as captioning does, in a child process (a decoder crash or
+    hang is reported). Exit code 0 if every file would caption, 1 if some would fail.
+    """
+    from .inspection import family_for, inspect_file
+
+    if model is not None and family is not None:
+        _fail("give --model or --family, not both")
+    try:
+        chosen = family_named(family.value) if family else family_for(model or DEFAULT_MODEL)
+    except ValueError as error:
+        _fail(str(error))
+    failed = 0
+    for index, path in enumerate(files):
+        found = inspect_file(path, chosen, frames)
+        failed += not found.ok
+        typer.echo(found.as_json() if as_json else ("\n" if index else "") + found.as_text())
+    raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
+
+
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True, show_default=False)],

@@ -108,7 +108,7 @@ def load_media(path: str, media_type: MediaType, num_frames: int,
     keyframes) are decoded together first. A frame sampled twice (a video shorter than
     `num_frames`) is decoded and transformed once; its result appears at both places.
     """
-    _check_regular_file(path)
+    check_regular_file(path)
     if media_type is MediaType.VIDEO:
         return _load_video(path, num_frames, frame_transform, sampler)
     if media_type is MediaType.GIF:
@@ -116,7 +116,7 @@ def load_media(path: str, media_type: MediaType, num_frames: int,
     return _load_image(path, num_frames, frame_transform, sampler)
 
 
-def _check_regular_file(path: str) -> None:
+def check_regular_file(path: str) -> None:
     """Fail with a clear reason, before opening, on anything but a readable, non-empty regular file.
 
     Opening a FIFO named like media would block for ever, and a device would never end.
@@ -160,7 +160,7 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     """
     source = os.path.abspath(path)
     failures: list[str] = []
-    if _decord_reads_correctly(source):
+    if decord_problem(source) is None:
         try:
             return _load_video_decord(path, source, num_frames, transform, sampler)
         except _DecoderFailure as failure:
@@ -190,10 +190,11 @@ _NATIVE_LOG_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 _DECORD_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "flv", "asf", "avi"})
 
 
-def _decord_reads_correctly(source: str) -> bool:
-    """Whether decord returns the frames asked for, as players show them; False sends the file to PyAV.
+def decord_problem(source: str) -> str | None:
+    """Why decord would not return the frames asked for, as players show them (None: it would).
 
-    A PyAV probe tells (opening the file and decoding its first frame: ~30 ms for 1080p H.264):
+    Any reason sends the file to PyAV. A PyAV probe tells (opening the file and decoding its
+    first frame: ~30 ms for 1080p H.264):
     - a display rotation (phone videos) or non-square pixels: decord ignores both (and fails
       on a 90-degree rotation); PyAV's path shows the frames as players do;
     - containers and codecs where decord's seeking silently returns other frames than asked:
@@ -208,12 +209,19 @@ def _decord_reads_correctly(source: str) -> bool:
         with _video_stream(source) as (container, stream):
             first = next(_decoded_frames(container, stream), None)
             codec = stream.codec_context
-            seeks_right = container.format.name in _DECORD_CONTAINERS and not (
-                codec.has_b_frames and (container.format.name == "avi" or codec.name == "mpeg4"))
-            shown_as_stored = (first is None or first.rotation == 0) and _pixel_aspect(stream) == 1
+            container_name = container.format.name
+            aspect = _pixel_aspect(stream)
     except (av.FFmpegError, _DecoderFailure):
-        return True
-    return seeks_right and shown_as_stored
+        return None
+    if container_name not in _DECORD_CONTAINERS:
+        return f"decord seeks to other frames than asked in this container ({container_name})"
+    if codec.has_b_frames and (container_name == "avi" or codec.name == "mpeg4"):
+        return f"decord seeks to other frames than asked in {codec.name} with B-frames in {container_name}"
+    if first is not None and first.rotation != 0:
+        return f"decord ignores the display rotation ({first.rotation} degrees)"
+    if aspect != 1:
+        return f"decord ignores non-square pixels (sample aspect ratio {aspect})"
+    return None
 
 
 @contextlib.contextmanager

@@ -1,0 +1,208 @@
+"""What the tool sees in one file: its facts, the decoder captioning would use and why, the frames it would sample.
+
+Runs the same decoding path as captioning (`media.load_media` with the family's sampler), in a
+child process, so "would fail" is real and a decoder that crashes or hangs on the file is
+reported rather than taking the command down. No torch, no model.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from .catalog import FAMILIES, FamilyInfo, family_of_config
+from .media import (FrameSampler, MediaType, check_regular_file, decord_problem, frame_indices, frame_indices_without_repeats, load_media,
+                    media_type_of)
+from .text import one_line, printable
+
+# How each family samples frames; tests/test_inspect.py checks these against the families' own loaders.
+SAMPLERS: dict[str, FrameSampler] = {"tarsier": frame_indices, "tarsier2": frame_indices_without_repeats}
+DECODE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Inspection:
+    """Facts about one file, as captioning would see them; `problem` says why it would fail."""
+
+    path: str
+    media_type: str | None = None
+    size_bytes: int | None = None
+    container: str | None = None
+    codec: str | None = None
+    image_mode: str | None = None
+    stored_size: str | None = None       # width x height as stored
+    displayed_size: str | None = None    # after rotation and non-square pixels (what the model sees)
+    rotation: int | None = None
+    sample_aspect_ratio: str | None = None
+    fps: float | None = None
+    duration_s: float | None = None
+    frame_count: int | None = None       # as the decoder captioning uses counts them
+    animated: bool | None = None
+    decoder: str | None = None
+    decoder_reason: str | None = None
+    family: str | None = None
+    frames_asked: int | None = None
+    frame_indices: list[int] = field(default_factory=list)
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def as_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    def as_text(self) -> str:
+        """Aligned `name  value` lines, the known ones only, then the verdict."""
+        shown = {_LABELS.get(name, name.replace("_", " ")): _shown(name, value)
+                 for name, value in asdict(self).items() if value not in (None, [])}
+        shown["verdict"] = "would caption" if self.ok else "would fail"
+        width = max(map(len, shown))
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in shown.items())
+
+
+_LABELS = {"size_bytes": "size", "duration_s": "duration", "fps": "frame rate", "frames_asked": "frames"}
+
+
+def _shown(name: str, value: Any) -> str:
+    if name == "size_bytes":
+        return f"{value:,} bytes"
+    if name == "duration_s":
+        return f"{value:g} s"
+    if name == "fps":
+        return f"{value:g} fps"
+    if name == "rotation":
+        return f"{value} degrees"
+    if name == "frame_indices":
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def family_for(model: str) -> FamilyInfo:
+    """The family of `--model`: a built-in alias, a known hub id, or a checkpoint folder's config.json."""
+    for family in FAMILIES:
+        if model == family.tiny_alias or model in family.checkpoints:
+            return family
+    config = Path(model).expanduser() / "config.json"
+    if config.is_file():
+        return family_of_config(json.loads(config.read_text(encoding="utf-8")), str(config))
+    raise ValueError(f"--model {model!r}: not a built-in model, a known checkpoint or a checkpoint folder; "
+                     f"use --family tarsier or tarsier2")
+
+
+def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
+                 timeout_s: float = DECODE_TIMEOUT_S) -> Inspection:
+    """Everything `tarsier inspect` prints about `path`."""
+    found = Inspection(printable(os.path.abspath(path)), family=family.name,
+                       frames_asked=frames or family.default_frames)
+    media_type = media_type_of(path)
+    if media_type is None:
+        found.problem = f"not media: {Path(path).suffix.lower() or 'no extension'} files are skipped by caption"
+        return found
+    found.media_type = media_type.value
+    try:
+        found.size_bytes = os.stat(path).st_size
+    except OSError:
+        pass
+    found.__dict__.update(_in_child(_decode_facts, (path, media_type, family.key, found.frames_asked), timeout_s))
+    return found
+
+
+def _decode_facts(path: str, media_type: MediaType, family_key: str, frames: int) -> dict[str, Any]:
+    """Probe, then decode the sampled frames exactly as captioning does (the pixels are dropped)."""
+    try:
+        check_regular_file(path)   # before any decoder opens it: a FIFO would block for ever
+    except ValueError as error:
+        return {"problem": str(error)}
+    facts: dict[str, Any] = _probe(path, media_type)
+    counted: list[int] = []
+
+    def sampler(total: int, wanted: int) -> list[int]:
+        counted.append(total)
+        return SAMPLERS[family_key](total, wanted)
+
+    try:
+        media = load_media(path, media_type, frames, frame_transform=lambda frame, count: None, sampler=sampler)
+    except Exception as error:  # what captioning would put in the row's error column
+        facts["problem"] = str(error) if isinstance(error, ValueError) else one_line(error)
+        return facts
+    facts.update(displayed_size=f"{media.width}x{media.height}", duration_s=media.duration_s,
+                 decoder=media.decoder, frame_indices=media.frame_indices)
+    if counted:
+        facts["frame_count"] = counted[0]
+    if media.decoder == "pyav":
+        facts["decoder_reason"] = decord_problem(os.path.abspath(path)) or "decord could not decode it"
+    elif media.decoder == "decord":
+        facts["decoder_reason"] = "decord returns the frames asked for in this container and codec"
+    return facts
+
+
+def _probe(path: str, media_type: MediaType) -> dict[str, Any]:
+    """Container facts from PyAV (videos) or Pillow (images, GIFs); {} when the file cannot be opened."""
+    try:
+        return _probe_video(path) if media_type is MediaType.VIDEO else _probe_image(path)
+    except Exception:  # the decode that follows reports the reason
+        return {}
+
+
+def _probe_video(path: str) -> dict[str, Any]:
+    import av
+
+    with av.open(os.path.abspath(path)) as container:
+        stream = container.streams.best("video")
+        if stream is None:
+            return {"container": container.format.name}
+        codec = stream.codec_context
+        first = next(container.decode(stream), None)
+        aspect = stream.sample_aspect_ratio or codec.sample_aspect_ratio
+        rate = stream.average_rate
+        return {"container": container.format.name, "codec": codec.name,
+                "stored_size": f"{codec.width}x{codec.height}",
+                "rotation": int(first.rotation) if first is not None else None,
+                "sample_aspect_ratio": str(Fraction(aspect)) if aspect else None,
+                "fps": round(float(rate), 3) if rate else None}
+
+
+def _probe_image(path: str) -> dict[str, Any]:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return {"container": image.format, "image_mode": image.mode, "stored_size": f"{image.width}x{image.height}",
+                "animated": bool(getattr(image, "is_animated", False))}
+
+
+def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[str, Any]:
+    """`function(*args)` in a forked process: a crash or a hang becomes a problem, not the end of the command."""
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        faulthandler.disable()   # a crash is reported by the parent, without a dump of the child's stack
+        send.send(function(*args))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            process.kill()
+            return {"problem": f"decoding took longer than {timeout_s:g} s"}
+        try:
+            return receive.recv()
+        except EOFError:   # the child died before answering
+            process.join()
+            code = process.exitcode or 0
+            how = signal.Signals(-code).name if code < 0 else f"exit code {code}"
+            return {"problem": f"the decoder crashed ({how})"}
+    finally:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
