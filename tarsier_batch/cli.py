@@ -17,6 +17,7 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import __version__
 from .catalog import DEFAULT_MODEL, FAMILIES, family_named
@@ -521,6 +522,49 @@ def inspect_command(
         failed += not found.ok
         typer.echo(found.as_json() if as_json else ("\n" if index else "") + found.as_text())
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
+
+
+@app.command("report", no_args_is_help=True)
+def report_command(
+    results: Annotated[Path, typer.Argument(metavar="RESULTS", hidden=True, show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The HTML page to write.", show_default=False)],
+    frames_per_item: Annotated[int, typer.Option(min=0, metavar="N", help="Frames shown per item, evenly chosen from those the caption was made from (0: all).")] = 8,
+    thumb_height: Annotated[int, typer.Option(min=16, max=512, metavar="PX", help="Height of the frame thumbnails.")] = 72,
+    workers: Annotated[Optional[int], typer.Option(min=0, metavar="N", help="Processes extracting frames (0: none, in this process) [default: cores - 1].", show_default=False)] = None,
+    title: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Page title [default: from RESULTS' name].", show_default=False)] = None,
+) -> None:
+    """Write one self-contained HTML page to review RESULTS (a .parquet, .jsonl or .csv file or a folder of shards).
+
+    Per item: the frames the caption was made from (re-extracted from the file at the recorded
+    indices), the caption, prompt, model, tokens and timing; failed items grouped by error;
+    summary figures and a caption-length histogram. Filter by media type, status and text; the
+    page works offline and pages through 10,000 items.
+    """
+    import time
+
+    from .review import check_results_path, write_report
+
+    if out.is_dir():
+        _fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
+    try:
+        check_results_path(results)
+    except OutputError as error:
+        _fail(str(error))
+    console = Console(stderr=True, soft_wrap=True)
+    start = time.perf_counter()
+    progress = Progress(TextColumn("extracting frames"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True, disable=not console.is_terminal)
+    task = progress.add_task("frames", total=None)
+    try:
+        with progress:
+            count = write_report(results, out, frames_per_item, thumb_height,
+                                 workers if workers is not None else max(1, (os.cpu_count() or 2) - 1), title,
+                                 on_strips=lambda done: progress.advance(task, done),
+                                 on_total=lambda total: progress.update(task, total=total))
+    except (OutputError, OSError) as error:
+        _fail(str(error))
+    console.print(f"tarsier: wrote {out} ({plural(count, 'item')}, {out.stat().st_size / 2**20:.1f} MB) in "
+                  f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
 
 
 @dev_app.command("make-tiny-model")

@@ -38,6 +38,11 @@ class OutputTarget:
     path: Path
     shard_rows: int | None = None
 
+    @classmethod
+    def existing(cls, path: Path) -> OutputTarget:
+        """The results at `path`: a folder of shards or one file."""
+        return cls(path, shard_rows=1) if path.is_dir() else cls(path)
+
     @property
     def format(self) -> str:
         return "parquet" if self.shard_rows else FORMATS[self.path.suffix.lower()]
@@ -100,37 +105,34 @@ def write_csv(handle: TextIO, table: pa.Table) -> None:
         writer.writerow([_csv_cell(value) for value in row.values()])
 
 
-def read_results(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any]]:
-    """The rows and provenance of earlier results; `schema` types text formats' columns.
+def read_results(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+    """The rows, provenance and run summary of earlier results; `schema` types text formats' columns.
 
     Raises ValueError (or an Arrow/OS error) when the file is not results of this tool.
     """
     if target.shard_rows:
-        shards = target.shards()
-        tables = [pq.read_table(shard) for shard in shards]
-        provenance = _parquet_provenance(tables[0].schema)
-        return pa.concat_tables(tables, promote_options="permissive"), provenance
+        tables = [pq.read_table(shard) for shard in target.shards()]
+        return (pa.concat_tables(tables, promote_options="permissive"), *_parquet_metadata(tables[-1].schema))
     kind = target.format
     if kind == "parquet":
         table = pq.read_table(target.path)
-        return table, _parquet_provenance(table.schema)
+        return (table, *_parquet_metadata(table.schema))
     if not target.meta_path.exists():
         raise ValueError(f"{target.meta_path.name} is missing beside it")
-    provenance = json.loads(target.meta_path.read_text(encoding="utf-8"))[PROVENANCE_KEY]
-    return (_read_jsonl(target.path, schema) if kind == "jsonl" else _read_csv(target.path, schema)), provenance
-
-
-def read_provenance(path: Path) -> dict[str, Any]:
-    """The provenance stored in a Parquet result file ({} if it has none)."""
-    return _parquet_provenance(pq.read_schema(path))
+    meta = json.loads(target.meta_path.read_text(encoding="utf-8"))
+    table = _read_jsonl(target.path, schema) if kind == "jsonl" else _read_csv(target.path, schema)
+    return table, meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
 
 
 def meta_text(provenance: dict[str, Any], summary: dict[str, Any]) -> str:
     return json.dumps({PROVENANCE_KEY: provenance, SUMMARY_KEY: summary}, indent=2, ensure_ascii=False) + "\n"
 
 
-def _parquet_provenance(schema: pa.Schema) -> dict[str, Any]:
-    return json.loads((schema.metadata or {}).get(PROVENANCE_KEY.encode(), b"{}"))
+def _parquet_metadata(schema: pa.Schema) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Provenance and summary from a Parquet file's schema metadata ({} where absent)."""
+    metadata = schema.metadata or {}
+    return (json.loads(metadata.get(PROVENANCE_KEY.encode(), b"{}")),
+            json.loads(metadata.get(SUMMARY_KEY.encode(), b"{}")))
 
 
 def _read_jsonl(path: Path, schema: pa.Schema) -> pa.Table:

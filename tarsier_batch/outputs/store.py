@@ -188,7 +188,7 @@ class ResultStore:
 def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any]]:
     out = target.path
     try:
-        table, provenance = read_results(target, schema)
+        table, provenance, _ = read_results(target, schema)
     except (OSError, pa.ArrowException, ValueError, KeyError) as error:
         raise OutputError(f"{out} exists but is not readable {target.format} results of tarsier-batch "
                           f"({one_line(error)}); pass --overwrite to replace it") from error

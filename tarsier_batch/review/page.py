@@ -1,0 +1,219 @@
+"""The report as one self-contained HTML page: no network, no external file, fast with 10,000 items.
+
+The header (provenance, figures, histogram, grouped errors) is static HTML. The items travel as
+one JSON block that a small script renders a page at a time, filtered by media type, status
+and text; user text reaches the page only through `textContent`, never as markup. Each item's
+frame strip is a separate inert block, read only when its item is shown, so opening the page
+parses a JSON block of a few MB, not the 100+ MB of images a 10,000-item report holds. The filter
+state lives in the URL's fragment (`#status=failed&type=video&q=cat&page=2`), so a filtered
+view can be bookmarked, and tested.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from .results import Figures, Results
+
+PAGE_SIZE = 50
+ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames", "frame_indices", "width", "height",
+               "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s",
+               "size_bytes")
+
+
+def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str) -> str:
+    """The whole page; `strips` holds, per row, {"uri": ...} or {"problem": ...}."""
+    items = [_item(row, strip, results.extra_columns) for row, strip in zip(results.rows, strips)]
+    data = json.dumps({"items": items, "pageSize": PAGE_SIZE}, ensure_ascii=False, separators=(",", ":"))
+    # Inside <script>, only "</" and "<!--" can end or confuse the block; JSON allows "<\/".
+    data = data.replace("</", "<\\/").replace("<!--", "<\\u0021--")
+    # data: URIs are base64 and a fixed prefix: nothing in them can end a block.
+    images = "\n".join(f'<script type="text/plain" id=strip-{index}>{strip["uri"]}</script>'
+                       for index, strip in enumerate(strips) if strip.get("uri"))
+    return _TEMPLATE.format(title=html.escape(title), header=_header(results, figures, title), data=data,
+                            images=images, style=_STYLE, script=_SCRIPT)
+
+
+def _item(row: dict[str, Any], strip: dict[str, str | None], extra: list[str]) -> dict[str, Any]:
+    item = {name: row.get(name) for name in ITEM_FIELDS}
+    item.update(strip=bool(strip.get("uri")), stripProblem=strip.get("problem"),
+                extra={name: _plain(row.get(name)) for name in extra})
+    return item
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+
+
+def _header(results: Results, figures: Figures, title: str) -> str:
+    p = results.provenance
+    generation = p.get("generation") or {}
+    facts = [("model", f"{p.get('model', '?')} ({p.get('model_family', '?')})"),
+             ("prompt", p.get("prompt") or "the model's default"), ("frames", p.get("frames")),
+             ("generation", ", ".join(f"{k} {v}" for k, v in generation.items() if k != "eos_token_ids")),
+             ("device", f"{p.get('device', '?')} ({p.get('dtype', '?')})"),
+             ("tool", f"tarsier-batch {p.get('tool_version', '?')}"),
+             ("report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
+    rate = (f"{figures.items_per_s:.3g} items/s, {figures.tokens_per_s:.3g} tokens/s"
+            if figures.items_per_s and figures.tokens_per_s else "n/a")
+    numbers = [("items", figures.total), ("captioned", figures.captioned), ("failed", figures.failed),
+               ("by type", ", ".join(f"{count} {kind}" for kind, count in figures.by_type.items())),
+               ("throughput", rate),
+               ("caption words", f"mean {figures.words_mean:.1f}, median {figures.words_median:g}"
+                if figures.words_mean is not None else "n/a")]
+    parts = [f"<h1>{html.escape(title)}</h1>", "<div class=facts>",
+             _definitions("run", facts), _definitions("figures", numbers), _histogram_svg(figures), "</div>"]
+    if figures.errors:
+        parts.append(f"<details class=errors open><summary>{figures.failed} failed items, "
+                     f"{len(figures.errors)} distinct errors</summary><ul>")
+        for message, paths in figures.errors:
+            shown = "".join(f"<li>{html.escape(path)}</li>" for path in paths[:20])
+            more = f"<li>… and {len(paths) - 20} more</li>" if len(paths) > 20 else ""
+            parts.append(f"<li><b>{len(paths)} ×</b> <code>{html.escape(message)}</code><ul>{shown}{more}</ul></li>")
+        parts.append("</ul></details>")
+    return "\n".join(parts)
+
+
+def _definitions(caption: str, pairs: list[tuple[str, Any]]) -> str:
+    rows = "".join(f"<dt>{html.escape(name)}</dt><dd>{html.escape(str(value))}</dd>" for name, value in pairs)
+    return f"<section><h2>{caption}</h2><dl>{rows}</dl></section>"
+
+
+def _histogram_svg(figures: Figures) -> str:
+    if not figures.histogram:
+        return "<section><h2>caption length</h2><p>no captions</p></section>"
+    width, height, gap = 300, 110, 2
+    bar = width / len(figures.histogram)
+    top = max(count for _, _, count in figures.histogram) or 1
+    bars = []
+    for index, (low, high, count) in enumerate(figures.histogram):
+        tall = round(90 * count / top)
+        label = html.escape(f"{low}-{high} words: {count}")
+        bars.append(f'<rect x="{index * bar:.1f}" y="{95 - tall}" width="{bar - gap:.1f}" height="{tall}">'
+                    f"<title>{label}</title></rect>")
+    first, last = figures.histogram[0][0], figures.histogram[-1][1]
+    axis = (f'<text x="0" y="{height - 2}">{first}</text>'
+            f'<text x="{width}" y="{height - 2}" text-anchor="end">{last} words</text>')
+    return (f'<section><h2>caption length</h2><svg class=hist viewBox="0 0 {width} {height}" role="img" '
+            f'aria-label="caption length histogram">{"".join(bars)}{axis}</svg></section>')
+
+
+_STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0 auto;max-width:1200px;padding:16px;color:#222}
+h1{font-size:20px;margin:0 0 8px}h2{font-size:13px;text-transform:uppercase;color:#666;margin:0 0 4px}
+.facts{display:flex;gap:24px;flex-wrap:wrap;margin-bottom:12px}.facts section{min-width:260px;flex:1}
+dl{display:grid;grid-template-columns:max-content auto;gap:2px 10px;margin:0}dt{color:#666}dd{margin:0}
+.hist rect{fill:#4a7bd0}.hist text{font-size:10px;fill:#666}
+.errors{background:#fff4f4;border:1px solid #f0c8c8;padding:6px 10px;margin-bottom:12px}
+.errors code{white-space:pre-wrap}
+.controls{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ddd;display:flex;gap:8px;
+flex-wrap:wrap;align-items:center}
+.item{border-bottom:1px solid #eee;padding:10px 0}.item.failed{background:#fff8f8}
+.strip{display:block;max-width:100%;overflow-x:auto;margin:4px 0}.strip img{height:72px;display:block}
+.path{font-family:monospace;font-size:12px;word-break:break-all}.caption{white-space:pre-wrap;margin:4px 0}
+.meta{color:#666;font-size:12px}.problem{color:#a00;font-size:12px}.pager button{min-width:32px}
+"""
+
+_SCRIPT = r"""
+const data = JSON.parse(document.getElementById('data').textContent);
+const items = data.items;
+const list = document.getElementById('items');
+const state = {type: '', status: '', q: '', page: 1};
+function readHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  for (const key of Object.keys(state)) if (params.has(key)) state[key] = params.get(key);
+  state.page = Math.max(1, parseInt(state.page, 10) || 1);
+  document.getElementById('type').value = state.type;
+  document.getElementById('status').value = state.status;
+  document.getElementById('q').value = state.q;
+}
+function writeHash() {
+  const params = new URLSearchParams();
+  for (const [key, value] of Object.entries(state)) if (value && !(key === 'page' && value === 1)) params.set(key, value);
+  history.replaceState(null, '', '#' + params.toString());
+}
+function matches(item) {
+  if (state.type && item.media_type !== state.type) return false;
+  if (state.status === 'ok' && item.error) return false;
+  if (state.status === 'failed' && !item.error) return false;
+  if (state.q) {
+    const q = state.q.toLowerCase();
+    if (!((item.caption || '') + ' ' + item.path).toLowerCase().includes(q)) return false;
+  }
+  return true;
+}
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  return node;
+}
+function card(item, index) {
+  const node = el('div', item.error ? 'item failed' : 'item');
+  node.appendChild(el('div', 'path', item.path));
+  if (item.strip) {
+    const box = el('div', 'strip'); const img = el('img');
+    img.alt = 'frames ' + (item.frame_indices || []).join(' '); img.src = document.getElementById('strip-' + index).textContent;
+    box.appendChild(img); node.appendChild(box);
+  } else if (item.stripProblem) node.appendChild(el('div', 'problem', 'no frames: ' + item.stripProblem));
+  if (item.error) node.appendChild(el('div', 'problem', 'error: ' + item.error));
+  else node.appendChild(el('div', 'caption', item.caption));
+  const facts = [item.media_type, item.width && item.height ? item.width + 'x' + item.height : null,
+    item.duration_s != null ? item.duration_s + ' s' : null, item.num_frames != null ? item.num_frames + (item.num_frames === 1 ? ' frame' : ' frames') : null,
+    item.decoder, item.prompt_tokens != null ? item.prompt_tokens + ' prompt tokens' : null,
+    item.generated_tokens != null ? item.generated_tokens + ' generated (' + item.finish_reason + ')' : null,
+    item.elapsed_s != null ? item.elapsed_s.toFixed(2) + ' s' : null, item.model];
+  node.appendChild(el('div', 'meta', facts.filter(Boolean).join(' · ')));
+  node.appendChild(el('div', 'meta', 'prompt: ' + (item.prompt || '')));
+  const extra = Object.entries(item.extra || {});
+  if (extra.length) node.appendChild(el('div', 'meta', extra.map(([k, v]) => k + ': ' + v).join(' · ')));
+  return node;
+}
+function render() {
+  const shown = [];
+  items.forEach((item, index) => { if (matches(item)) shown.push([item, index]); });
+  const pages = Math.max(1, Math.ceil(shown.length / data.pageSize));
+  state.page = Math.min(state.page, pages);
+  const start = (state.page - 1) * data.pageSize;
+  const slice = shown.slice(start, start + data.pageSize);
+  list.replaceChildren(...slice.map(([item, index]) => card(item, index)));
+  document.getElementById('count').textContent = shown.length + ' of ' + items.length + ' items, page ' + state.page + '/' + pages;
+  document.body.dataset.matching = shown.length;
+  document.body.dataset.rendered = slice.length;
+  writeHash();
+  const images = Array.from(list.querySelectorAll('img'));
+  Promise.all(images.map(img => img.decode().then(() => img.naturalWidth > 0, () => false))).then(ok => {
+    document.body.dataset.imagesDecoded = ok.filter(Boolean).length;
+    document.body.dataset.imagesFailed = ok.length - ok.filter(Boolean).length;
+  });
+}
+for (const id of ['type', 'status']) document.getElementById(id).addEventListener('change', e => { state[id] = e.target.value; state.page = 1; render(); });
+document.getElementById('q').addEventListener('input', e => { state.q = e.target.value; state.page = 1; render(); });
+document.getElementById('prev').addEventListener('click', () => { state.page -= 1; render(); });
+document.getElementById('next').addEventListener('click', () => { state.page += 1; render(); });
+window.addEventListener('hashchange', () => { readHash(); render(); });
+readHash(); render();
+"""
+
+_TEMPLATE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width,initial-scale=1">
+<title>{title}</title><style>{style}</style></head>
+<body>
+{header}
+<div class=controls>
+<select id=type><option value="">all types</option><option value=video>video</option><option value=gif>gif</option>
+<option value=image>image</option></select>
+<select id=status><option value="">all items</option><option value=ok>captioned</option>
+<option value=failed>failed</option></select>
+<input id=q type=search placeholder="search captions and paths">
+<span class=pager><button id=prev>‹</button><button id=next>›</button></span><span id=count></span>
+</div>
+<div id=items></div>
+<script type="application/json" id=data>{data}</script>
+{images}
+<script>{script}</script>
+</body></html>
+"""

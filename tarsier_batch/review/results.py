@@ -1,0 +1,96 @@
+"""Results to review: the rows of any output `tarsier caption` writes, and the figures that sum them up."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
+from ..outputs.schema import OutputColumns
+from ..text import one_line
+
+HISTOGRAM_BINS = 12
+
+
+@dataclass
+class Results:
+    rows: list[dict[str, Any]]
+    provenance: dict[str, Any]
+    summary: dict[str, Any]
+    extra_columns: list[str] = field(default_factory=list)   # a manifest's kept columns
+
+
+@dataclass
+class Figures:
+    """What the page's header shows."""
+
+    total: int
+    captioned: int
+    failed: int
+    by_type: dict[str, int]
+    items_per_s: float | None
+    tokens_per_s: float | None
+    words_mean: float | None
+    words_median: float | None
+    histogram: list[tuple[int, int, int]]   # (from words, to words, count)
+    errors: list[tuple[str, list[str]]]     # message -> paths, most frequent first
+
+
+def check_results_path(path: Path) -> None:
+    """Answer a wrong RESULTS argument before anything is read."""
+    if not path.exists():
+        raise OutputError(f"{path}: no such file or folder")
+    if path.is_file() and path.suffix.lower() not in FORMATS:
+        raise OutputError(f"{path}: not results of tarsier caption (.parquet, .jsonl, .csv or a folder of shards)")
+
+
+def load_results(path: Path) -> Results:
+    """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance."""
+    check_results_path(path)
+    base = OutputColumns(with_token_ids=True, hashed=True).schema()
+    try:
+        table, provenance, summary = read_results(OutputTarget.existing(path), base)
+    except (OSError, pa.ArrowException, ValueError, KeyError, IndexError) as error:
+        raise OutputError(f"cannot read {path} as results of tarsier caption ({one_line(error)})") from error
+    if "path" not in table.column_names:
+        raise OutputError(f"{path} has no 'path' column: not results of tarsier caption")
+    extra = [name for name in table.column_names if name not in base.names]
+    return Results(table.to_pylist(), provenance, summary, extra)
+
+
+def figures(results: Results) -> Figures:
+    rows = results.rows
+    failed = [row for row in rows if row.get("error")]
+    words = [len((row.get("caption") or "").split()) for row in rows if not row.get("error")]
+    errors: dict[str, list[str]] = {}
+    for row in failed:
+        errors.setdefault(row["error"], []).append(row["path"])
+    summary = results.summary
+    elapsed = sum(row.get("elapsed_s") or 0.0 for row in rows)
+    tokens = sum(row.get("generated_tokens") or 0 for row in rows)
+    return Figures(
+        total=len(rows), captioned=len(rows) - len(failed), failed=len(failed),
+        by_type=dict(Counter(row.get("media_type") or "unknown" for row in rows).most_common()),
+        # The run's own rates when the file has them (items overlap in a batch, so the per-item
+        # times do not add up to the wall time); otherwise a lower bound from the rows.
+        items_per_s=summary.get("items_per_s") or (len(rows) / elapsed if elapsed else None),
+        tokens_per_s=summary.get("tokens_per_s") or (tokens / elapsed if elapsed else None),
+        words_mean=statistics.fmean(words) if words else None,
+        words_median=statistics.median(words) if words else None,
+        histogram=_histogram(words),
+        errors=sorted(errors.items(), key=lambda entry: -len(entry[1])))
+
+
+def _histogram(values: list[int]) -> list[tuple[int, int, int]]:
+    if not values:
+        return []
+    low, high = min(values), max(values)
+    width = max(1, -(-(high - low + 1) // HISTOGRAM_BINS))
+    counts = Counter((value - low) // width for value in values)
+    return [(low + bin_ * width, low + (bin_ + 1) * width - 1, counts.get(bin_, 0))
+            for bin_ in range((high - low) // width + 1)]

@@ -1,0 +1,141 @@
+"""`tarsier report`: the page's content, its frames, its escaping, and how it behaves in a real browser."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from awkward_media import H, W, frame_number, numbered, write_video
+from tarsier_batch.cli import app
+from tarsier_batch.outputs.formats import with_metadata
+from tarsier_batch.outputs.schema import OutputColumns
+from tarsier_batch.review.thumbnails import StripJob, make_strip, shown_indices
+
+runner = CliRunner()
+CHROMIUM = "/usr/bin/chromium"
+HOSTILE = 'a </script><img src=x onerror="document.title=1"> <!-- & "quoted" \u00e9\u4e2d'
+
+
+def chromium(*args: str, tmp_path: Path) -> str:
+    """Headless Debian Chromium (no network, a fresh profile); returns what it printed on stdout."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail("the report's browser test needs Chromium: apt-get install chromium (.ci/run does)")
+    profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
+    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                           f"--user-data-dir={profile}", "--virtual-time-budget=10000", *args],
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    return done.stdout.decode()
+
+
+def body_data(dom: str) -> dict[str, str]:
+    """The data-* attributes the page's script sets on <body> once it has rendered."""
+    body = re.search(r"<body([^>]*)>", dom).group(1)
+    return dict(re.findall(r'data-([a-z-]+)="([^"]*)"', body))
+
+
+@pytest.fixture(scope="module")
+def numbered_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_video(tmp_path_factory.mktemp("clip") / "numbered.mp4", "libx264", frames=30, picture=numbered)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, shared_media: Path, numbered_clip: Path) -> Path:
+    """A results file as `tarsier caption` writes it: 60 captioned items, 3 failures, one hostile caption."""
+    folder = tmp_path_factory.mktemp("results")
+    columns = OutputColumns()
+    rows = []
+    sources = [(numbered_clip, "video", [0, 4, 8, 12, 17, 21, 25, 29]), (shared_media / "clip_5f.gif", "gif", [0, 1, 2, 3, 4]),
+               (shared_media / "tarsier_logo.jpg", "image", [0])]
+    for index in range(60):
+        path, kind, indices = sources[index % 3]
+        rows.append({"path": str(path), "key": f"k{index}", "media_type": kind, "model": "m", "prompt": "Describe.",
+                     "caption": HOSTILE if index == 0 else f"caption number {index} " + "word " * (index % 7),
+                     "num_frames": len(indices), "frame_indices": indices, "width": W, "height": H,
+                     "decoder": "decord", "prompt_tokens": 100, "generated_tokens": 10, "finish_reason": "eos",
+                     "elapsed_s": 0.5})
+    for index, error in enumerate(["cannot decode video: moov atom not found"] * 2 + ["the file no longer exists"]):
+        rows.append({"path": str(folder / f"bad{index}.mp4"), "key": f"b{index}", "media_type": "video",
+                     "error": error, "finish_reason": "error", "elapsed_s": 0.0})
+    provenance = {"model": "m", "model_family": "Tarsier2", "frames": 8, "settings": {},
+                  "generation": {"max_new_tokens": 8}}
+    out = folder / "r.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=with_metadata(columns.schema(), provenance,
+                                                                   {"items_per_s": 2.0, "tokens_per_s": 20.0})), out)
+    return out
+
+
+def test_strips_are_the_recorded_frames(numbered_clip: Path) -> None:
+    indices = [0, 7, 13, 29]
+    strip = make_strip(StripJob(str(numbered_clip), "video", tuple(indices), H))
+    image = Image.open(io.BytesIO(base64.b64decode(strip.uri.split(",", 1)[1]))).convert("RGB")
+    assert image.size == (len(indices) * W + 2 * (len(indices) - 1), H)
+    tiles = [image.crop((i * (W + 2), 0, i * (W + 2) + W, H)) for i in range(len(indices))]
+    assert [frame_number(tile) for tile in tiles] == indices
+    assert shown_indices(list(range(16)), 8) == [0, 2, 4, 6, 9, 11, 13, 15] and shown_indices([3, 5], 8) == [3, 5]
+    gone = make_strip(StripJob(str(numbered_clip.parent / "gone.mp4"), "video", (0,), H))
+    assert gone.uri is None and gone.problem == "the file no longer exists"
+
+
+def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
+    page = tmp_path / "report.html"
+    done = runner.invoke(app, ["report", str(results), "-o", str(page), "--workers", "1"])
+    assert done.exit_code == 0, done.output
+    assert "wrote" in done.output and "63 items" in done.output
+    text = page.read_text()
+    assert "http://" not in text and "https://" not in text and "<link" not in text   # works offline
+    assert "3 failed items, 2 distinct errors" in text and "<b>2 ×</b> <code>cannot decode video" in text
+    dom = chromium("--dump-dom", page.as_uri(), tmp_path=tmp_path)
+    shown = body_data(dom)
+    assert (shown["matching"], shown["rendered"]) == ("63", "50")   # the first page of 50
+    assert (shown["images-decoded"], shown["images-failed"]) == ("50", "0")   # 50 captioned items on page 1
+    assert "<img src=\"x\"" not in dom and "&lt;/script&gt;&lt;img src=x" in dom   # the hostile caption is text
+    failed = body_data(chromium("--dump-dom", page.as_uri() + "#status=failed", tmp_path=tmp_path))
+    assert (failed["matching"], failed["rendered"], failed["images-decoded"]) == ("3", "3", "0")
+    gifs = body_data(chromium("--dump-dom", page.as_uri() + "#type=gif&q=number", tmp_path=tmp_path))
+    assert gifs["matching"] == "20"
+    screenshot = tmp_path / "report.png"
+    chromium("--hide-scrollbars", "--window-size=1200,1600", f"--screenshot={screenshot}", page.as_uri(),
+             tmp_path=tmp_path)
+    assert Image.open(screenshot).size == (1200, 1600)
+
+
+def test_a_vanished_file_gets_a_placeholder_and_the_report_completes(results: Path, tmp_path: Path,
+                                                                      numbered_clip: Path) -> None:
+    moved = tmp_path / "moved.mp4"
+    shutil.copy(numbered_clip, moved)
+    table = pq.read_table(results)
+    paths = [str(moved) if row == 0 else path for row, path in enumerate(table.column("path").to_pylist())]
+    copy = tmp_path / "r.parquet"
+    pq.write_table(table.set_column(0, "path", pa.array(paths)), copy)
+    moved.unlink()
+    page = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(copy), "-o", str(page), "--workers", "0"]).exit_code == 0
+    data = json.loads(re.search(r'<script type="application/json" id=data>(.*?)</script>', page.read_text(),
+                                re.S).group(1))
+    first = data["items"][0]
+    assert first["strip"] is False and first["stripProblem"] == "the file no longer exists"
+    assert first["caption"] == HOSTILE   # the JSON block holds the text unchanged
+
+
+@pytest.mark.parametrize(("args", "message"), [(["missing.parquet", "-o", "r.html"], "no such file or folder"),
+                                               (["notes.txt", "-o", "r.html"], "not results of tarsier caption"),
+                                               (["r.parquet", "-o", "."], "is a directory")])
+def test_report_usage_errors(tmp_path: Path, monkeypatch, args: list[str], message: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "r.parquet").write_text("x")
+    done = runner.invoke(app, ["report", *args])
+    assert done.exit_code == 2 and message in done.output and len(done.output.splitlines()) == 1, done.output
