@@ -67,14 +67,18 @@ def _header(results: Results, figures: Figures, title: str) -> str:
     parts = [f"<h1>{html.escape(title)}</h1>", "<div class=facts>",
              _definitions("run", facts), _definitions("figures", numbers), _histogram_svg(figures), "</div>"]
     if figures.errors:
-        parts.append(f"<details class=errors open><summary>{figures.failed} failed items, "
-                     f"{len(figures.errors)} distinct errors</summary><ul>")
+        parts.append(f"<details class=errors open><summary>{_plural(figures.failed, 'failed item')}, "
+                     f"{_plural(len(figures.errors), 'distinct error')}</summary><ul>")
         for message, paths in figures.errors:
             shown = "".join(f"<li>{html.escape(path)}</li>" for path in paths[:20])
             more = f"<li>… and {len(paths) - 20} more</li>" if len(paths) > 20 else ""
             parts.append(f"<li><b>{len(paths)} ×</b> <code>{html.escape(message)}</code><ul>{shown}{more}</ul></li>")
         parts.append("</ul></details>")
     return "\n".join(parts)
+
+
+def _plural(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _definitions(caption: str, pairs: list[tuple[str, Any]]) -> str:
@@ -167,7 +171,7 @@ function card(item, index) {
     item.generated_tokens != null ? item.generated_tokens + ' generated (' + item.finish_reason + ')' : null,
     item.elapsed_s != null ? item.elapsed_s.toFixed(2) + ' s' : null, item.model];
   node.appendChild(el('div', 'meta', facts.filter(Boolean).join(' · ')));
-  node.appendChild(el('div', 'meta', 'prompt: ' + (item.prompt || '')));
+  if (item.prompt) node.appendChild(el('div', 'meta', 'prompt: ' + item.prompt));
   const extra = Object.entries(item.extra || {});
   if (extra.length) node.appendChild(el('div', 'meta', extra.map(([k, v]) => k + ': ' + v).join(' · ')));
   return node;
