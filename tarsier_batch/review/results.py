@@ -69,7 +69,8 @@ def figures(results: Results) -> Figures:
     words = [len((row.get("caption") or "").split()) for row in rows if not row.get("error")]
     errors: dict[str, list[str]] = {}
     for row in failed:
-        errors.setdefault(row["error"], []).append(row["path"])
+        # Decoders often name the file in their message: without it, one cause is one group.
+        errors.setdefault(row["error"].replace(row["path"], "<file>"), []).append(row["path"])
     summary = results.summary
     elapsed = sum(row.get("elapsed_s") or 0.0 for row in rows)
     tokens = sum(row.get("generated_tokens") or 0 for row in rows)
