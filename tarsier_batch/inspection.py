@@ -133,14 +133,21 @@ def _decode_facts(path: str, media_type: MediaType, family_key: str, frames: int
     except Exception as error:  # what captioning would put in the row's error column
         facts["problem"] = str(error) if isinstance(error, ValueError) else one_line(error)
         return facts
-    facts.update(displayed_size=f"{media.width}x{media.height}", duration_s=media.duration_s,
-                 decoder=media.decoder, frame_indices=media.frame_indices)
+    # The loaded media, not the extension, says what the row will: an animated WebP or PNG is a "gif",
+    # a multi-picture JPEG (MPO) a still although Pillow calls it animated.
+    facts.update(media_type=media.media_type.value, displayed_size=f"{media.width}x{media.height}",
+                 duration_s=media.duration_s, decoder=media.decoder, frame_indices=media.frame_indices)
+    if media_type is not MediaType.VIDEO:
+        facts["animated"] = media.media_type is MediaType.GIF
     if counted:
         facts["frame_count"] = counted[0]
     if media.decoder == "pyav":
         facts["decoder_reason"] = decord_problem(os.path.abspath(path)) or "decord could not decode it"
     elif media.decoder == "decord":
         facts["decoder_reason"] = "decord returns the frames asked for in this container and codec"
+    else:
+        facts["decoder_reason"] = ("Pillow reads GIFs and animated images frame by frame" if facts["animated"]
+                                   else "Pillow reads still images") + " (decord reads only videos)"
     return facts
 
 
@@ -174,8 +181,10 @@ def _probe_image(path: str) -> dict[str, Any]:
     from PIL import Image
 
     with Image.open(path) as image:
-        return {"container": image.format, "image_mode": image.mode, "stored_size": f"{image.width}x{image.height}",
-                "animated": bool(getattr(image, "is_animated", False))}
+        # A colour key or transparent palette entry is composited over white like an alpha band (media._to_rgb)
+        transparency = " with transparency" if "transparency" in image.info else ""
+        return {"container": image.format, "image_mode": image.mode + transparency,
+                "stored_size": f"{image.width}x{image.height}"}
 
 
 def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[str, Any]:
@@ -185,6 +194,9 @@ def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[st
 
     def child() -> None:
         faulthandler.disable()   # a crash is reported by the parent, without a dump of the child's stack
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)   # decord and FFmpeg log from native code; captioning's workers silence them too
+        os.close(devnull)
         send.send(function(*args))
 
     process = context.Process(target=child, daemon=True)

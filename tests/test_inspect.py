@@ -107,3 +107,18 @@ def test_command_exit_codes_json_and_no_torch(awkward: Path, tmp_path: Path) -> 
              "except SystemExit:\n    print('TORCH', 'torch' in sys.modules)\n")
     done = subprocess.run([sys.executable, "-c", probe, good], capture_output=True, timeout=60)
     assert done.stdout.decode().strip().endswith("TORCH False"), done.stderr.decode()
+
+
+def test_images_as_captioning_reads_them(awkward: Path) -> None:
+    still = inspect_file(str(awkward / "multi_picture.jpg"), TARSIER2)   # MPO: Pillow says animated
+    assert (still.media_type, still.animated, still.frame_indices) == ("image", False, [0])
+    assert still.decoder_reason == "Pillow reads still images (decord reads only videos)"
+    webp = inspect_file(str(awkward / "animated.webp"), TARSIER2)
+    assert (webp.media_type, webp.animated, webp.frame_indices) == ("gif", True, [0, 1, 2])   # as the row says
+    assert inspect_file(str(awkward / "palette_alpha.png"), TARSIER2).image_mode == "P with transparency"
+
+
+def test_native_decoder_lines_stay_off_the_terminal(awkward: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "inspect", str(awkward / "random_bytes.mp4")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "cannot decode video" in done.stdout and done.stderr == ""
