@@ -44,8 +44,17 @@ def needs_building(reference: str) -> bool:
         not (tiny_model_dir(reference) / "model.safetensors").exists()
 
 
+DEMO_ALIAS = "demo"
+DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo" / "checkpoint"
+
+
 def resolve_model(reference: str) -> ResolvedModel:
-    """A local directory, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded)."""
+    """A local directory, `demo`, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded)."""
+    if reference == DEMO_ALIAS:
+        if not (DEMO_CHECKPOINT / "model.safetensors").exists():
+            raise ModelNotFoundError(f"the demo model is missing from this installation ({DEMO_CHECKPOINT}); "
+                                     f"train it with tools/train_demo_model.py")
+        return ResolvedModel(reference, DEMO_CHECKPOINT, None)
     for family in FAMILIES:
         if reference == family.tiny_alias:
             from .tiny import ensure_tiny_model

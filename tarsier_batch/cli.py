@@ -567,6 +567,30 @@ def report_command(
                   f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
 
 
+@dev_app.command("eval-demo")
+def eval_demo_command(
+    n: Annotated[int, typer.Option("--n", min=1, metavar="N", help="Held-out clips to caption (each also played backwards).")] = 200,
+    seed: Annotated[int, typer.Option(min=0, metavar="S", help="Which held-out clips.")] = 0,
+    model: Annotated[str, typer.Option(metavar="NAME|DIR", help="The checkpoint to measure.")] = "demo",
+) -> None:
+    """Caption freshly generated held-out clips through `tarsier caption` and print the exact-match accuracy.
+
+    The last line is `accuracy=A n=N`; played backwards, a clip must get the opposite motion
+    (`reversed_accuracy`). Exit 1 when the accuracy is below 0.95.
+    """
+    from .demo.evaluate import evaluate
+
+    try:
+        result = evaluate(n, seed, model)
+    except RuntimeError as error:
+        _fail(str(error))
+    for name, expected, got in result.mistakes[:20]:
+        typer.echo(f"{name}: expected {expected!r}, got {got!r}")
+    typer.echo(f"reversed_accuracy={result.reversed_accuracy:.3f} n={result.n}")
+    typer.echo(f"accuracy={result.accuracy:.3f} n={result.n}")
+    raise typer.Exit(EXIT_OK if result.accuracy >= 0.95 and result.reversed_accuracy >= 0.95 else EXIT_SOME_FAILED)
+
+
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True, show_default=False)],

@@ -17,7 +17,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .catalog import FAMILIES, FamilyInfo, family_of_config
+from .catalog import FAMILIES, TARSIER, FamilyInfo, family_of_config
 from .media import (FrameSampler, MediaType, check_regular_file, decord_problem, frame_indices, frame_indices_without_repeats, load_media,
                     media_type_of)
 from .text import one_line, printable
@@ -87,6 +87,8 @@ def _shown(name: str, value: Any) -> str:
 
 def family_for(model: str) -> FamilyInfo:
     """The family of `--model`: a built-in alias, a known hub id, or a checkpoint folder's config.json."""
+    if model == "demo":   # the shipped demo model is a Tarsier v1
+        return TARSIER
     for family in FAMILIES:
         if model == family.tiny_alias or model in family.checkpoints:
             return family

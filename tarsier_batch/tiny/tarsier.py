@@ -40,18 +40,24 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
-def build(out_dir: Path, size: str, seed: int) -> None:
-    """Write a random-weight Tarsier v1 checkpoint of `size` (a key of SIZES) into `out_dir`."""
-    tokenizer = _build_tokenizer()
+def build(out_dir: Path, size: str, seed: int, geometry: dict[str, int] | None = None,
+          extra_text: str = "") -> TarsierModel:
+    """Write a random-weight Tarsier v1 checkpoint of `size` (a key of SIZES) into `out_dir`; returns it.
+
+    `geometry` replaces SIZES[size]; `extra_text` is added to the tokenizer's training text (the
+    demo model's captions become whole tokens).
+    """
+    tokenizer = _build_tokenizer(extra_text)
     tokenizer.save_pretrained(str(out_dir))
     write_merges_as_strings(out_dir / "tokenizer.json")
     base = len(tokenizer)  # <image> and <pad> are the last two tokenizer ids
-    raw = _config_dict(SIZES[size], image_token=tokenizer.convert_tokens_to_ids("<image>"),
+    shape = geometry or SIZES[size]
+    raw = _config_dict(shape, image_token=tokenizer.convert_tokens_to_ids("<image>"),
                        pad_token=tokenizer.pad_token_id, newline=base, frame_end=base + 1,
                        vocab=round_up(base + 2, 64))
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(
-        json.dumps(_preprocessor_dict(SIZES[size]["image_size"]), indent=2) + "\n")
+        json.dumps(_preprocessor_dict(shape["image_size"]), indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
          "pad_token_id": tokenizer.pad_token_id}, indent=2) + "\n")
@@ -63,9 +69,10 @@ def build(out_dir: Path, size: str, seed: int) -> None:
     with torch.no_grad():
         model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, INIT_SCALE)
     save_model(model, out_dir)
+    return model
 
 
-def _build_tokenizer() -> LlamaTokenizer:
+def _build_tokenizer(extra_text: str = "") -> LlamaTokenizer:
     """A Llama-style tokenizer (BPE with byte fallback, metaspace) trained on the built-in text."""
     trainer_model = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     # Split at spaces while training so merges never span words, as in sentencepiece.
@@ -74,7 +81,7 @@ def _build_tokenizer() -> LlamaTokenizer:
     alphabet = [chr(code) for code in range(32, 127)]
     trainer = trainers.BpeTrainer(vocab_size=BASE_VOCAB_SIZE, special_tokens=specials,
                                   initial_alphabet=alphabet, show_progress=False)
-    trainer_model.train_from_iterator(TRAINING_TEXT.strip().splitlines(), trainer)
+    trainer_model.train_from_iterator((TRAINING_TEXT + extra_text).strip().splitlines(), trainer)
     model = json.loads(trainer_model.to_str())["model"]
     merges = [tuple(merge) if isinstance(merge, list) else tuple(merge.split(" ")) for merge in model["merges"]]
     tokenizer = LlamaTokenizer(vocab=model["vocab"], merges=merges, add_bos_token=True, add_eos_token=False)

@@ -1,0 +1,131 @@
+"""Train the demo model: a small Tarsier v1 that captions the synthetic clips of tarsier_batch.demo.clips.
+
+    python tools/train_demo_model.py [--out tarsier_batch/demo/checkpoint] [--steps 1500] [--seed 0]
+
+From scratch, on the CPU, in the checkpoint format `tarsier caption` loads. Each step draws a
+batch of fresh clips (seeds from TRAIN_SEEDS, disjoint from the held-out seeds `tarsier dev
+eval-demo` uses) and trains on exactly what inference feeds the model: the frames v1 samples,
+preprocessed by the checkpoint's own processor, the official prompt with one vision block per
+frame, then the caption and </s>; the loss is on the caption and </s> only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tarsier_batch.demo import DEMO_GEOMETRY, TRAIN_SEEDS, caption_vocabulary  # noqa: E402
+from tarsier_batch.demo.clips import make_clip  # noqa: E402
+from tarsier_batch.families.tarsier import TarsierConfig  # noqa: E402
+from tarsier_batch.families.tarsier.family import TarsierPromptProcessor  # noqa: E402
+from tarsier_batch.families.tarsier.modeling import TarsierModel  # noqa: E402
+from tarsier_batch.families.tarsier.weights import checkpoint_to_module_key, save_model  # noqa: E402
+from tarsier_batch.media import Media, MediaType, frame_indices  # noqa: E402
+from tarsier_batch.tiny.tarsier import build  # noqa: E402
+
+FRAMES = 8   # what `tarsier caption` samples for v1
+
+
+def training_batch(processor: TarsierPromptProcessor, seeds: list[int], eos: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """Token ids, labels (-100 but on the caption and </s>), pixels, and the vision blocks of each row."""
+    rows, labels, pixels, blocks = [], [], [], []
+    for seed in seeds:
+        clip = make_clip(seed)
+        indices = frame_indices(len(clip.frames), FRAMES)
+        frames = [processor.frame_pixels(clip.frames[index], FRAMES) for index in indices]
+        media = Media("clip.mp4", MediaType.VIDEO, frames, indices, clip.frames[0].width, clip.frames[0].height,
+                      2.0, "decord")
+        prompt = processor.process(media, None)
+        caption = processor.tokenizer(clip.caption, add_special_tokens=False)["input_ids"] + [eos]
+        ids = prompt.token_ids.tolist() + caption
+        rows.append(ids)
+        labels.append([-100] * prompt.length + caption)
+        pixels.append(prompt.pixel_values)
+        blocks.append(prompt.vision_blocks)
+    width = max(map(len, rows))
+    pad = processor.tokenizer.pad_token_id
+    # Right padding: causal attention never lets a real position see the padding after it.
+    token_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+    targets = torch.tensor([row + [-100] * (width - len(row)) for row in labels])
+    return token_ids, targets, torch.stack(pixels), blocks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=REPO / "tarsier_batch" / "demo" / "checkpoint")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", type=Path, help="continue from this demo checkpoint instead of random weights")
+    args = parser.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.init:
+        shutil.copytree(args.init, args.out, dirs_exist_ok=True)
+        config = TarsierConfig.from_file(args.out / "config.json")
+        model = TarsierModel(config)
+        weights = load_file(args.init / "model.safetensors")
+        model.load_state_dict({checkpoint_to_module_key(key): value for key, value in weights.items()})
+    else:
+        model = build(args.out, "demo", args.seed, geometry=DEMO_GEOMETRY, extra_text=caption_vocabulary())
+        config = TarsierConfig.from_file(args.out / "config.json")
+    processor = TarsierPromptProcessor(args.out, config)
+    eos = processor.tokenizer.eos_token_id
+    feature_layer = config.vision_feature_layer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.steps, pct_start=0.1)
+    draw = random.Random(args.seed)
+    embed = model.language_model.get_input_embeddings()
+    start, history = time.perf_counter(), []
+    model.train()
+    for step in range(1, args.steps + 1):
+        seeds = [draw.randrange(*TRAIN_SEEDS) for _ in range(args.batch)]
+        token_ids, targets, pixels, blocks = training_batch(processor, seeds, eos)
+        rows, frames = pixels.shape[:2]
+        hidden = model.vision_tower(pixel_values=pixels.flatten(0, 1), output_hidden_states=True)
+        # The layer inference uses (it drops the layers after it when loading).
+        selected = hidden.hidden_states[feature_layer][:, 1:]
+        vectors = model.add_frame_separators(model.multi_modal_projector(selected)).view(rows, frames, -1,
+                                                                                           embed.weight.shape[1])
+        embeds = embed(token_ids)
+        pieces = []
+        for row in range(rows):
+            row_embeds, cursor = [], 0
+            for frame, block in enumerate(blocks[row]):
+                row_embeds += [embeds[row, cursor:block.start], vectors[row, frame]]
+                cursor = block.end
+            row_embeds.append(embeds[row, cursor:])
+            pieces.append(torch.cat(row_embeds))
+        loss = model.language_model(inputs_embeds=torch.stack(pieces), labels=targets).loss
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        history.append(loss.item())
+        if step % 50 == 0 or step == args.steps:
+            recent = sum(history[-50:]) / len(history[-50:])
+            print(json.dumps({"step": step, "loss": round(recent, 4), "seconds": round(time.perf_counter() - start)}),
+                  flush=True)
+    model.eval()
+    save_model(model, args.out)
+    print(json.dumps({"trained_s": round(time.perf_counter() - start), "steps": args.steps, "batch": args.batch,
+                      "parameters": sum(p.numel() for p in model.parameters()), "out": str(args.out)}))
+
+
+if __name__ == "__main__":
+    main()
