@@ -16,6 +16,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from ..progress import plural
 from .results import Figures, Results
 
 PAGE_SIZE = 50
@@ -67,18 +68,14 @@ def _header(results: Results, figures: Figures, title: str) -> str:
     parts = [f"<h1>{html.escape(title)}</h1>", "<div class=facts>",
              _definitions("run", facts), _definitions("figures", numbers), _histogram_svg(figures), "</div>"]
     if figures.errors:
-        parts.append(f"<details class=errors open><summary>{_plural(figures.failed, 'failed item')}, "
-                     f"{_plural(len(figures.errors), 'distinct error')}</summary><ul>")
+        parts.append(f"<details class=errors open><summary>{plural(figures.failed, 'failed item')}, "
+                     f"{plural(len(figures.errors), 'distinct error')}</summary><ul>")
         for message, paths in figures.errors:
             shown = "".join(f"<li>{html.escape(path)}</li>" for path in paths[:20])
             more = f"<li>… and {len(paths) - 20} more</li>" if len(paths) > 20 else ""
             parts.append(f"<li><b>{len(paths)} ×</b> <code>{html.escape(message)}</code><ul>{shown}{more}</ul></li>")
         parts.append("</ul></details>")
     return "\n".join(parts)
-
-
-def _plural(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _definitions(caption: str, pairs: list[tuple[str, Any]]) -> str:
