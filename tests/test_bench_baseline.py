@@ -61,7 +61,8 @@ def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame
     from tarsier_batch.tiny.tarsier import SIZES, _config_dict
 
     # Ids as in the built checkpoints (702-token tokenizer, table of 704 rows); no weights are made.
-    raw = _config_dict(SIZES[size], image_token=700, pad_token=701, newline=702, frame_end=703, vocab=704)
+    raw = _config_dict(SIZES[size], image_token=700, pad_token=701, newline=702, frame_end=703, vocab=704,
+                       init_scale=0.02)
     config = TarsierConfig.from_dict(raw)
     assert config.tokens_per_frame == vectors_per_frame
     with torch.device("meta"):

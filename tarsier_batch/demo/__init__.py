@@ -13,8 +13,9 @@ from .clips import COLOURS, MOTIONS, SHAPES
 CHECKPOINT = Path(__file__).resolve().parent / "checkpoint"
 TRAIN_SEEDS = (0, 10_000_000)            # training clips' seeds
 HELD_OUT_SEEDS = (10_000_000, 20_000_000)  # evaluation clips' seeds: never trained on
-# Tarsier v1 at 56 px: a 4 x 4 patch grid, 21 vectors per frame; a 3-layer, 128-wide Llama.
-DEMO_GEOMETRY = dict(image_size=56, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
+# Tarsier v1 at 56 px: a 4 x 4 patch grid, 21 vectors per frame; a 4-layer, 96-wide CLIP (the
+# shapes' outlines are what it has to learn) and a 3-layer, 128-wide Llama.
+DEMO_GEOMETRY = dict(image_size=56, patch_size=14, vision_hidden=96, vision_layers=4, vision_heads=4,
                      text_hidden=128, text_intermediate=352, text_layers=3, text_heads=4, text_kv_heads=4)
 
 

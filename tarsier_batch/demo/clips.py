@@ -62,10 +62,11 @@ def clip_spec(seed: int) -> ClipSpec:
     rng = random.Random(seed)
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     motion, background = rng.choice(MOTIONS), rng.choice(list(BACKGROUNDS))
-    radius = rng.uniform(12, 18)
-    low, high = 22.0, SIZE - 22.0          # a shape's centre stays where the whole shape is visible
+    # Shapes span two or more of the model's patches, so their outline is visible to it.
+    radius = rng.uniform(16, 22)
+    low, high = 24.0, SIZE - 24.0          # a shape's centre stays where the whole shape is visible
     x, y = rng.uniform(low + 8, high - 8), rng.uniform(low + 8, high - 8)
-    span = rng.uniform(45, high - low)
+    span = rng.uniform(44, high - low)
     start_at, end_at = rng.uniform(low, high - span), 0.0
     end_at = start_at + span
     if motion == "moves from left to right":
@@ -77,10 +78,10 @@ def clip_spec(seed: int) -> ClipSpec:
     elif motion == "moves down":
         start, end = (x, start_at, radius), (x, end_at, radius)
     elif motion == "grows":
-        small, large = rng.uniform(6, 9), rng.uniform(20, 26)
+        small, large = rng.uniform(8, 11), rng.uniform(26, 30)
         start, end = (SIZE / 2, SIZE / 2, small), (SIZE / 2, SIZE / 2, large)
     elif motion == "shrinks":
-        small, large = rng.uniform(6, 9), rng.uniform(20, 26)
+        small, large = rng.uniform(8, 11), rng.uniform(26, 30)
         start, end = (SIZE / 2, SIZE / 2, large), (SIZE / 2, SIZE / 2, small)
     else:
         start = end = (x, y, radius)

@@ -41,11 +41,12 @@ SIZES: dict[str, dict[str, int]] = {
 
 
 def build(out_dir: Path, size: str, seed: int, geometry: dict[str, int] | None = None,
-          extra_text: str = "") -> TarsierModel:
+          extra_text: str = "", init_scale: float = INIT_SCALE) -> TarsierModel:
     """Write a random-weight Tarsier v1 checkpoint of `size` (a key of SIZES) into `out_dir`; returns it.
 
     `geometry` replaces SIZES[size]; `extra_text` is added to the tokenizer's training text (the
-    demo model's captions become whole tokens).
+    demo model's captions become whole tokens). `init_scale` is the weights' standard deviation:
+    a model to be trained wants transformers' 0.02, not the test models' wide draw.
     """
     tokenizer = _build_tokenizer(extra_text)
     tokenizer.save_pretrained(str(out_dir))
@@ -54,7 +55,7 @@ def build(out_dir: Path, size: str, seed: int, geometry: dict[str, int] | None =
     shape = geometry or SIZES[size]
     raw = _config_dict(shape, image_token=tokenizer.convert_tokens_to_ids("<image>"),
                        pad_token=tokenizer.pad_token_id, newline=base, frame_end=base + 1,
-                       vocab=round_up(base + 2, 64))
+                       vocab=round_up(base + 2, 64), init_scale=init_scale)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     (out_dir / "preprocessor_config.json").write_text(
         json.dumps(_preprocessor_dict(shape["image_size"]), indent=2) + "\n")
@@ -67,7 +68,7 @@ def build(out_dir: Path, size: str, seed: int, geometry: dict[str, int] | None =
     # cached key of exact zeros for padding, so a generated <pad> would shift its positions;
     # trained checkpoints have no such row, and neither should ours.
     with torch.no_grad():
-        model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, INIT_SCALE)
+        model.language_model.get_input_embeddings().weight[tokenizer.pad_token_id].normal_(0, init_scale)
     save_model(model, out_dir)
     return model
 
@@ -92,18 +93,18 @@ def _build_tokenizer(extra_text: str = "") -> LlamaTokenizer:
 
 
 def _config_dict(size: dict[str, int], image_token: int, pad_token: int, newline: int,
-                 frame_end: int, vocab: int) -> dict[str, Any]:
+                 frame_end: int, vocab: int, init_scale: float) -> dict[str, Any]:
     vision = CLIPVisionConfig(
         image_size=size["image_size"], patch_size=size["patch_size"], hidden_size=size["vision_hidden"],
         intermediate_size=4 * size["vision_hidden"], num_hidden_layers=size["vision_layers"],
         num_attention_heads=size["vision_heads"], projection_dim=size["vision_hidden"],
-        hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=INIT_SCALE / 0.02)
+        hidden_act="quick_gelu", layer_norm_eps=1e-5, initializer_factor=init_scale / 0.02)
     text = LlamaConfig(
         vocab_size=vocab, hidden_size=size["text_hidden"], intermediate_size=size["text_intermediate"],
         num_hidden_layers=size["text_layers"], num_attention_heads=size["text_heads"],
         num_key_value_heads=size["text_kv_heads"], max_position_embeddings=8192, rms_norm_eps=1e-5,
         bos_token_id=1, eos_token_id=2, pad_token_id=pad_token, tie_word_embeddings=False,
-        initializer_range=INIT_SCALE)
+        initializer_range=init_scale)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llava",
