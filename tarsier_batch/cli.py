@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from . import __version__
 from .catalog import DEFAULT_MODEL, FAMILIES, family_named
-from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
+from .checkpoints import DEMO_ALIAS, ModelNotFoundError, needs_building, tiny_model_dir
 from .config import ConfigError, config_defaults
 from .job import CaptionJob
 from .manifest import ManifestError, check_manifest_path, read_manifest
@@ -487,6 +487,8 @@ def models() -> None:
                    f"  frames:       {family.default_frames}\n"
                    f"  instruction:  {family.default_instruction}\n"
                    f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
+    typer.echo(f"Demo model: --model {DEMO_ALIAS}, a small Tarsier v1 trained by this project on synthetic clips of\n"
+               "  moving shapes: it captions such clips right ('A red circle moves up.'), nothing else.")
 
 
 class FamilyKey(str, Enum):
@@ -567,8 +569,10 @@ def report_command(
                   f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
 
 
-@dev_app.command("eval-demo")
+@dev_app.command("eval-demo", context_settings={**CONTEXT, "allow_extra_args": True,
+                                                 "ignore_unknown_options": True})
 def eval_demo_command(
+    context: typer.Context,
     n: Annotated[int, typer.Option("--n", min=1, metavar="N", help="Held-out clips to caption (each also played backwards).")] = 200,
     seed: Annotated[int, typer.Option(min=0, metavar="S", help="Which held-out clips.")] = 0,
     model: Annotated[str, typer.Option(metavar="NAME|DIR", help="The checkpoint to measure.")] = "demo",
@@ -576,12 +580,13 @@ def eval_demo_command(
     """Caption freshly generated held-out clips through `tarsier caption` and print the exact-match accuracy.
 
     The last line is `accuracy=A n=N`; played backwards, a clip must get the opposite motion
-    (`reversed_accuracy`). Exit 1 when the accuracy is below 0.95.
+    (`reversed_accuracy`). Exit 1 when either is below 0.95. Options after `--` go to
+    `tarsier caption`, to measure what a setting costs: `eval-demo -- --dtype bfloat16`.
     """
     from .demo.evaluate import evaluate
 
     try:
-        result = evaluate(n, seed, model)
+        result = evaluate(n, seed, model, tuple(context.args))
     except RuntimeError as error:
         _fail(str(error))
     for name, expected, got in result.mistakes[:20]:
