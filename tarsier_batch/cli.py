@@ -488,7 +488,7 @@ def models() -> None:
                    f"  instruction:  {family.default_instruction}\n"
                    f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
     typer.echo(f"Demo model: --model {DEMO_ALIAS}, a small Tarsier v1 trained by this project on synthetic clips of\n"
-               "  moving shapes: it captions such clips right ('A red circle moves up.'), nothing else.")
+               "  moving shapes: it captions such clips ('A red circle moves up.'), nine in ten right; nothing else.")
 
 
 class FamilyKey(str, Enum):

@@ -61,7 +61,7 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     rows = table.to_pylist()
     expected = [str(path) for path in media_in(shared_media)] + [str(path) for path in media_in(SAMPLE_DATA)]
     assert [row["path"] for row in rows] == expected
-    assert len(rows) == 9 + 6
+    assert len(rows) == 9 + 13
     assert all(row["caption"] and row["error"] is None and row["finish_reason"] in ("eos", "length") for row in rows)
     assert all(row["generated_tokens"] == len(row["generated_ids"]) <= 8 for row in rows)
     by_name = {Path(row["path"]).name: row for row in rows}
@@ -83,14 +83,14 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     assert provenance["frame_decoders"]["video"].startswith("decord")
     assert provenance["tool_version"]
     summary = json.loads(metadata[SUMMARY_KEY.encode()])
-    assert summary["complete"] is True and summary["captioned"] == 15 and summary["skipped"] == 1  # README.md
-    assert "skipped 1 (1 .md)" in result.output and "captioned 15" in result.output
+    assert summary["complete"] is True and summary["captioned"] == 22 and summary["skipped"] == 1  # README.md
+    assert "skipped 1 (1 .md)" in result.output and "captioned 22" in result.output
     assert table.schema.metadata[PROVENANCE_KEY.encode()] == metadata[PROVENANCE_KEY.encode()]  # read_table sees it
     assert rows[0]["size_bytes"] == os.stat(rows[0]["path"]).st_size
     assert rows[0]["mtime"].timestamp() == pytest.approx(os.stat(rows[0]["path"]).st_mtime, abs=1e-6)
     log = [line.split(" ", 1)[1] for line in result.output.splitlines()]  # not a terminal: timestamped lines
-    assert "tarsier: captioning 15 items" in log
-    assert any(line.startswith("tarsier: 15/15 items, 0 failed,") for line in log)
+    assert "tarsier: captioning 22 items" in log
+    assert any(line.startswith("tarsier: 22/22 items, 0 failed,") for line in log)
     assert {row["decoder"] for row in rows} == {"decord", "pillow"}
     assert rows[0]["key"] == "|".join([os.path.realpath(rows[0]["path"]), str(os.stat(rows[0]["path"]).st_size),
                                       str(os.stat(rows[0]["path"]).st_mtime_ns)])

@@ -6,6 +6,9 @@ deterministic, though container timestamps make some files differ byte-wise).
 Each file exercises a different path: H.264 in MP4 and MKV containers, a clip shorter than the
 default 8 sampled frames, VP9 in WebM, an animated GIF, a PNG and a JPEG with an upper-case
 extension. All of them are drawn here; none is taken from elsewhere.
+
+`demo_*.mp4` are held-out clips of the demo model's generator (`--model demo` captions them),
+one per kind of motion, named after what they show.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pathlib import Path
 import av
 import numpy as np
 from PIL import Image, ImageDraw
+
+from tarsier_batch.demo import HELD_OUT_SEEDS
+from tarsier_batch.demo.clips import MOTIONS, clip_spec, make_clip, write_mp4
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -52,6 +58,17 @@ def write_video(path: Path, codec: str, frames: int, size: tuple[int, int], fps:
         container.mux(stream.encode())
 
 
+def write_demo_clips() -> None:
+    """One held-out generator clip per motion, each a different shape or colour from the one before."""
+    seed, previous = HELD_OUT_SEEDS[1] - 1, None
+    for motion in MOTIONS:
+        while (spec := clip_spec(seed)).motion != motion or (spec.shape, spec.colour) == previous:
+            seed -= 1
+        previous = spec.shape, spec.colour
+        words = spec.caption.removeprefix("A ").removesuffix(".").replace(" ", "_")
+        write_mp4(make_clip(seed), SAMPLE_DATA / f"demo_{words}.mp4")
+
+
 def main() -> None:
     write_video(SAMPLE_DATA / "ball_h264.mp4", "libx264", frames=48, size=(320, 192), fps=12)
     write_video(SAMPLE_DATA / "ball_short.mkv", "libx264", frames=4, size=(256, 144), fps=8)
@@ -60,6 +77,7 @@ def main() -> None:
     gif_frames[0].save(SAMPLE_DATA / "ball.gif", save_all=True, append_images=gif_frames[1:], duration=100, loop=0)
     scene(5, 10, 300, 200).save(SAMPLE_DATA / "still.png")
     scene(2, 10, 200, 320).save(SAMPLE_DATA / "portrait.JPG", quality=85)
+    write_demo_clips()
 
 
 if __name__ == "__main__":
