@@ -8,7 +8,7 @@ are real frames. Extraction is timed on `--decoded` rows through `write_report` 
 would only repeat the per-item figure), then opened in headless Chromium: timed as taking a
 screenshot of it (load, script, first page rendered), best of 3, next to a blank page, and
 checked with --dump-dom (untimed: serialising 100+ MB of DOM takes most of that command's
-time) for the items rendered and the images decoded. Prints JSON.
+time) for the items rendered and the images loaded. Prints JSON.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def main() -> None:
                        "ms_per_row": round(1000 * extract_s / args.decoded, 1)},
         "page": {"items": args.items, "html_mb": html_mb, "render_s": round(render_s, 2),
                  "chromium_open_blank_page_s": round(blank_s, 2), "chromium_open_report_s": round(big_s, 2),
-                 "rendered_on_first_page": seen.get("rendered"), "images_decoded": seen.get("images-decoded"),
+                 "rendered_on_first_page": seen.get("rendered"), "images_loaded": seen.get("images-loaded"),
                  "matching": seen.get("matching")},
     }, indent=2))
 

@@ -102,10 +102,10 @@ def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
     dom = chromium("--dump-dom", page.as_uri(), tmp_path=tmp_path)
     shown = body_data(dom)
     assert (shown["matching"], shown["rendered"]) == ("63", "50")   # the first page of 50
-    assert (shown["images-decoded"], shown["images-failed"]) == ("50", "0")   # 50 captioned items on page 1
+    assert (shown["images-loaded"], shown["images-failed"]) == ("50", "0")   # 50 captioned items on page 1
     assert "<img src=\"x\"" not in dom and "&lt;/script&gt;&lt;img src=x" in dom   # the hostile caption is text
     failed = body_data(chromium("--dump-dom", page.as_uri() + "#status=failed", tmp_path=tmp_path))
-    assert (failed["matching"], failed["rendered"], failed["images-decoded"]) == ("3", "3", "0")
+    assert (failed["matching"], failed["rendered"], failed["images-loaded"]) == ("3", "3", "0")
     gifs = body_data(chromium("--dump-dom", page.as_uri() + "#type=gif&q=number", tmp_path=tmp_path))
     assert gifs["matching"] == "20"
     screenshot = tmp_path / "report.png"

@@ -185,11 +185,25 @@ function render() {
   document.body.dataset.matching = shown.length;
   document.body.dataset.rendered = slice.length;
   writeHash();
-  const images = Array.from(list.querySelectorAll('img'));
-  Promise.all(images.map(img => img.decode().then(() => img.naturalWidth > 0, () => false))).then(ok => {
-    document.body.dataset.imagesDecoded = ok.filter(Boolean).length;
-    document.body.dataset.imagesFailed = ok.length - ok.filter(Boolean).length;
-  });
+  countImages(++renders);
+}
+// How many of the page's frame strips the browser could read, on <body> for tests. Counted from
+// each image's load or error event: those come before the window's load event, which a headless
+// browser's DOM dump waits for; img.decode() settles off the main thread, possibly after the dump.
+let renders = 0;
+function countImages(render) {
+  let loaded = 0, failed = 0;
+  const tally = () => {
+    if (render !== renders) return;   // a later render replaced these images
+    document.body.dataset.imagesLoaded = loaded;
+    document.body.dataset.imagesFailed = failed;
+  };
+  for (const img of list.querySelectorAll('img')) {
+    if (img.complete) { if (img.naturalWidth > 0) loaded++; else failed++; continue; }
+    img.addEventListener('load', () => { loaded++; tally(); }, {once: true});
+    img.addEventListener('error', () => { failed++; tally(); }, {once: true});
+  }
+  tally();
 }
 for (const id of ['type', 'status']) document.getElementById(id).addEventListener('change', e => { state[id] = e.target.value; state.page = 1; render(); });
 document.getElementById('q').addEventListener('input', e => { state.q = e.target.value; state.page = 1; render(); });
