@@ -71,15 +71,12 @@ def test_eval_demo_passes_options_after_the_double_dash_to_caption(tiny_model_di
     assert done.returncode == 2 and "--batch-size" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-# The shipped model's level today; the issue's gate is 0.95 (see README, "The demo model").
-SHIPPED_ACCURACY_FLOOR = 0.80
-
-
-def test_the_shipped_demo_model_captions_held_out_clips_and_their_reversals() -> None:
+def test_the_shipped_demo_model_passes_the_gate_on_held_out_clips_and_their_reversals() -> None:
     """Through the whole CLI path: batching, left padding, chunked prefill, Parquet.
 
-    A lost frame order sends the reversed accuracy to about a third, a wrong normalisation or
-    merge sends both to near zero.
+    The gate is 95 % exact captions both ways (the shipped model measures 1.000 / 1.000 here,
+    0.995 / 0.995 on 200 clips). A lost frame order turns motions the wrong way; skipping the
+    normalisation gives 0.950 / 0.750 here, channel statistics in reverse order 0.650 / 0.625.
     """
     done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "dev", "eval-demo", "--n", "40", "--seed", "7"],
                           capture_output=True, text=True, timeout=900)
@@ -87,16 +84,12 @@ def test_the_shipped_demo_model_captions_held_out_clips_and_their_reversals() ->
     reversed_line, accuracy_line = lines[-2:]
     accuracy = float(accuracy_line.removeprefix("accuracy=").removesuffix(" n=40"))
     reversed_accuracy = float(reversed_line.removeprefix("reversed_accuracy=").removesuffix(" n=40"))
-    assert accuracy >= SHIPPED_ACCURACY_FLOOR and reversed_accuracy >= SHIPPED_ACCURACY_FLOOR, done.stdout + done.stderr
-    assert done.returncode == (0 if min(accuracy, reversed_accuracy) >= 0.95 else 1)
+    assert accuracy >= 0.95 and reversed_accuracy >= 0.95, done.stdout + done.stderr
+    assert done.returncode == 0, done.stderr
 
 
-def test_sample_data_demo_clips_get_their_colour_and_motion(tmp_path: Path) -> None:
-    """The README's first command on the demo clips in sample_data, each named after what it shows.
-
-    Colour and motion are right in every held-out clip the model has been measured on; the shape
-    is its weak point (circle or square), so it is not asserted here.
-    """
+def test_sample_data_demo_clips_get_their_exact_captions(tmp_path: Path) -> None:
+    """The README's first command on the demo clips in sample_data, each named after what it shows."""
     from conftest import SAMPLE_DATA
 
     clips = sorted(SAMPLE_DATA.glob("demo_*.mp4"))
@@ -105,7 +98,8 @@ def test_sample_data_demo_clips_get_their_colour_and_motion(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "caption", *map(str, clips), "--model", "demo",
                            "-o", str(out), "--quiet"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    for row in map(json.loads, out.read_text().splitlines()):
-        colour, _shape, *motion = Path(row["path"]).stem.removeprefix("demo_").split("_")
-        said_colour, _said_shape, *said_motion = row["caption"].removeprefix("A ").removesuffix(".").split(" ")
-        assert (said_colour, said_motion) == (colour, motion), (row["path"], row["caption"])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == len(clips)
+    for row in rows:
+        shown = Path(row["path"]).stem.removeprefix("demo_").replace("_", " ")
+        assert row["caption"] == f"A {shown}.", row["path"]
