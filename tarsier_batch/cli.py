@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
@@ -32,7 +33,8 @@ from .outputs.schema import RESERVED_NAMES, OutputColumns
 from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import LineLog, RunStats, make_reporters, plural, print_summary, summary_line, summary_rows
-from .sources import Discovery, InputNotFoundError, discover
+from .sharding import Shard, ShardError
+from .sources import Discovery, InputNotFoundError, MediaItem, discover
 from .text import one_line
 
 if TYPE_CHECKING:
@@ -134,6 +136,7 @@ def caption(
     null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
+    shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option(metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config, help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables win over it.", show_default=False)] = None,
     model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
@@ -176,15 +179,21 @@ def caption(
     target = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
                           null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
                           overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
+    shard_spec = _parse_shard(shard)
+    if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
+        _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
     columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
                                      key.value, with_token_ids, console)
+    all_items = discovery.items
+    if shard_spec:
+        discovery = replace(discovery, items=[item for item in all_items if shard_spec.holds(item)])
     try:
         store = None if stream else ResultStore(target, columns, flush_rows, flush_seconds)
         log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
     except (OutputError, OSError) as error:
         _fail(str(error))
     log = LineLog(file=log_handle)
-    if not discovery.items:
+    if not all_items:
         where = f"--manifest {manifest}" if manifest else " ".join(inputs or [])
         message = f"no supported media in {where} ({plural(discovery.skipped_count, 'other file')} skipped)"
         if log_handle:
@@ -193,6 +202,7 @@ def caption(
         raise typer.Exit(EXIT_SOME_FAILED if fail_on_empty else EXIT_OK)
     requested = {"model": model, "prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
                  "top_p": top_p, "seed": seed, "with_token_ids": with_token_ids, "key": key.value,
+                 "shard": str(shard_spec) if shard_spec else None,
                  **({"frames": frames} if frames is not None else {}),
                  **({"repetition_penalty": repetition_penalty} if repetition_penalty is not None else {})}
     if dry_run:
@@ -227,14 +237,17 @@ def caption(
                                         dtype=dtype.value, device=device, workers=workers,
                                         decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
                                         sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
-            provenance = {**captioner.provenance(), "settings": _resume_settings(captioner, with_token_ids, key.value)}
+            provenance = {**captioner.provenance(),
+                          "settings": _resume_settings(captioner, with_token_ids, key.value, requested["shard"])}
             check_settings(stored.settings, provenance["settings"])
             code = _run(captioner, job, console, quiet, log,
                         start=(lambda: store.begin(provenance, fresh=overwrite)) if store else (lambda: None))
         else:
-            provenance, code = stored.provenance or {}, EXIT_OK
+            # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
+            provenance, code = stored.provenance or {"settings": requested}, EXIT_OK
         if code in (EXIT_OK, EXIT_SOME_FAILED):
-            code = _write_output(job, store, stored, provenance, console, quiet, log, discovery.skipped)
+            code = _write_output(job, store, stored, provenance, console, quiet, log, discovery.skipped,
+                                 (shard_spec, all_items) if shard_spec else None)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
         _fail(str(error))
     except KeyboardInterrupt:  # while loading the model or writing --out: --out is whole, old or new
@@ -293,6 +306,13 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     return target
 
 
+def _parse_shard(text: str | None) -> Shard | None:
+    try:
+        return Shard.parse(text) if text is not None else None
+    except ShardError as error:
+        _fail(str(error))
+
+
 def _find_items(inputs: list[str], manifest: Path | None, path_column: str | None, keep_columns: str | None,
                 null_separated: bool, recursive: bool, key: str, with_token_ids: bool,
                 console: Console) -> tuple[OutputColumns, Discovery]:
@@ -338,14 +358,14 @@ class Terminated(BaseException):
     """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
 
 
-def _resume_settings(captioner: Captioner, with_token_ids: bool, key: str) -> dict[str, Any]:
+def _resume_settings(captioner: Captioner, with_token_ids: bool, key: str, shard: str | None) -> dict[str, Any]:
     """What decides the captions, as resolved by the loaded model (compared when a later run continues)."""
     sampling = captioner.engine.sampling
     return {"model": captioner.settings.model, "model_revision": captioner.resolved.revision,
             "prompt": captioner.settings.prompt, "frames": captioner.frames,
             "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
             "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty,
-            "with_token_ids": with_token_ids, "key": key}
+            "with_token_ids": with_token_ids, "key": key, "shard": shard}
 
 
 def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple[int, float, float, int, float | None],
@@ -446,15 +466,22 @@ def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, l
 
 
 def _write_output(job: CaptionJob, store: ResultStore | None, stored: StoredRows, provenance: dict[str, Any],
-                  console: Console, quiet: bool, log: LineLog, skipped: Counter[str]) -> int:
-    """Write --out with every row (unless nothing changed) and report; returns the exit code."""
+                  console: Console, quiet: bool, log: LineLog, skipped: Counter[str],
+                  shard: tuple[Shard, list[MediaItem]] | None) -> int:
+    """Write --out with every row (unless nothing changed) and report; returns the exit code.
+
+    A shard's output also records where its rows go among all the run's items (`shard`: the
+    shard and those items), so it is written again whenever it runs: the inputs may have grown.
+    """
     stats = job.stats
     if store is None:
         written = f"stdout ({plural(job.store.saved_rows, 'row')})"
     else:
         rows = job.final_rows()
-        unchanged = store.target.exists() and not stored.parts and not stats.done \
+        unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
             and [row["path"] for row in rows] == list(stored.rows)
+        if shard:
+            provenance = {**provenance, "shard": shard[0].provenance(shard[1], rows)}
         if not unchanged:
             try:
                 store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
@@ -524,6 +551,43 @@ def inspect_command(
         failed += not found.ok
         typer.echo(found.as_json() if as_json else ("\n" if index else "") + found.as_text())
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
+
+
+@app.command("merge", no_args_is_help=True)
+def merge_command(
+    folder: Annotated[Path, typer.Argument(metavar="FOLDER", show_default=False)],
+    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The merged results: .parquet, .jsonl or .csv (replaced atomically if it exists).", show_default=False)],
+) -> None:
+    """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one results file, in input order.
+
+    FOLDER holds one .parquet output per shard (and nothing else ending in .parquet). The
+    shards must be one complete set made the same way: every shard of N once, over the same
+    inputs, with the same settings and columns. The merged file is what one run over all the
+    inputs writes, and a later 'tarsier caption' without --shard can continue it.
+    """
+    from .outputs.merge import MergeError, merge_shards
+
+    target = OutputTarget(out)
+    try:
+        target.check()
+    except OutputError as error:
+        _fail(str(error))
+    if out.resolve().parent == folder.resolve() and out.suffix.lower() == ".parquet":
+        _fail(f"--out {out} is inside {folder}: a later merge would read it as a shard; write it elsewhere")
+    lock = OutputLock(out)
+    try:
+        merged = merge_shards(folder)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        try:
+            ResultStore(target, merged.columns).commit(merged.rows, merged.provenance, merged.summary)
+        finally:
+            lock.release()
+    except (MergeError, OutputLockedError, OutputWriteError, OSError) as error:
+        _fail(str(error))
+    failed = sum(row["error"] is not None for row in merged.rows)
+    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {out} ({plural(len(merged.rows), 'row')}, "
+               f"{failed} failed)", err=True)
 
 
 @app.command("report", no_args_is_help=True)

@@ -112,11 +112,11 @@ def read_results(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
     """
     if target.shard_rows:
         tables = [pq.read_table(shard) for shard in target.shards()]
-        return (pa.concat_tables(tables, promote_options="permissive"), *_parquet_metadata(tables[-1].schema))
+        return (pa.concat_tables(tables, promote_options="permissive"), *parquet_metadata(tables[-1].schema))
     kind = target.format
     if kind == "parquet":
         table = pq.read_table(target.path)
-        return (table, *_parquet_metadata(table.schema))
+        return (table, *parquet_metadata(table.schema))
     if not target.meta_path.exists():
         raise ValueError(f"{target.meta_path.name} is missing beside it")
     meta = json.loads(target.meta_path.read_text(encoding="utf-8"))
@@ -128,7 +128,7 @@ def meta_text(provenance: dict[str, Any], summary: dict[str, Any]) -> str:
     return json.dumps({PROVENANCE_KEY: provenance, SUMMARY_KEY: summary}, indent=2, ensure_ascii=False) + "\n"
 
 
-def _parquet_metadata(schema: pa.Schema) -> tuple[dict[str, Any], dict[str, Any]]:
+def parquet_metadata(schema: pa.Schema) -> tuple[dict[str, Any], dict[str, Any]]:
     """Provenance and summary from a Parquet file's schema metadata ({} where absent)."""
     metadata = schema.metadata or {}
     return (json.loads(metadata.get(PROVENANCE_KEY.encode(), b"{}")),

@@ -13,7 +13,7 @@ from .store import StoredRows
 
 # The settings that decide a caption. Rows made with other values must not be mixed in one file.
 RESUME_SETTINGS = ("model", "model_revision", "prompt", "frames", "max_new_tokens", "temperature", "top_p",
-                   "seed", "repetition_penalty", "with_token_ids", "key")
+                   "seed", "repetition_penalty", "with_token_ids", "key", "shard")
 # With greedy decoding these do not change a caption.
 SAMPLING_ONLY = ("top_p", "seed")
 

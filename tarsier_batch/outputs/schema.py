@@ -51,6 +51,13 @@ class OutputColumns:
     hashed: bool = False
     kept: tuple[pa.Field, ...] = field(default=())
 
+    @classmethod
+    def of_schema(cls, schema: pa.Schema) -> OutputColumns:
+        """The columns of results written with `schema` (what `tarsier merge` writes back)."""
+        fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]}
+        return cls(_TOKEN_IDS_COLUMN[0] in schema.names, _SHA256_COLUMN[0] in schema.names,
+                   tuple(field for field in schema if field.name not in fixed))
+
     def schema(self) -> pa.Schema:
         return pa.schema(_COLUMNS + ([_SHA256_COLUMN] if self.hashed else [])
                          + ([_TOKEN_IDS_COLUMN] if self.with_token_ids else []) + list(self.kept))

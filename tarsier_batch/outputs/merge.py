@@ -1,0 +1,137 @@
+"""`tarsier merge`: join the outputs of `--shard I/N` runs into the output one run would have written.
+
+Each shard's Parquet output records which shard it is, how many inputs the whole run listed,
+and each row's place among them (`Shard.provenance`). Merging checks that the files are one
+complete set made the same way (every shard once, the same inputs, the same settings and
+columns), then interleaves the rows back into input order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..text import one_line
+from .formats import parquet_metadata
+from .schema import OutputColumns
+
+# Per-item counts of a run's summary: a merged run's are the shards' sums.
+_SUMMED = ("total", "captioned", "failed", "already_done", "missing_kept", "missing_pruned", "left_for_later",
+           "generated_tokens")
+
+
+class MergeError(Exception):
+    """The folder does not hold one complete, consistent set of shard outputs."""
+
+
+@dataclass
+class ShardOutput:
+    path: Path
+    table: pa.Table
+    provenance: dict[str, Any]
+    summary: dict[str, Any]
+
+    @property
+    def shard(self) -> dict[str, Any]:
+        return self.provenance["shard"]
+
+
+@dataclass
+class Merged:
+    """The rows in input order, and the provenance and summary of the run the shards make up."""
+
+    rows: list[dict[str, Any]]
+    columns: OutputColumns
+    provenance: dict[str, Any]
+    summary: dict[str, Any]
+    shards: int
+
+
+def merge_shards(folder: Path) -> Merged:
+    """Read every `*.parquet` file of `folder` as a shard output and merge them; raises MergeError."""
+    if not folder.is_dir():
+        raise MergeError(f"{folder} is not a folder; give the folder holding the shards' .parquet outputs")
+    files = sorted(path for path in folder.iterdir() if path.suffix.lower() == ".parquet"
+                   and not path.name.startswith(".") and path.is_file())
+    if not files:
+        raise MergeError(f"{folder} holds no .parquet files; write each shard with --shard I/N --out "
+                         f"{folder}/shard-I.parquet")
+    outputs = [_read_shard(path) for path in files]
+    _check_one_set(outputs)
+    first = outputs[0]
+    placed: list[tuple[bool, int, int, int, dict[str, Any]]] = []
+    seen: dict[str, Path] = {}
+    for output in outputs:
+        for number, (row, position) in enumerate(zip(output.table.to_pylist(), output.shard["positions"])):
+            if row["path"] in seen:
+                raise MergeError(f"{row['path']} has a row in both {seen[row['path']].name} and {output.path.name}")
+            seen[row["path"]] = output.path
+            # Rows kept from earlier runs (no position) go last, as a single run puts them.
+            placed.append((position is None, position or 0, output.shard["index"], number, row))
+    placed.sort(key=lambda entry: entry[:4])
+    provenance = {name: value for name, value in first.provenance.items() if name != "shard"}
+    provenance["settings"] = {**provenance.get("settings", {}), "shard": None}
+    provenance["merged_shards"] = len(outputs)
+    summaries = [output.summary for output in outputs]
+    summary: dict[str, Any] = {name: sum(s.get(name, 0) for s in summaries) for name in _SUMMED}
+    summary["skipped"] = max(s.get("skipped", 0) for s in summaries)   # every shard saw the whole input
+    summary["complete"] = all(s.get("complete", False) for s in summaries)
+    summary["wall_time_s"] = max(s.get("wall_time_s", 0.0) for s in summaries)
+    return Merged([entry[4] for entry in placed], OutputColumns.of_schema(first.table.schema), provenance,
+                  summary, len(outputs))
+
+
+def _read_shard(path: Path) -> ShardOutput:
+    try:
+        table = pq.read_table(path)
+    except (OSError, pa.ArrowException) as error:
+        raise MergeError(f"cannot read {path}: {one_line(error)}") from error
+    provenance, summary = parquet_metadata(table.schema)
+    shard = provenance.get("shard")
+    if not shard:
+        raise MergeError(f"{path.name} is not the output of a tarsier caption --shard run; "
+                         f"keep only the shards' outputs in the folder")
+    if len(shard["positions"]) != table.num_rows:
+        raise MergeError(f"{path.name} was changed after tarsier wrote it ({table.num_rows} rows, "
+                         f"{len(shard['positions'])} recorded)")
+    return ShardOutput(path, table, provenance, summary)
+
+
+def _check_one_set(outputs: list[ShardOutput]) -> None:
+    """Every shard of one N exactly once, over the same inputs, with the same settings and columns."""
+    first = outputs[0]
+    count = first.shard["count"]
+    by_index: dict[int, Path] = {}
+    for output in outputs:
+        shard = output.shard
+        if shard["count"] != count:
+            raise MergeError(f"{first.path.name} is a shard of {count} but {output.path.name} of {shard['count']}")
+        if shard["index"] in by_index:
+            raise MergeError(f"shard {shard['index']}/{count} twice: {by_index[shard['index']].name} and "
+                             f"{output.path.name}")
+        by_index[shard["index"]] = output.path
+        if shard["inputs"] != first.shard["inputs"]:
+            raise MergeError(f"the shards saw different inputs ({first.path.name}: {first.shard['inputs']} items, "
+                             f"{output.path.name}: {shard['inputs']}): the folder changed between their runs; "
+                             f"run the older shards again (they resume) so that all see the same inputs")
+        differences = _setting_differences(first.provenance.get("settings", {}),
+                                           output.provenance.get("settings", {}))
+        if differences:
+            raise MergeError(f"{output.path.name} was made with other settings than {first.path.name} "
+                             f"({'; '.join(differences)})")
+        if not output.table.schema.remove_metadata().equals(first.table.schema.remove_metadata()):
+            raise MergeError(f"{output.path.name} has other columns than {first.path.name}")
+    missing = [str(index) for index in range(count) if index not in by_index]
+    if missing:
+        raise MergeError(f"shard{'s' if len(missing) > 1 else ''} {', '.join(missing)} of {count} "
+                         f"{'are' if len(missing) > 1 else 'is'} missing from the folder")
+
+
+def _setting_differences(one: dict[str, Any], other: dict[str, Any]) -> list[str]:
+    """Settings both outputs record that differ (a shard with no items records only what its flags said)."""
+    return [f"{name} {one[name]!r} there, {other[name]!r} here" for name in sorted(one.keys() & other.keys())
+            if name != "shard" and one[name] != other[name]]
