@@ -126,6 +126,14 @@ class Captioner:
             "decode_memory_gb": self.settings.decode_memory_gb,
         }
 
+    def resume_settings(self) -> dict[str, Any]:
+        """What decides the captions, as the loaded model resolved it (a rerun must match them to continue)."""
+        sampling = self.engine.sampling
+        return {"model": self.settings.model, "model_revision": self.resolved.revision,
+                "prompt": self.settings.prompt, "frames": self.frames,
+                "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty}
+
     def caption(self, items: Iterable[MediaItem],
                 on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
         """Caption `items`, yielding one result per item in input order.
@@ -135,23 +143,46 @@ class Captioner:
         an error); a decoded item joins the running batch as soon as a row frees up, and
         finished rows are held back until every earlier item has been yielded.
         """
-        job = DecodeJob(self.model.processor, self.frames, self.settings.prompt)
         memory = self.settings.decode_memory_gb
-        pool = DecodePool(job, self.workers, self.settings.decode_timeout_s,
+        pool = DecodePool(self.decode_job(), self.workers, self.settings.decode_timeout_s,
                           int(memory * 2**30) if memory else None, isolate=self.settings.isolate_decoding)
+        try:
+            yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens)
+        finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
+            pool.shutdown()
+
+    def decode_job(self) -> DecodeJob:
+        """What decoding an item for this captioner takes (picklable: a Ray CPU task runs it)."""
+        return DecodeJob(self.model.processor, self.frames, self.settings.prompt)
+
+    def caption_decoded(self, decoded: Iterable[Decoded],
+                        on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
+        """Caption items decoded elsewhere (`workers.decode_item` with `decode_job()`, in a Ray task).
+
+        Their `index` must number them 0, 1, 2, ... in the order given; results come in that order.
+        """
+        def settled(one: Decoded) -> Future[Decoded]:
+            future: Future[Decoded] = Future()
+            future.set_result(one)
+            return future
+
+        yield from self._caption_loads(map(settled, decoded), on_tokens)
+
+    def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]],
+                       on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
+        """The captioning loop over decodes that settle in any order; pulls more only as the batch needs."""
         loads: deque[Future[Decoded]] = deque()
         ready: dict[int, CaptionResult] = {}
         next_index = 0
-        items_left = enumerate(iter(items))
         more_items = True
         try:
             while True:
                 while more_items and self._wants_more(loads):
-                    entry = next(items_left, None)
-                    if entry is None:
+                    load = next(loads_in_order, None)
+                    if load is None:
                         more_items = False
                     else:
-                        loads.append(pool.submit(*entry))
+                        loads.append(load)
                 # Take every decoded item; wait for one only when the model has nothing to do.
                 while loads and (loads[0].done() or not self.engine.has_work):
                     self._admit(loads.popleft().result(), ready)
@@ -163,8 +194,7 @@ class Captioner:
                     next_index += 1
                 if not (self.engine.has_work or loads or more_items):
                     break
-        finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
-            pool.shutdown()
+        finally:
             self.engine.abort_all()
 
     def _wants_more(self, loads: deque[Future[Decoded]]) -> bool:

@@ -168,6 +168,9 @@ def caption(
     flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
     log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run on a Ray cluster into --out-dir: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
+    ray_workers: Annotated[int, typer.Option(min=1, metavar="N", help="Captioning actors on the Ray cluster (each loads the model once).")] = 1,
+    ray_gpus_per_worker: Annotated[Optional[float], typer.Option(min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].", show_default=False)] = None,
 ) -> None:
     """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if it exists.
 
@@ -180,6 +183,8 @@ def caption(
                           null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
                           overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
     shard_spec = _parse_shard(shard)
+    if ray is not None:
+        _check_ray_flags(out_dir, shard_spec, limit)
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
     columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
@@ -219,6 +224,14 @@ def caption(
         stored = StoredRows() if overwrite or store is None else store.read()
         check_settings(stored.settings, requested)
         plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
+        if ray is not None:
+            raise typer.Exit(_caption_on_ray(
+                ray, discovery.items, stored, store, columns, overwrite, retry_errors, limit, console, quiet, log,
+                ray_workers, ray_gpus_per_worker if ray_gpus_per_worker is not None else float(device != "cpu"),
+                {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
+                model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+                prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv, dtype=dtype.value,
+                device=device, sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty)))
         later = len(plan.limit(limit)) if limit else 0
         for problem in stored.unreadable_parts:
             console.print(f"tarsier: warning: unreadable part file {problem}", highlight=False, markup=False)
@@ -306,6 +319,69 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     return target
 
 
+def _check_ray_flags(out_dir: Path | None, shard: Shard | None, limit: int | None) -> None:
+    import importlib.util
+
+    if out_dir is None:
+        _fail("--ray writes a folder of Parquet part files: give --out-dir DIR instead of --out")
+    if shard is not None:
+        _fail("--ray spreads the items over the cluster itself; leave out --shard")
+    if importlib.util.find_spec("ray") is None:
+        _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
+
+
+def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, store: ResultStore | None,
+                    columns: OutputColumns, overwrite: bool, retry_errors: bool, limit: int | None, console: Console,
+                    quiet: bool, log: LineLog, actors: int, gpus_per_actor: float, flag_settings: dict[str, Any],
+                    sampling: tuple[int, float, float, int, float | None], **settings: Any) -> int:
+    """Caption on a Ray cluster what --out-dir does not hold yet; returns the exit code."""
+    from .api import CaptionSettings
+    from .engine import SamplingParams
+    from .runners.ray import RayJob, RayResourceError, run_on_ray
+
+    assert store is not None
+    if overwrite:
+        for part in store.target.shards():
+            part.unlink()
+
+    def needs_caption(item: MediaItem) -> bool:
+        row = stored.rows.get(item.row_path)
+        return row is None or row["key"] != item.stable_key or (retry_errors and row["error"] is not None)
+
+    todo = [item for item in items if needs_caption(item)][:limit]
+    done = f"{plural(len(items) - len(todo), 'item')} done earlier"
+    if not todo:
+        message = f"nothing to caption on Ray: {done}; {store.out} holds them"
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+        log(message)
+        return EXIT_OK
+    _quiet_library_logs()
+    job = RayJob(CaptionSettings(sampling=SamplingParams(*sampling), **settings), columns, settings["model"],
+                 flag_settings, actors, gpus_per_actor,
+                 items_per_batch=4 * (settings["batch_size"] or 16))
+    message = (f"captioning {plural(len(todo), 'item')} on Ray ({address}: {plural(actors, 'actor')}, "
+               f"{gpus_per_actor:g} GPU each; {done})")
+    if not quiet:
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+    log(message)
+    try:
+        run = run_on_ray(job, todo, store.out, address)
+    except RayResourceError as error:
+        _fail(str(error))
+    except Exception as error:  # a task that failed past its retries, a lost cluster: the parts written stay
+        message = (f"the Ray run failed ({one_line(error)}); the rows written so far are kept in {store.out}; "
+                   f"run the same command again to resume")
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+        log(message)
+        return EXIT_CRASHED
+    message = (f"done on Ray: captioned {run.rows - run.failed}; failed {run.failed}; wall time {run.seconds:.1f} s; "
+               f"{run.rows / run.seconds:.3f} items/s; {plural(len(run.parts), 'part file')} added to {store.out}")
+    if not quiet:
+        console.print(f"tarsier: {message}", highlight=False, markup=False)
+    log(message)
+    return EXIT_SOME_FAILED if run.failed else EXIT_OK
+
+
 def _parse_shard(text: str | None) -> Shard | None:
     try:
         return Shard.parse(text) if text is not None else None
@@ -359,13 +435,8 @@ class Terminated(BaseException):
 
 
 def _resume_settings(captioner: Captioner, with_token_ids: bool, key: str, shard: str | None) -> dict[str, Any]:
-    """What decides the captions, as resolved by the loaded model (compared when a later run continues)."""
-    sampling = captioner.engine.sampling
-    return {"model": captioner.settings.model, "model_revision": captioner.resolved.revision,
-            "prompt": captioner.settings.prompt, "frames": captioner.frames,
-            "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty,
-            "with_token_ids": with_token_ids, "key": key, "shard": shard}
+    """What decides the captions (compared when a later run continues): the model's part and the flags'."""
+    return {**captioner.resume_settings(), "with_token_ids": with_token_ids, "key": key, "shard": shard}
 
 
 def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple[int, float, float, int, float | None],

@@ -1,0 +1,1 @@
+"""Ways to run a captioning job beyond one process: a Ray cluster."""

@@ -1,0 +1,159 @@
+"""Caption on a Ray cluster: `tarsier caption INPUTS --ray ADDRESS --out-dir DIR`.
+
+The items become a Ray Dataset (one row each: its place among the inputs and the pickled
+`MediaItem`). Decoding and preprocessing run as Ray CPU tasks (`workers.decode_item` with the
+checkpoint's processor, no weights); captioning runs in an actor pool of `RayCaptioner`s, each
+a `Captioner` (the library API the CLI uses) on its own device, fed batches of decoded items
+that its engine runs with continuous batching; Ray's Parquet writer puts the rows into part
+files of DIR, with the schema and provenance of a single-process run. A rerun reads DIR and
+captions only what it does not hold yet.
+
+An actor that dies (a crash, a lost node) is restarted by Ray and its batch given to it again
+(Ray Data's defaults for actor pools: `max_restarts` and `max_task_retries` -1, unbounded); a
+decoding task that keeps failing (after Ray's task retries) fails the run, with the rows already
+written kept for the rerun: nothing is dropped silently.
+
+Test hook: `TARSIER_BATCH_RAY_FAULT=die-once:SUBSTRING:MARKER` makes the actor that gets an
+item whose path contains SUBSTRING exit at once (as a crash would), unless the file MARKER
+exists; it creates MARKER first, so the restarted actor carries on. Never set it outside tests.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..api import Captioner, CaptionSettings
+from ..checkpoints import resolve_model
+from ..families import load_processor
+from ..families.base import Processor
+from ..outputs.formats import with_metadata
+from ..outputs.schema import OutputColumns
+from ..sources import MediaItem
+from ..workers import DecodeJob, Decoded, decode_item
+
+FAULT_VARIABLE = "TARSIER_BATCH_RAY_FAULT"
+
+
+class RayResourceError(ValueError):
+    """The cluster cannot ever run the actors asked for."""
+
+
+@dataclass(frozen=True)
+class RayJob:
+    """What every task and actor of a run needs; pickled to each of them."""
+
+    settings: CaptionSettings
+    columns: OutputColumns
+    model_name: str                  # --model as given, the rows' `model`
+    resume_settings: dict[str, Any]  # the flags' part of provenance["settings"] (with_token_ids, key, shard)
+    actors: int
+    gpus_per_actor: float
+    items_per_batch: int             # items an actor takes at once: a few engine batches, so rows keep joining
+
+
+@dataclass
+class RayRun:
+    """What a run wrote: its part files and their row counts."""
+
+    parts: list[Path]
+    rows: int
+    failed: int
+    seconds: float
+
+
+def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str) -> RayRun:
+    """Caption `items` on the cluster at `address` ('local' starts one here) into new part files of `out_dir`."""
+    import ray
+
+    start = time.perf_counter()
+    if not ray.is_initialized():
+        ray.init(address=None if address == "local" else address, log_to_driver=False,
+                 runtime_env={"env_vars": {name: value for name, value in os.environ.items()
+                                           if name.startswith("TARSIER")}})
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if job.gpus_per_actor > 0 and gpus == 0:
+        raise RayResourceError(f"the Ray cluster at {address} has no GPUs; pass --device cpu (or "
+                               f"--ray-gpus-per-worker 0) to caption on its CPUs")
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True   # part files in input order, like a single run's rows
+    stamp = f"{time.time_ns():020d}"
+    dataset = ray.data.from_items([{"position": position, "item": pickle.dumps(item)}
+                                   for position, item in enumerate(items)])
+    decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=1,
+                                  num_cpus=1, batch_format="numpy")
+    captioned = decoded.map_batches(
+        RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
+        concurrency=job.actors, num_gpus=job.gpus_per_actor, num_cpus=1)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
+    parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
+    errors = [pq.read_table(part, columns=["error"]).column("error") for part in parts]
+    return RayRun(parts, sum(len(column) for column in errors),
+                  sum(len(column) - column.null_count for column in errors), time.perf_counter() - start)
+
+
+def part_names(stamp: str) -> Any:
+    """`part-<run start>-<write id>-<task>.parquet`: a later run's parts sort after an earlier run's (newest row wins)."""
+    from ray.data.datasource import FilenameProvider
+
+    class PartNames(FilenameProvider):
+        def get_filename_for_task(self, write_uuid: str, task_index: int) -> str:
+            return f"part-{stamp}-{write_uuid}-{task_index:06d}.parquet"
+
+    return PartNames()
+
+
+@cache
+def _processor(model: str) -> Processor:
+    """One per Ray worker process: a task reuses the processor of the tasks before it."""
+    return load_processor(resolve_model(model).path)
+
+
+def decode_batch(batch: dict[str, np.ndarray], settings: CaptionSettings) -> dict[str, np.ndarray]:
+    """Ray CPU task: decode and preprocess items; a failure is its item's error, as in a single run."""
+    processor = _processor(settings.model)
+    job = DecodeJob(processor, settings.frames or processor.default_frames, settings.prompt)
+    decoded = [decode_item(job, int(position), pickle.loads(item))
+               for position, item in zip(batch["position"], batch["item"])]
+    return {"position": batch["position"], "decoded": np.array([pickle.dumps(one) for one in decoded], dtype=object)}
+
+
+class RayCaptioner:
+    """A Ray actor: one Captioner, loaded once, captioning batches of decoded items into output rows."""
+
+    def __init__(self, job: RayJob):
+        self.job = job
+        self.captioner = Captioner(job.settings)
+        self.provenance = {**self.captioner.provenance(), "runner": "ray",
+                           "settings": {**self.captioner.resume_settings(), **job.resume_settings}}
+        self.schema = with_metadata(job.columns.schema(), self.provenance, {"complete": True})
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+        decoded: list[Decoded] = [pickle.loads(one) for one in batch["decoded"]]
+        _maybe_die([one.item.path for one in decoded])
+        # The engine's results come in the order of `index`: number the batch's items from 0.
+        results = self.captioner.caption_decoded(replace(one, index=number) for number, one in enumerate(decoded))
+        rows = [self.job.columns.row(result, one.item, self.job.model_name)
+                for result, one in zip(results, decoded)]
+        return pa.Table.from_pylist(rows, schema=self.schema)
+
+
+def _maybe_die(paths: list[str]) -> None:
+    fault = os.environ.get(FAULT_VARIABLE)
+    if not fault:
+        return
+    kind, substring, marker = fault.split(":", 2)
+    assert kind == "die-once", fault
+    if any(substring in path for path in paths) and not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(1)

@@ -1,0 +1,110 @@
+"""`tarsier caption --ray`: on a local Ray cluster, the rows a single-process run writes; resume; a dying actor.
+
+The cluster tests are marked `ray` (a local cluster takes a while to start on 2 cores): run them
+with `python -m pytest -m ray` after `pip install -e ".[test,ray]"` (.ci/run does).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from conftest import SAMPLE_DATA
+from tarsier_batch.cli import app
+from tarsier_batch.outputs.formats import OutputTarget, read_results
+from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
+
+runner = CliRunner()
+FAULT_SUBSTRING = "actor-dies-here"
+
+
+def caption(model: Path, *args: str):
+    return runner.invoke(app, ["caption", "--model", str(model), "--max-new-tokens", "6", "--with-token-ids",
+                               "--device", "cpu", *args])
+
+
+def ray_rows(out_dir: Path) -> list[dict]:
+    table, _, _ = read_results(OutputTarget.existing(out_dir), OutputColumns(with_token_ids=True).schema())
+    return table.drop(["elapsed_s"]).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray cluster on 2 CPUs; its workers get the fault hook for the items named FAULT_SUBSTRING."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+    marker = tmp_path_factory.mktemp("fault") / "died"
+    ray.init(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {
+        "TARSIER_BATCH_RAY_FAULT": f"die-once:{FAULT_SUBSTRING}:{marker}"}})
+    yield marker
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_ray_rows_equal_the_single_process_rows_and_a_rerun_resumes(cluster: Path, tiny_model_dir: Path,
+                                                                     shared_media: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "broken.mp4").write_bytes(b"not a video at all")
+    inputs = [str(SAMPLE_DATA), str(shared_media), str(broken)]
+    single = tmp_path / "single.parquet"
+    assert caption(tiny_model_dir, *inputs, "-o", str(single), "--quiet").exit_code == 1   # the broken file
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 1, done.output
+    expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+    assert ray_rows(out) == expected   # captions, token ids, metadata, one row per input, in input order
+    assert f"captioned {len(expected) - 1}; failed 1" in done.output
+    provenance = json.loads(pq.read_schema(next(out.glob("part-*.parquet"))).metadata[PROVENANCE_KEY.encode()])
+    single_provenance = json.loads(pq.read_schema(single).metadata[PROVENANCE_KEY.encode()])
+    assert provenance["settings"] == single_provenance["settings"] and provenance["runner"] == "ray"
+    parts = sorted(out.glob("part-*.parquet"))
+    again = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    assert again.exit_code == 0 and f"nothing to caption on Ray: {len(expected)} items done earlier" in again.output
+    assert sorted(out.glob("part-*.parquet")) == parts
+    shutil.copy(SAMPLE_DATA / "still.png", broken / "new.png")
+    grown = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out), "--retry-errors")
+    assert "captioning 2 items on Ray" in grown.output, grown.output   # the new file and the error row
+    rows = ray_rows(out)
+    assert len(rows) == len(expected) + 2 and {row["path"] for row in rows} == {row["path"] for row in expected} | \
+        {str((broken / "new.png").resolve())}
+
+
+@pytest.mark.ray
+def test_an_actor_that_dies_mid_run_is_restarted_and_no_row_is_lost(cluster: Path, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    for number in range(6):
+        shutil.copy(SAMPLE_DATA / "still.png", folder / f"p{number}.png")
+    shutil.copy(SAMPLE_DATA / "still.png", folder / f"{FAULT_SUBSTRING}.png")
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, str(folder), "--ray", "local", "--out-dir", str(out), "--batch-size", "2")
+    assert done.exit_code == 0, done.output
+    assert cluster.exists()   # the actor did die (once)
+    rows = ray_rows(out)
+    assert sorted(Path(row["path"]).name for row in rows) == sorted(path.name for path in folder.iterdir())
+    assert all(row["error"] is None and row["caption"] for row in rows)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "r.parquet"], "--ray writes a folder of Parquet part files: give --out-dir DIR"),
+    (["--out-dir", "d", "--shard", "0/2"], "--ray spreads the items over the cluster itself; leave out --shard"),
+])
+def test_wrong_ray_flags_stop_at_once(args: list[str], message: str, tmp_path: Path) -> None:
+    done = runner.invoke(app, ["caption", "no-such-input", "--ray", "local",
+                               *[str(tmp_path / arg) if arg in ("r.parquet", "d") else arg for arg in args]])
+    assert done.exit_code == 2 and message in done.output, done.output
+
+
+def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else real(name, *rest))
+    done = runner.invoke(app, ["caption", "no-such-input", "--ray", "auto", "--out-dir", str(tmp_path / "d")])
+    assert done.exit_code == 2 and "--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'" in done.output
