@@ -169,7 +169,7 @@ def caption(
     log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run on a Ray cluster into --out-dir: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
-    ray_workers: Annotated[int, typer.Option(min=1, metavar="N", help="Captioning actors on the Ray cluster (each loads the model once).")] = 1,
+    ray_workers: Annotated[str, typer.Option(metavar="N|MIN-MAX", help="Captioning actors on the Ray cluster, each loading the model once: N, or MIN-MAX to let Ray scale between them.")] = "1",
     ray_gpus_per_worker: Annotated[Optional[float], typer.Option(min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].", show_default=False)] = None,
 ) -> None:
     """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if it exists.
@@ -183,8 +183,7 @@ def caption(
                           null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
                           overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
     shard_spec = _parse_shard(shard)
-    if ray is not None:
-        _check_ray_flags(out_dir, shard_spec, limit)
+    actors = _check_ray_flags(out_dir, shard_spec, ray_workers) if ray is not None else (1, 1)
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
     columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
@@ -227,7 +226,7 @@ def caption(
         if ray is not None:
             raise typer.Exit(_caption_on_ray(
                 ray, discovery.items, stored, store, columns, overwrite, retry_errors, limit, console, quiet, log,
-                ray_workers, ray_gpus_per_worker if ray_gpus_per_worker is not None else float(device != "cpu"),
+                actors, ray_gpus_per_worker if ray_gpus_per_worker is not None else float(device != "cpu"),
                 {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
                 model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                 prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv, dtype=dtype.value,
@@ -319,20 +318,27 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     return target
 
 
-def _check_ray_flags(out_dir: Path | None, shard: Shard | None, limit: int | None) -> None:
+def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str) -> tuple[int, int]:
+    """Answer wrong --ray flags at once; returns the actor pool's bounds (MIN, MAX) from --ray-workers."""
     import importlib.util
 
+    bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", workers.strip())
+    low, high = (int(bounds.group(1)), int(bounds.group(2) or bounds.group(1))) if bounds else (0, 0)
+    if not 1 <= low <= high:
+        _fail(f"--ray-workers {workers!r}: give a number of actors N >= 1, or MIN-MAX with 1 <= MIN <= MAX")
     if out_dir is None:
         _fail("--ray writes a folder of Parquet part files: give --out-dir DIR instead of --out")
     if shard is not None:
         _fail("--ray spreads the items over the cluster itself; leave out --shard")
     if importlib.util.find_spec("ray") is None:
         _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
+    return low, high
 
 
 def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, store: ResultStore | None,
                     columns: OutputColumns, overwrite: bool, retry_errors: bool, limit: int | None, console: Console,
-                    quiet: bool, log: LineLog, actors: int, gpus_per_actor: float, flag_settings: dict[str, Any],
+                    quiet: bool, log: LineLog, actors: tuple[int, int], gpus_per_actor: float,
+                    flag_settings: dict[str, Any],
                     sampling: tuple[int, float, float, int, float | None], **settings: Any) -> int:
     """Caption on a Ray cluster what --out-dir does not hold yet; returns the exit code."""
     from .api import CaptionSettings
@@ -359,7 +365,8 @@ def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, st
     job = RayJob(CaptionSettings(sampling=SamplingParams(*sampling), **settings), columns, settings["model"],
                  flag_settings, actors, gpus_per_actor,
                  items_per_batch=4 * (settings["batch_size"] or 16))
-    message = (f"captioning {plural(len(todo), 'item')} on Ray ({address}: {plural(actors, 'actor')}, "
+    pool = plural(actors[0], "actor") if actors[0] == actors[1] else f"{actors[0]}-{actors[1]} actors"
+    message = (f"captioning {plural(len(todo), 'item')} on Ray ({address}: {pool}, "
                f"{gpus_per_actor:g} GPU each; {done})")
     if not quiet:
         console.print(f"tarsier: {message}", highlight=False, markup=False)

@@ -83,7 +83,8 @@ def test_an_actor_that_dies_mid_run_is_restarted_and_no_row_is_lost(cluster: Pat
         shutil.copy(SAMPLE_DATA / "still.png", folder / f"p{number}.png")
     shutil.copy(SAMPLE_DATA / "still.png", folder / f"{FAULT_SUBSTRING}.png")
     out = tmp_path / "ray-out"
-    done = caption(tiny_model_dir, str(folder), "--ray", "local", "--out-dir", str(out), "--batch-size", "2")
+    done = caption(tiny_model_dir, str(folder), "--ray", "local", "--out-dir", str(out), "--batch-size", "2",
+                   "--ray-workers", "1-2")
     assert done.exit_code == 0, done.output
     assert cluster.exists()   # the actor did die (once)
     rows = ray_rows(out)
@@ -94,6 +95,8 @@ def test_an_actor_that_dies_mid_run_is_restarted_and_no_row_is_lost(cluster: Pat
 @pytest.mark.parametrize("args, message", [
     (["-o", "r.parquet"], "--ray writes a folder of Parquet part files: give --out-dir DIR"),
     (["--out-dir", "d", "--shard", "0/2"], "--ray spreads the items over the cluster itself; leave out --shard"),
+    (["--out-dir", "d", "--ray-workers", "4-2"], "--ray-workers '4-2': give a number of actors N >= 1, or MIN-MAX"),
+    (["--out-dir", "d", "--ray-workers", "0"], "--ray-workers '0': give a number of actors N >= 1, or MIN-MAX"),
 ])
 def test_wrong_ray_flags_stop_at_once(args: list[str], message: str, tmp_path: Path) -> None:
     done = runner.invoke(app, ["caption", "no-such-input", "--ray", "local",

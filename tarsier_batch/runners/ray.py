@@ -56,7 +56,7 @@ class RayJob:
     columns: OutputColumns
     model_name: str                  # --model as given, the rows' `model`
     resume_settings: dict[str, Any]  # the flags' part of provenance["settings"] (with_token_ids, key, shard)
-    actors: int
+    actors: tuple[int, int]          # the actor pool's size: (N, N), or bounds Ray scales between
     gpus_per_actor: float
     items_per_batch: int             # items an actor takes at once: a few engine batches, so rows keep joining
 
@@ -93,7 +93,7 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
                                   num_cpus=1, batch_format="numpy")
     captioned = decoded.map_batches(
         RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
-        concurrency=job.actors, num_gpus=job.gpus_per_actor, num_cpus=1)
+        concurrency=job.actors if job.actors[0] < job.actors[1] else job.actors[0], num_gpus=job.gpus_per_actor, num_cpus=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
     parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
