@@ -144,20 +144,18 @@ class Captioner:
         finished rows are held back until every earlier item has been yielded.
         """
         memory = self.settings.decode_memory_gb
-        pool = DecodePool(self.decode_job(), self.workers, self.settings.decode_timeout_s,
+        job = DecodeJob(self.model.processor, self.frames, self.settings.prompt)
+        pool = DecodePool(job, self.workers, self.settings.decode_timeout_s,
                           int(memory * 2**30) if memory else None, isolate=self.settings.isolate_decoding)
         try:
             yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens)
         finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
             pool.shutdown()
 
-    def decode_job(self) -> DecodeJob:
-        """What decoding an item for this captioner takes (picklable: a Ray CPU task runs it)."""
-        return DecodeJob(self.model.processor, self.frames, self.settings.prompt)
-
     def caption_decoded(self, decoded: Iterable[Decoded],
                         on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
-        """Caption items decoded elsewhere (`workers.decode_item` with `decode_job()`, in a Ray task).
+        """Caption items decoded elsewhere (`workers.decode_item` with this checkpoint's processor, frames and
+        prompt; a Ray CPU task does it in `runners.ray`).
 
         Their `index` must number them 0, 1, 2, ... in the order given; results come in that order.
         """

@@ -111,3 +111,21 @@ def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.Monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else real(name, *rest))
     done = runner.invoke(app, ["caption", "no-such-input", "--ray", "auto", "--out-dir", str(tmp_path / "d")])
     assert done.exit_code == 2 and "--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'" in done.output
+
+
+def test_caption_decoded_gives_what_caption_gives(tiny_model_dir: Path) -> None:
+    """The seam a Ray actor uses: items decoded elsewhere, then captioned, equal a normal run's results."""
+    from tarsier_batch.api import Captioner, CaptionSettings
+    from tarsier_batch.engine import SamplingParams
+    from tarsier_batch.sources import discover
+    from tarsier_batch.workers import DecodeJob, decode_item
+
+    captioner = Captioner(CaptionSettings(model=str(tiny_model_dir), sampling=SamplingParams(max_new_tokens=6),
+                                          batch_size=3, workers=1, isolate_decoding=False, device="cpu"))
+    items = discover([str(SAMPLE_DATA)]).items
+    expected = [(result.path, result.caption, result.generated_ids, result.error) for result in captioner.caption(items)]
+    job = DecodeJob(captioner.model.processor, captioner.frames, None)
+    decoded = (decode_item(job, index, item) for index, item in enumerate(items))
+    got = [(result.path, result.caption, result.generated_ids, result.error)
+           for result in captioner.caption_decoded(decoded)]
+    assert got == expected and len(got) == len(items) > 5 and all(ids for _, _, ids, _ in got)

@@ -91,9 +91,10 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
                                    for position, item in enumerate(items)])
     decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=1,
                                   num_cpus=1, batch_format="numpy")
+    low, high = job.actors
     captioned = decoded.map_batches(
         RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
-        concurrency=job.actors if job.actors[0] < job.actors[1] else job.actors[0], num_gpus=job.gpus_per_actor, num_cpus=1)
+        concurrency=(low, high) if low < high else low, num_gpus=job.gpus_per_actor, num_cpus=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
     parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
