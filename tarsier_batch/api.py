@@ -143,10 +143,8 @@ class Captioner:
         an error); a decoded item joins the running batch as soon as a row frees up, and
         finished rows are held back until every earlier item has been yielded.
         """
-        memory = self.settings.decode_memory_gb
-        job = DecodeJob(self.model.processor, self.frames, self.settings.prompt)
-        pool = DecodePool(job, self.workers, self.settings.decode_timeout_s,
-                          int(memory * 2**30) if memory else None, isolate=self.settings.isolate_decoding)
+        pool = decode_pool(DecodeJob(self.model.processor, self.frames, self.settings.prompt), self.settings,
+                           self.workers)
         try:
             yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens)
         finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
@@ -227,6 +225,13 @@ class Captioner:
             width=media.width, height=media.height, duration_s=media.duration_s, decoder=media.decoder,
             prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
+
+
+def decode_pool(job: DecodeJob, settings: CaptionSettings, workers: int) -> DecodePool:
+    """Workers decoding items as `settings` say: isolated (or not), with their timeout and memory limit."""
+    memory = settings.decode_memory_gb
+    return DecodePool(job, workers, settings.decode_timeout_s, int(memory * 2**30) if memory else None,
+                      isolate=settings.isolate_decoding)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 
 runner = CliRunner()
 FAULT_SUBSTRING = "actor-dies-here"
+CRASH_SUBSTRING = "decoder-crashes-here"
 
 
 def caption(model: Path, *args: str):
@@ -35,11 +36,13 @@ def ray_rows(out_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    """A local Ray cluster on 2 CPUs; its workers get the fault hook for the items named FAULT_SUBSTRING."""
+    """A local Ray cluster on 2 CPUs; its workers get the fault hooks for the items named FAULT_SUBSTRING
+    (the captioning actor dies once) and CRASH_SUBSTRING (the decoder segfaults)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     marker = tmp_path_factory.mktemp("fault") / "died"
     ray.init(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {
-        "TARSIER_BATCH_RAY_FAULT": f"die-once:{FAULT_SUBSTRING}:{marker}"}})
+        "TARSIER_BATCH_RAY_FAULT": f"die-once:{FAULT_SUBSTRING}:{marker}",
+        "TARSIER_BATCH_FAULT": f"segfault:{CRASH_SUBSTRING}"}})
     yield marker
     ray.shutdown()
 
@@ -75,21 +78,24 @@ def test_ray_rows_equal_the_single_process_rows_and_a_rerun_resumes(cluster: Pat
 
 
 @pytest.mark.ray
-def test_an_actor_that_dies_mid_run_is_restarted_and_no_row_is_lost(cluster: Path, tiny_model_dir: Path,
+def test_a_dying_actor_is_restarted_and_a_crashing_decoder_is_an_error_row(cluster: Path, tiny_model_dir: Path,
                                                                     tmp_path: Path) -> None:
     folder = tmp_path / "pictures"
     folder.mkdir()
     for number in range(6):
         shutil.copy(SAMPLE_DATA / "still.png", folder / f"p{number}.png")
     shutil.copy(SAMPLE_DATA / "still.png", folder / f"{FAULT_SUBSTRING}.png")
+    shutil.copy(SAMPLE_DATA / "still.png", folder / f"{CRASH_SUBSTRING}.png")
     out = tmp_path / "ray-out"
     done = caption(tiny_model_dir, str(folder), "--ray", "local", "--out-dir", str(out), "--batch-size", "2",
                    "--ray-workers", "1-2")
-    assert done.exit_code == 0, done.output
+    assert done.exit_code == 1, done.output   # the crashed item failed; the run went on
     assert cluster.exists()   # the actor did die (once)
     rows = ray_rows(out)
     assert sorted(Path(row["path"]).name for row in rows) == sorted(path.name for path in folder.iterdir())
-    assert all(row["error"] is None and row["caption"] for row in rows)
+    errors = {Path(row["path"]).name: row["error"] for row in rows if row["error"] is not None}
+    assert list(errors) == [f"{CRASH_SUBSTRING}.png"] and "the decoder crashed (SIGSEGV" in errors[f"{CRASH_SUBSTRING}.png"]
+    assert all(row["caption"] for row in rows if row["error"] is None)
 
 
 @pytest.mark.parametrize("args, message", [

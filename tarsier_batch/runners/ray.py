@@ -1,16 +1,17 @@
 """Caption on a Ray cluster: `tarsier caption INPUTS --ray ADDRESS --out-dir DIR`.
 
 The items become a Ray Dataset (one row each: its place among the inputs and the pickled
-`MediaItem`). Decoding and preprocessing run as Ray CPU tasks (`workers.decode_item` with the
-checkpoint's processor, no weights); captioning runs in an actor pool of `RayCaptioner`s, each
+`MediaItem`). Decoding and preprocessing run as Ray CPU tasks (each Ray worker keeps an isolated
+decoding process with the checkpoint's processor, no weights: `workers.DecodePool`); captioning runs in an actor pool of `RayCaptioner`s, each
 a `Captioner` (the library API the CLI uses) on its own device, fed batches of decoded items
 that its engine runs with continuous batching; Ray's Parquet writer puts the rows into part
 files of DIR, with the schema and provenance of a single-process run. A rerun reads DIR and
 captions only what it does not hold yet.
 
 An actor that dies (a crash, a lost node) is restarted by Ray and its batch given to it again
-(Ray Data's defaults for actor pools: `max_restarts` and `max_task_retries` -1, unbounded); a
-decoding task that keeps failing (after Ray's task retries) fails the run, with the rows already
+(Ray Data's defaults for actor pools: `max_restarts` and `max_task_retries` -1, unbounded). A
+file that crashes or hangs its decoder becomes an error row, as in a single run; a decoding task
+that fails anyway (a lost node, past Ray's task retries) fails the run, with the rows already
 written kept for the rerun: nothing is dropped silently.
 
 Test hook: `TARSIER_BATCH_RAY_FAULT=die-once:SUBSTRING:MARKER` makes the actor that gets an
@@ -32,14 +33,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..api import Captioner, CaptionSettings
+from ..api import Captioner, CaptionSettings, decode_pool
 from ..checkpoints import resolve_model
 from ..families import load_processor
-from ..families.base import Processor
 from ..outputs.formats import with_metadata
 from ..outputs.schema import OutputColumns
 from ..sources import MediaItem
-from ..workers import DecodeJob, Decoded, decode_item
+from ..workers import DecodeJob, Decoded, DecodePool
 
 FAULT_VARIABLE = "TARSIER_BATCH_RAY_FAULT"
 
@@ -115,17 +115,19 @@ def part_names(stamp: str) -> Any:
 
 
 @cache
-def _processor(model: str) -> Processor:
-    """One per Ray worker process: a task reuses the processor of the tasks before it."""
-    return load_processor(resolve_model(model).path)
+def _decode_pool(settings: CaptionSettings) -> DecodePool:
+    """One per Ray worker process, kept for the tasks it runs after: the checkpoint's processor
+    (without weights) in one isolated decoding process, as in a single run (a crash, a hang past
+    the timeout or the memory limit costs only its item, which becomes an error row)."""
+    processor = load_processor(resolve_model(settings.model).path)
+    return decode_pool(DecodeJob(processor, settings.frames or processor.default_frames, settings.prompt), settings, 1)
 
 
 def decode_batch(batch: dict[str, np.ndarray], settings: CaptionSettings) -> dict[str, np.ndarray]:
     """Ray CPU task: decode and preprocess items; a failure is its item's error, as in a single run."""
-    processor = _processor(settings.model)
-    job = DecodeJob(processor, settings.frames or processor.default_frames, settings.prompt)
-    decoded = [decode_item(job, int(position), pickle.loads(item))
-               for position, item in zip(batch["position"], batch["item"])]
+    pool = _decode_pool(settings)
+    loads = [pool.submit(int(position), pickle.loads(item)) for position, item in zip(batch["position"], batch["item"])]
+    decoded = [load.result() for load in loads]   # never raises: a failure is the item's error
     return {"position": batch["position"], "decoded": np.array([pickle.dumps(one) for one in decoded], dtype=object)}
 
 
