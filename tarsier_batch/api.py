@@ -12,6 +12,9 @@ such model, bad settings) raise.
 
 from __future__ import annotations
 
+import itertools
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -150,19 +153,9 @@ class Captioner:
         finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
             pool.shutdown()
 
-    def caption_decoded(self, decoded: Iterable[Decoded],
-                        on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
-        """Caption items decoded elsewhere (`workers.decode_item` with this checkpoint's processor, frames and
-        prompt; a Ray CPU task does it in `runners.ray`).
-
-        Their `index` must number them 0, 1, 2, ... in the order given; results come in that order.
-        """
-        def settled(one: Decoded) -> Future[Decoded]:
-            future: Future[Decoded] = Future()
-            future.set_result(one)
-            return future
-
-        yield from self._caption_loads(map(settled, decoded), on_tokens)
+    def serve(self) -> CaptionService:
+        """Caption items decoded elsewhere, handed in by any number of threads at once; see `CaptionService`."""
+        return CaptionService(self)
 
     def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]],
                        on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
@@ -225,6 +218,88 @@ class Captioner:
             width=media.width, height=media.height, duration_s=media.duration_s, decoder=media.decoder,
             prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
             finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
+
+
+class CaptionService:
+    """One Captioner's engine kept busy by callers on other threads (a Ray actor's concurrent calls).
+
+    Each caller hands in a batch of items decoded elsewhere (`workers.decode_item` with this
+    checkpoint's processor, frames and prompt) and gets their results in its order. The items join
+    the engine's running batch as rows free up, whoever handed them in: a caller whose batch is
+    nearly done does not leave the engine half empty while the next caller's items wait, as one
+    `caption()` call per batch would.
+
+    One thread (started here, a daemon) owns the engine until `close()`. A run-level failure (a
+    lost device) is raised to every caller waiting and to every later one.
+    """
+
+    def __init__(self, captioner: Captioner):
+        self._captioner = captioner
+        # None asks the engine's thread to stop.
+        self._inbox: queue.SimpleQueue[tuple[Decoded, Future[CaptionResult]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()   # orders hand-ins against a failure, so none is left unanswered
+        self._failure: BaseException | None = None
+        threading.Thread(target=self._serve, name="caption-service", daemon=True).start()
+
+    def caption(self, decoded: list[Decoded]) -> list[CaptionResult]:
+        """Caption `decoded` (their `index` is ignored); blocks until all are done."""
+        return [future.result() for future in self.submit(decoded)]
+
+    def submit(self, decoded: list[Decoded]) -> list[Future[CaptionResult]]:
+        """Hand in `decoded` without waiting: one future per item, in their order."""
+        futures: list[Future[CaptionResult]] = []
+        with self._lock:
+            if self._failure is not None:
+                raise RuntimeError("the caption service stopped earlier") from self._failure
+            for one in decoded:
+                futures.append(Future())
+                self._inbox.put((one, futures[-1]))
+        return futures
+
+    def close(self) -> None:
+        """Stop the engine's thread: callers still waiting get an error, and so do later ones."""
+        self._inbox.put(None)
+
+    def _serve(self) -> None:
+        engine = self._captioner.engine
+        waiting: dict[int, Future[CaptionResult]] = {}   # by the number the service gave the item
+        numbers = itertools.count()
+        try:
+            while True:
+                ready: dict[int, CaptionResult] = {}
+                # Take everything handed in; wait for a hand-in only when the engine has nothing to do.
+                block = not engine.has_work
+                while True:
+                    try:
+                        handed_in = self._inbox.get(block=block)
+                    except queue.Empty:
+                        break
+                    if handed_in is None:
+                        raise _Closed("the caption service was closed")
+                    decoded, future = handed_in
+                    block = False
+                    number = next(numbers)
+                    waiting[number] = future
+                    self._captioner._admit(replace(decoded, index=number), ready)
+                if engine.has_work:
+                    for seq in engine.step():
+                        ready[seq.payload.decoded.index] = self._captioner._result(seq)
+                for number, result in ready.items():
+                    waiting.pop(number).set_result(result)
+        except BaseException as error:  # noqa: BLE001 - every caller must hear of it, whatever it is
+            engine.abort_all()
+            with self._lock:
+                self._failure = error
+                while not self._inbox.empty():
+                    handed_in = self._inbox.get()
+                    if handed_in is not None:
+                        waiting[next(numbers)] = handed_in[1]
+            for future in waiting.values():
+                future.set_exception(error)
+
+
+class _Closed(RuntimeError):
+    """Raised to callers of a closed CaptionService."""
 
 
 def decode_pool(job: DecodeJob, settings: CaptionSettings, workers: int) -> DecodePool:

@@ -364,7 +364,7 @@ def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, st
     _quiet_library_logs()
     job = RayJob(CaptionSettings(sampling=SamplingParams(*sampling), **settings), columns, settings["model"],
                  flag_settings, actors, gpus_per_actor,
-                 items_per_batch=4 * (settings["batch_size"] or 16))
+                 items_per_batch=2 * (settings["batch_size"] or 16))
     pool = plural(actors[0], "actor") if actors[0] == actors[1] else f"{actors[0]}-{actors[1]} actors"
     message = (f"captioning {plural(len(todo), 'item')} on Ray ({address}: {pool}, "
                f"{gpus_per_actor:g} GPU each; {done})")

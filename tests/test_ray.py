@@ -119,19 +119,93 @@ def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.Monkey
     assert done.exit_code == 2 and "--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'" in done.output
 
 
-def test_caption_decoded_gives_what_caption_gives(tiny_model_dir: Path) -> None:
-    """The seam a Ray actor uses: items decoded elsewhere, then captioned, equal a normal run's results."""
-    from tarsier_batch.api import Captioner, CaptionSettings
-    from tarsier_batch.engine import SamplingParams
+def _decoded_sample_data(captioner) -> tuple[list, list]:
     from tarsier_batch.sources import discover
     from tarsier_batch.workers import DecodeJob, decode_item
 
-    captioner = Captioner(CaptionSettings(model=str(tiny_model_dir), sampling=SamplingParams(max_new_tokens=6),
-                                          batch_size=3, workers=1, isolate_decoding=False, device="cpu"))
     items = discover([str(SAMPLE_DATA)]).items
-    expected = [(result.path, result.caption, result.generated_ids, result.error) for result in captioner.caption(items)]
     job = DecodeJob(captioner.model.processor, captioner.frames, None)
-    decoded = (decode_item(job, index, item) for index, item in enumerate(items))
-    got = [(result.path, result.caption, result.generated_ids, result.error)
-           for result in captioner.caption_decoded(decoded)]
-    assert got == expected and len(got) == len(items) > 5 and all(ids for _, _, ids, _ in got)
+    return items, [decode_item(job, index, item) for index, item in enumerate(items)]
+
+
+def _service_captioner(model: Path, batch_size: int, max_new_tokens: int):
+    from tarsier_batch.api import Captioner, CaptionSettings
+    from tarsier_batch.engine import SamplingParams
+
+    return Captioner(CaptionSettings(model=str(model), sampling=SamplingParams(max_new_tokens=max_new_tokens),
+                                     batch_size=batch_size, workers=1, isolate_decoding=False, device="cpu"))
+
+
+def _summary(results) -> list[tuple]:
+    return [(result.path, result.caption, result.generated_ids, result.error) for result in results]
+
+
+def test_the_caption_service_gives_what_caption_gives_to_callers_on_two_threads(tiny_model_dir: Path) -> None:
+    """The seam a Ray actor uses: items decoded elsewhere, handed in by two threads at once, come back to
+    each caller in its order with exactly a normal run's results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    captioner = _service_captioner(tiny_model_dir, batch_size=3, max_new_tokens=6)
+    items, decoded = _decoded_sample_data(captioner)
+    expected = _summary(captioner.caption(items))
+    service = captioner.serve()
+    halves = [decoded[0::2], decoded[1::2]]
+    with ThreadPoolExecutor(2) as callers:
+        got = list(callers.map(service.caption, halves))
+    service.close()
+    assert _summary(got[0]) == expected[0::2] and _summary(got[1]) == expected[1::2]
+    assert len(items) > 5 and sum(1 for row in expected if row[3] is None and row[2]) >= 5
+
+
+def test_a_second_callers_items_join_the_first_callers_running_rows(tiny_model_dir: Path) -> None:
+    """Continuous batching across an actor's calls: the second caller's two items join the first caller's
+    two running rows (4 rows in one step), and every result is what the item gets alone."""
+    import threading
+
+    captioner = _service_captioner(tiny_model_dir, batch_size=4, max_new_tokens=12)
+    _, decoded = _decoded_sample_data(captioner)
+    videos = [one for one in decoded if one.error is None][:4]
+    alone = captioner.serve()
+    expected = [_summary(alone.caption([one])) for one in videos]
+    alone.close()
+
+    engine = captioner.engine
+    first_step, second_handed_in = threading.Event(), threading.Event()
+    rows_per_step: list[int] = []
+    real_step = engine.step
+
+    def step(*args):
+        if not first_step.is_set():   # the first step, with only the first caller's rows, waits for the second
+            first_step.set()
+            assert second_handed_in.wait(60)
+        finished = real_step(*args)
+        rows_per_step.append(len(engine.scheduler.running) + len(finished))
+        return finished
+
+    engine.step = step
+    service = captioner.serve()
+    first = service.submit(videos[:2])
+    assert first_step.wait(60)
+    second = service.submit(videos[2:])
+    second_handed_in.set()
+    got = [_summary([future.result()]) for future in first + second]
+    service.close()
+    assert got == expected
+    assert max(rows_per_step) == 4 and rows_per_step[0] <= 2, rows_per_step
+    assert all(row[2] and len(row[2]) > 1 for [row] in got)   # rows ran several steps, so they overlapped
+
+
+def test_a_failed_engine_fails_every_caller_of_the_service(tiny_model_dir: Path) -> None:
+    """A run-level failure (a lost device) reaches the caller waiting and every later one: none waits forever."""
+    captioner = _service_captioner(tiny_model_dir, batch_size=2, max_new_tokens=4)
+    _, decoded = _decoded_sample_data(captioner)
+
+    def lost_device(*args):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    captioner.engine.step = lost_device
+    service = captioner.serve()
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        service.caption(decoded[:2])
+    with pytest.raises(RuntimeError, match="the caption service stopped earlier"):
+        service.caption(decoded[2:3])

@@ -2,11 +2,13 @@
 
 The items become a Ray Dataset (one row each: its place among the inputs and the pickled
 `MediaItem`). Decoding and preprocessing run as Ray CPU tasks (each Ray worker keeps an isolated
-decoding process with the checkpoint's processor, no weights: `workers.DecodePool`); captioning runs in an actor pool of `RayCaptioner`s, each
-a `Captioner` (the library API the CLI uses) on its own device, fed batches of decoded items
-that its engine runs with continuous batching; Ray's Parquet writer puts the rows into part
-files of DIR, with the schema and provenance of a single-process run. A rerun reads DIR and
-captions only what it does not hold yet.
+decoding process with the checkpoint's processor, no weights: `workers.DecodePool`). Captioning
+runs in an actor pool of `RayCaptioner`s, each a `Captioner` (the library API the CLI uses) on
+its own device; an actor takes batches of decoded items, two calls at a time, into one engine
+(`api.CaptionService`), so the next batch's rows join as the last one's leave (continuous
+batching across batches). Ray's Parquet writer puts the rows into part files of DIR, with the
+schema and provenance of a single-process run. A rerun reads DIR and captions only what it does
+not hold yet.
 
 An actor that dies (a crash, a lost node) is restarted by Ray and its batch given to it again
 (Ray Data's defaults for actor pools: `max_restarts` and `max_task_retries` -1, unbounded). A
@@ -24,7 +26,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from ..sources import MediaItem
 from ..workers import DecodeJob, Decoded, DecodePool
 
 FAULT_VARIABLE = "TARSIER_BATCH_RAY_FAULT"
+CALLS_PER_ACTOR = 2
 
 
 class RayResourceError(ValueError):
@@ -58,7 +61,7 @@ class RayJob:
     resume_settings: dict[str, Any]  # the flags' part of provenance["settings"] (with_token_ids, key, shard)
     actors: tuple[int, int]          # the actor pool's size: (N, N), or bounds Ray scales between
     gpus_per_actor: float
-    items_per_batch: int             # items an actor takes at once: a few engine batches, so rows keep joining
+    items_per_batch: int             # items in one call of an actor (it runs CALLS_PER_ACTOR at once)
 
 
 @dataclass
@@ -92,9 +95,13 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
     decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=1,
                                   num_cpus=1, batch_format="numpy")
     low, high = job.actors
+    # Each actor runs CALLS_PER_ACTOR calls at once (threads), so the next batch's items are in its
+    # engine before the last rows of the one before finish: the engine stays full across batches.
+    actors = ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
+                                        enable_true_multi_threading=True)
     captioned = decoded.map_batches(
         RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
-        concurrency=(low, high) if low < high else low, num_gpus=job.gpus_per_actor, num_cpus=1)
+        compute=actors, num_gpus=job.gpus_per_actor, num_cpus=1)
     out_dir.mkdir(parents=True, exist_ok=True)
     captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
     parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
@@ -137,6 +144,7 @@ class RayCaptioner:
     def __init__(self, job: RayJob):
         self.job = job
         self.captioner = Captioner(job.settings)
+        self.service = self.captioner.serve()   # Ray runs CALLS_PER_ACTOR calls at once; they share its engine
         self.provenance = {**self.captioner.provenance(), "runner": "ray",
                            "settings": {**self.captioner.resume_settings(), **job.resume_settings}}
         self.schema = with_metadata(job.columns.schema(), self.provenance, {"complete": True})
@@ -144,8 +152,7 @@ class RayCaptioner:
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         decoded: list[Decoded] = [pickle.loads(one) for one in batch["decoded"]]
         _maybe_die([one.item.path for one in decoded])
-        # The engine's results come in the order of `index`: number the batch's items from 0.
-        results = self.captioner.caption_decoded(replace(one, index=number) for number, one in enumerate(decoded))
+        results = self.service.caption(decoded)
         rows = [self.job.columns.row(result, one.item, self.job.model_name)
                 for result, one in zip(results, decoded)]
         return pa.Table.from_pylist(rows, schema=self.schema)
