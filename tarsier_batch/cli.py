@@ -28,7 +28,7 @@ from .job import CaptionJob
 from .manifest import ManifestError, check_manifest_path, read_manifest
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.resume import SettingsMismatchError, check_settings, describe_plan, plan_run
+from .outputs.resume import Plan, SettingsMismatchError, check_settings, describe_plan, plan_run
 from .outputs.schema import RESERVED_NAMES, OutputColumns
 from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
@@ -183,7 +183,7 @@ def caption(
                           null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
                           overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
     shard_spec = _parse_shard(shard)
-    actors = _check_ray_flags(out_dir, shard_spec, ray_workers) if ray is not None else (1, 1)
+    actors = _check_ray_flags(out_dir, shard_spec, ray_workers, prune_missing) if ray is not None else (1, 1)
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
     columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
@@ -225,7 +225,7 @@ def caption(
         plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
         if ray is not None:
             raise typer.Exit(_caption_on_ray(
-                ray, discovery.items, stored, store, columns, overwrite, retry_errors, limit, console, quiet, log,
+                ray, discovery.items, plan, store, columns, overwrite, limit, console, quiet, log,
                 actors, ray_gpus_per_worker if ray_gpus_per_worker is not None else float(device != "cpu"),
                 {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
                 model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
@@ -318,7 +318,7 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     return target
 
 
-def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str) -> tuple[int, int]:
+def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str, prune_missing: bool) -> tuple[int, int]:
     """Answer wrong --ray flags at once; returns the actor pool's bounds (MIN, MAX) from --ray-workers."""
     import importlib.util
 
@@ -330,34 +330,42 @@ def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str) ->
         _fail("--ray writes a folder of Parquet part files: give --out-dir DIR instead of --out")
     if shard is not None:
         _fail("--ray spreads the items over the cluster itself; leave out --shard")
+    if prune_missing:
+        _fail("--ray only adds part files; to drop rows of vanished files, run once without --ray with --prune-missing")
     if importlib.util.find_spec("ray") is None:
         _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
     return low, high
 
 
-def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, store: ResultStore | None,
-                    columns: OutputColumns, overwrite: bool, retry_errors: bool, limit: int | None, console: Console,
+def _caption_on_ray(address: str, items: list[MediaItem], plan: Plan, store: ResultStore | None,
+                    columns: OutputColumns, overwrite: bool, limit: int | None, console: Console,
                     quiet: bool, log: LineLog, actors: tuple[int, int], gpus_per_actor: float,
                     flag_settings: dict[str, Any],
                     sampling: tuple[int, float, float, int, float | None], **settings: Any) -> int:
-    """Caption on a Ray cluster what --out-dir does not hold yet; returns the exit code."""
+    """Caption on a Ray cluster what --out-dir does not hold yet; returns the exit code.
+
+    As in a single run, items sharing content (their key) are captioned once: the cluster gets
+    `plan.todo`, and the other paths get copies of its rows in one more part file.
+    """
     from .api import CaptionSettings
     from .engine import SamplingParams
-    from .runners.ray import RayJob, RayResourceError, run_on_ray
+    from .runners.ray import RayJob, RayResourceError, add_copies, run_on_ray
 
     assert store is not None
     if overwrite:
         for part in store.target.shards():
             part.unlink()
-
-    def needs_caption(item: MediaItem) -> bool:
-        row = stored.rows.get(item.row_path)
-        return row is None or row["key"] != item.stable_key or (retry_errors and row["error"] is not None)
-
-    todo = [item for item in items if needs_caption(item)][:limit]
-    done = f"{plural(len(items) - len(todo), 'item')} done earlier"
-    if not todo:
+    if limit:
+        plan.limit(limit)
+    by_path = {item.row_path: item for item in items}
+    reused = [(plan.done[path], by_path[path]) for path in plan.reused]
+    copies = sum(len(more) for more in plan.sharing.values()) + len(reused)
+    done = f"{plural(len(plan.done) - len(plan.reused), 'item')} done earlier"
+    if not plan.todo:
+        added = add_copies(store.out, reused, {}, [], columns)
         message = f"nothing to caption on Ray: {done}; {store.out} holds them"
+        if added:
+            message += f"; added {plural(added, 'row')} copying captioned content"
         console.print(f"tarsier: {message}", highlight=False, markup=False)
         log(message)
         return EXIT_OK
@@ -366,13 +374,14 @@ def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, st
                  flag_settings, actors, gpus_per_actor,
                  items_per_batch=2 * (settings["batch_size"] or 16))
     pool = plural(actors[0], "actor") if actors[0] == actors[1] else f"{actors[0]}-{actors[1]} actors"
-    message = (f"captioning {plural(len(todo), 'item')} on Ray ({address}: {pool}, "
+    message = (f"captioning {plural(len(plan.todo), 'item')} on Ray ({address}: {pool}, "
                f"{gpus_per_actor:g} GPU each; {done})")
     if not quiet:
         console.print(f"tarsier: {message}", highlight=False, markup=False)
     log(message)
     try:
-        run = run_on_ray(job, todo, store.out, address)
+        run = run_on_ray(job, plan.todo, store.out, address)
+        add_copies(store.out, reused, plan.sharing, run.parts, columns)
     except RayResourceError as error:
         _fail(str(error))
     except Exception as error:  # a task that failed past its retries, a lost cluster: the parts written stay
@@ -381,8 +390,10 @@ def _caption_on_ray(address: str, items: list[MediaItem], stored: StoredRows, st
         console.print(f"tarsier: {message}", highlight=False, markup=False)
         log(message)
         return EXIT_CRASHED
-    message = (f"done on Ray: captioned {run.rows - run.failed}; failed {run.failed}; wall time {run.seconds:.1f} s; "
-               f"{run.rows / run.seconds:.3f} items/s; {plural(len(run.parts), 'part file')} added to {store.out}")
+    copied = f"; copied {copies} (same content)" if copies else ""
+    message = (f"done on Ray: captioned {run.rows - run.failed}; failed {run.failed}{copied}; wall time "
+               f"{run.seconds:.1f} s; {run.rows / run.seconds:.3f} items/s; "
+               f"{plural(len(run.parts) + bool(copies), 'part file')} added to {store.out}")
     if not quiet:
         console.print(f"tarsier: {message}", highlight=False, markup=False)
     log(message)

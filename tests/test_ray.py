@@ -78,6 +78,46 @@ def test_ray_rows_equal_the_single_process_rows_and_a_rerun_resumes(cluster: Pat
 
 
 @pytest.mark.ray
+def test_a_manifest_on_ray_keeps_its_columns_and_prompts_and_captions_each_content_once(
+        cluster: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--manifest with kept columns and a row's own prompt, --key sha256 with a copied file: the rows a single
+    run writes; the copy is captioned once; a copy added later is not captioned at all."""
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    shutil.copy(SAMPLE_DATA / "ball_h264.mp4", clips / "a.mp4")
+    shutil.copy(SAMPLE_DATA / "ball_h264.mp4", clips / "a-copy.mp4")
+    shutil.copy(SAMPLE_DATA / "ball.gif", clips / "b.gif")
+    shutil.copy(SAMPLE_DATA / "still.png", clips / "c.png")
+    manifest = tmp_path / "list.csv"
+    lines = ["video,id,prompt", "clips/a.mp4,1,", "clips/a-copy.mp4,2,", "clips/b.gif,3,What moves?", "clips/c.png,4,"]
+    manifest.write_text("\n".join(lines) + "\n")
+    flags = ["--manifest", str(manifest), "--keep-columns", "id", "--key", "sha256"]
+    single = tmp_path / "single.parquet"
+    assert caption(tiny_model_dir, *flags, "-o", str(single), "--quiet").exit_code == 0
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, *flags, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    assert "captioning 3 items on Ray" in done.output and "captioned 3; failed 0; copied 1 (same content)" in done.output
+
+    def by_path(rows: list[dict]) -> list[dict]:
+        return sorted(rows, key=lambda row: row["path"])
+
+    expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+    assert by_path(ray_rows(out)) == by_path(expected)
+    rows = {Path(row["path"]).name: row for row in expected}
+    assert rows["a-copy.mp4"]["caption"] == rows["a.mp4"]["caption"] and rows["a-copy.mp4"]["id"] == "2"
+    assert rows["b.gif"]["prompt"] == "What moves?"
+
+    shutil.copy(SAMPLE_DATA / "still.png", clips / "c-copy.png")
+    manifest.write_text("\n".join([*lines, "clips/c-copy.png,5,"]) + "\n")
+    again = caption(tiny_model_dir, *flags, "--ray", "local", "--out-dir", str(out))
+    assert again.exit_code == 0 and "nothing to caption on Ray: 4 items done earlier" in again.output, again.output
+    assert "added 1 row copying captioned content" in again.output
+    added = {Path(row["path"]).name: row for row in ray_rows(out)}["c-copy.png"]
+    assert added["caption"] == rows["c.png"]["caption"] and added["id"] == "5" and added["error"] is None
+
+
+@pytest.mark.ray
 def test_a_dying_actor_is_restarted_and_a_crashing_decoder_is_an_error_row(cluster: Path, tiny_model_dir: Path,
                                                                     tmp_path: Path) -> None:
     folder = tmp_path / "pictures"
@@ -209,3 +249,9 @@ def test_a_failed_engine_fails_every_caller_of_the_service(tiny_model_dir: Path)
         service.caption(decoded[:2])
     with pytest.raises(RuntimeError, match="the caption service stopped earlier"):
         service.caption(decoded[2:3])
+
+
+def test_ray_refuses_prune_missing_at_once(tmp_path: Path) -> None:
+    done = runner.invoke(app, ["caption", "no-such-input", "--ray", "local", "--out-dir", str(tmp_path / "d"),
+                               "--prune-missing"])
+    assert done.exit_code == 2 and "--ray only adds part files" in done.output, done.output

@@ -47,6 +47,7 @@ class Plan:
     done: dict[str, dict[str, Any]] = field(default_factory=dict)         # path -> finished row
     todo: list[MediaItem] = field(default_factory=list)                   # one item per key
     sharing: dict[str, list[MediaItem]] = field(default_factory=dict)     # key -> more items with that content
+    reused: list[str] = field(default_factory=list)   # paths in `done` whose row copies another path's caption
     kept: list[dict[str, Any]] = field(default_factory=list)              # stored rows of paths not in this run
     missing_kept: int = 0     # of `kept`, rows whose file no longer exists
     missing_pruned: int = 0   # rows dropped by --prune-missing
@@ -99,6 +100,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.retried += row["key"] == key
         if key in captioned_content:
             plan.done[item.row_path] = {**captioned_content[key], "path": item.row_path}
+            plan.reused.append(item.row_path)
         elif key in planned:
             plan.sharing.setdefault(key, []).append(item)
         else:

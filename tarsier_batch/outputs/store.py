@@ -100,7 +100,7 @@ class ResultStore:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
             leftover.unlink(missing_ok=True)
-        _write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
+        write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
@@ -126,7 +126,7 @@ class ResultStore:
         name = f"part-{time.time_ns():020d}-{os.getpid()}.parquet"
         table = pa.Table.from_pylist(rows, schema=self.schema)
         try:
-            _write_atomically(self.work_dir / name, lambda path: pq.write_table(table, path))
+            write_atomically(self.work_dir / name, lambda path: pq.write_table(table, path))
         except OSError as error:
             raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_dir}: "
                                    f"{error.strerror or error}") from error
@@ -155,7 +155,7 @@ class ResultStore:
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def _replace(self, path: Path, write: Callable[[Path], None]) -> None:
-        _write_atomically(path, write, temporary=path.parent / f".{path.name}.{os.getpid()}.tmp")
+        write_atomically(path, write, temporary=path.parent / f".{path.name}.{os.getpid()}.tmp")
 
     def _write_text(self, path: Path, table: pa.Table) -> None:
         with open(path, "w", encoding="utf-8", newline="") as handle:
@@ -204,7 +204,7 @@ def _take_rows(stored: StoredRows, table: pa.Table) -> None:
         stored.rows[row["path"]] = row
 
 
-def _write_atomically(path: Path, write: Callable[[Path], None], temporary: Path | None = None) -> None:
+def write_atomically(path: Path, write: Callable[[Path], None], temporary: Path | None = None) -> None:
     """Write through `temporary` (default `.<name>.tmp` beside `path`), fsync, rename, fsync the folder."""
     temporary = temporary or path.with_name(f".{path.name}.tmp")
     try:
@@ -227,4 +227,4 @@ def _fsync_directory(directory: Path) -> None:
             os.close(descriptor)
 
 
-__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows"]
+__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "write_atomically"]

@@ -38,8 +38,9 @@ import pyarrow.parquet as pq
 from ..api import Captioner, CaptionSettings, decode_pool
 from ..checkpoints import resolve_model
 from ..families import load_processor
-from ..outputs.formats import with_metadata
+from ..outputs.formats import SHARD_PATTERN, with_metadata, write_parquet
 from ..outputs.schema import OutputColumns
+from ..outputs.store import write_atomically
 from ..sources import MediaItem
 from ..workers import DecodeJob, Decoded, DecodePool
 
@@ -92,8 +93,12 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
     stamp = f"{time.time_ns():020d}"
     dataset = ray.data.from_items([{"position": position, "item": pickle.dumps(item)}
                                    for position, item in enumerate(items)])
-    decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=1,
-                                  num_cpus=1, batch_format="numpy")
+    # Decoding tasks spread over the cluster's nodes; the actors are placed by Ray's default. The
+    # differing strategies also keep Ray from fusing decoding into the actors, which it does when
+    # both ask for the same resources (--device cpu): decoding would then run in the actor's
+    # process, one batch after another, instead of beside the model.
+    decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=8,
+                                  num_cpus=1, scheduling_strategy="SPREAD", batch_format="numpy")
     low, high = job.actors
     # Each actor runs CALLS_PER_ACTOR calls at once (threads), so the next batch's items are in its
     # engine before the last rows of the one before finish: the engine stays full across batches.
@@ -101,13 +106,35 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
                                         enable_true_multi_threading=True)
     captioned = decoded.map_batches(
         RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
-        compute=actors, num_gpus=job.gpus_per_actor, num_cpus=1)
+        compute=actors, num_gpus=job.gpus_per_actor, num_cpus=1, scheduling_strategy="DEFAULT")
     out_dir.mkdir(parents=True, exist_ok=True)
     captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
     parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
     errors = [pq.read_table(part, columns=["error"]).column("error") for part in parts]
     return RayRun(parts, sum(len(column) for column in errors),
                   sum(len(column) - column.null_count for column in errors), time.perf_counter() - start)
+
+
+def add_copies(out_dir: Path, reused: list[tuple[dict[str, Any], MediaItem]], sharing: dict[str, list[MediaItem]],
+               parts: list[Path], columns: OutputColumns) -> int:
+    """Give the paths that share content with a captioned item their rows, in one more part file of `out_dir`.
+
+    `reused`: rows of earlier runs to copy to their new path; `sharing`: key -> the paths whose row is a
+    copy of the row `parts` (this run's) hold for that key. Each copy gets its own file facts and manifest
+    columns. Returns the number of rows added.
+    """
+    rows = [{**row, **columns.item_values(item)} for row, item in reused]
+    if sharing:
+        captioned = pa.concat_tables(pq.read_table(part, filters=[("key", "in", list(sharing))]) for part in parts)
+        by_key = {row["key"]: row for row in captioned.to_pylist()}
+        rows += [{**by_key[key], "path": item.row_path, **columns.item_values(item)}
+                 for key, items in sharing.items() for item in items]
+    if not rows:
+        return 0
+    newest = sorted(out_dir.glob(SHARD_PATTERN))[-1]   # this run's provenance, or the last run's
+    table = pa.Table.from_pylist(rows, schema=pq.read_schema(newest))
+    write_atomically(out_dir / f"part-{time.time_ns():020d}-copies.parquet", lambda path: write_parquet(path, table))
+    return len(rows)
 
 
 def part_names(stamp: str) -> Any:
