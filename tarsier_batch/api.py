@@ -229,8 +229,9 @@ class CaptionService:
     nearly done does not leave the engine half empty while the next caller's items wait, as one
     `caption()` call per batch would.
 
-    One thread (started here, a daemon) owns the engine until `close()`. A run-level failure (a
-    lost device) is raised to every caller waiting and to every later one.
+    One thread (started here, a daemon) owns the engine until `close()`, so a Captioner serves one
+    service at a time. A run-level failure (a lost device) is raised to every caller waiting and to
+    every later one.
     """
 
     def __init__(self, captioner: Captioner):
@@ -239,7 +240,8 @@ class CaptionService:
         self._inbox: queue.SimpleQueue[tuple[Decoded, Future[CaptionResult]] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()   # orders hand-ins against a failure, so none is left unanswered
         self._failure: BaseException | None = None
-        threading.Thread(target=self._serve, name="caption-service", daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, name="caption-service", daemon=True)
+        self._thread.start()
 
     def caption(self, decoded: list[Decoded]) -> list[CaptionResult]:
         """Caption `decoded` (their `index` is ignored); blocks until all are done."""
@@ -257,8 +259,10 @@ class CaptionService:
         return futures
 
     def close(self) -> None:
-        """Stop the engine's thread: callers still waiting get an error, and so do later ones."""
+        """Stop the engine's thread and wait for it (then another service may use the Captioner):
+        callers still waiting get an error, and so do later ones."""
         self._inbox.put(None)
+        self._thread.join()
 
     def _serve(self) -> None:
         engine = self._captioner.engine
