@@ -32,13 +32,23 @@ class RowSpan:
 class StepAttention:
     """The `Attention` callback a model calls once per layer during one engine step."""
 
-    def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device):
+    def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device,
+                 capture: tuple[int, set[int]] | None = None):
+        """`capture`: (layer, row indices) whose last token's query to keep at that layer (`captured`)."""
         self.kv = kv
         self.rows = rows
         self.masks = [_causal_mask(row.start, row.num_tokens, device) for row in rows]
+        self.capture = capture
+        self.captured: dict[int, torch.Tensor] = {}   # row index -> (heads, head_dim) rotated query
+        self.scale = 0.0
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
+        if self.capture is not None and layer == self.capture[0]:
+            self.scale = scale
+            for index in self.capture[1]:
+                row = self.rows[index]
+                self.captured[index] = q[row.offset + row.num_tokens - 1].clone()
         out = torch.empty_like(q)
         for row, mask in zip(self.rows, self.masks):
             tokens = slice(row.offset, row.offset + row.num_tokens)

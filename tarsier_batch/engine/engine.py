@@ -13,6 +13,7 @@ from ..families.base import CaptionModel, ProcessedPrompt
 from ..text import one_line
 from .kv_cache import KVCache
 from .model_runner import ModelRunner
+from .pruning import PruneConfig, row_pruning
 from .sampling import SamplingParams, select_tokens
 from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
 from .sequence import Sequence
@@ -27,6 +28,7 @@ class EngineConfig:
     prefill_chunk: int = 2048      # 0: prefill each prompt whole
     kv_cache_tokens: int = 65536   # slots of the preallocated KV cache
     offload_kv: bool = False       # keep prefilling rows' KV in host memory
+    prune: PruneConfig | None = None   # drop vision tokens after a layer (not the official output)
 
 
 class Engine:
@@ -41,7 +43,12 @@ class Engine:
         self.kv = KVCache(model.kv_geometry, config.kv_cache_tokens, model.dtype, model.device)
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
                                                    config.prefill_chunk, config.offload_kv), self.kv)
-        self.runner = ModelRunner(model, self.kv)
+        if config.prune is not None and config.prune.layer >= model.kv_geometry.num_layers:
+            raise ValueError(f"--prune-layer {config.prune.layer}: the model has {model.kv_geometry.num_layers} "
+                             f"layers; give 1 <= K < {model.kv_geometry.num_layers}")
+        if config.prune is not None and config.offload_kv:
+            raise ValueError("--offload-kv and --prune-vision do not work together yet; leave one out")
+        self.runner = ModelRunner(model, self.kv, config.prune.layer if config.prune is not None else None)
 
     @property
     def has_work(self) -> bool:
@@ -59,6 +66,8 @@ class Engine:
         """Queue one row. A row that can never fit the KV cache is not queued: it comes back finished
         with an error."""
         seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, generator, payload)
+        if self.config.prune is not None and prompt.vision_blocks:
+            seq.pruning = row_pruning(prompt, self.config.prune)
         problem = self.scheduler.add(seq)
         if problem is not None:
             seq.finish("error", problem)

@@ -12,6 +12,7 @@ import torch
 from ..families.base import CaptionModel
 from .attention import RowSpan, StepAttention
 from .kv_cache import KVCache
+from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
 from .sequence import Sequence
 
@@ -19,14 +20,26 @@ VISION_BLOCKS_PER_CALL = 16  # bounds the vision tower's activations in one call
 
 
 class ModelRunner:
-    def __init__(self, model: CaptionModel, kv: KVCache):
+    def __init__(self, model: CaptionModel, kv: KVCache, prune_layer: int | None = None):
         self.model = model
         self.kv = kv
+        self.prune_layer = prune_layer   # K, when rows may have their vision tokens pruned
 
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the step; returns the rows that reached their last position and their logits."""
         self._encode_vision(step)
+        if any(row.seq.pruning is not None for row in step):
+            sampled, hidden = self._run_in_two_parts(step)
+        else:
+            sampled, hidden = self._run_whole(step)
+        self._drop_consumed_vision(step)
+        if not sampled:
+            return [], None
+        return sampled, self.model.logits(hidden)
+
+    def _run_whole(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
+        """Every row's new positions through every layer; the final hidden states of the rows that sample."""
         embeds, positions, spans, sampled_at, sampled = [], [], [], [], []
         offset = 0
         for row in step:
@@ -42,10 +55,83 @@ class ModelRunner:
         device = self.model.device
         attention = StepAttention(self.kv, spans, device)
         hidden = self.model.forward(torch.cat(embeds), torch.cat(positions, dim=1).to(device), attention)
-        self._drop_consumed_vision(step)
         if not sampled:
-            return [], None
-        return sampled, self.model.logits(hidden[torch.tensor(sampled_at, device=device)])
+            return [], hidden
+        return sampled, hidden[torch.tensor(sampled_at, device=device)]
+
+    def _run_in_two_parts(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
+        """Layers [0, K) then [K, end), when a row in the step is pruned (see `engine.pruning`).
+
+        Rows not pruned and generated tokens go through both parts; a pruned row's prompt chunk
+        only through the first (its layer-K inputs are kept), its survivors' chunk only through
+        the second. Each part attends with its own slot offsets: in the late layers a pruned row's
+        cache holds its survivors, then its generated tokens.
+        """
+        device, layer = self.model.device, self.prune_layer
+        assert layer is not None
+        early = _Part()
+        late = _Part()
+        early_outputs: list[tuple[Sequence, int, int, int]] = []   # (seq, offset in early part, start, end)
+        scored: dict[int, Sequence] = {}                            # early span index -> row scored this step
+        late_inputs: list[tuple[int, torch.Tensor | int]] = []       # per late span: its inputs, or its early offset
+        sampled, sampled_at = [], []
+        for row in step:
+            seq, start = row.seq, row.seq.num_computed
+            end = start + row.num_tokens
+            pruning, prompt = seq.pruning, seq.prompt.length
+            if pruning is not None and end <= prompt:              # the prompt through the early layers
+                early_outputs.append((seq, early.tokens, start, end))
+                if end == prompt and pruning.survivors is None:
+                    scored[len(early.spans)] = seq
+                early.add(self._embed(seq, start, end), seq.positions(start, end), start, seq)
+                continue
+            if pruning is not None and end <= prompt + pruning.num_survivors:   # survivors through the late layers
+                assert pruning.survivors is not None and pruning.layer_inputs is not None
+                chosen = pruning.survivors[start - prompt:end - prompt]
+                late_inputs.append((len(late.spans), pruning.layer_inputs[chosen.to(device)]))
+                late.add(None, seq.prompt.positions[:, chosen], start - prompt, seq, row.num_tokens)
+            else:   # a row not pruned, or generated tokens: both parts; late slots after the survivors
+                survivors = pruning.num_survivors if pruning is not None else 0
+                real_start, real_end = start - survivors, end - survivors
+                late_inputs.append((len(late.spans), early.tokens))
+                early.add(self._embed(seq, real_start, real_end), seq.positions(real_start, real_end), real_start, seq)
+                late_start = start - prompt if pruning is not None else start
+                late.add(None, seq.positions(real_start, real_end), late_start, seq, row.num_tokens)
+            if end == seq.length:
+                sampled.append(seq)
+                sampled_at.append(late.tokens - 1)
+        hidden = None
+        if early.spans:
+            attention = StepAttention(self.kv, early.spans, device, capture=(layer - 1, set(scored)))
+            hidden = self.model.run_layers(torch.cat(early.embeds), early.position_ids(device), attention, 0, layer)
+            for seq, offset, start, end in early_outputs:
+                pruning = seq.pruning
+                assert pruning is not None
+                if pruning.layer_inputs is None:
+                    pruning.layer_inputs = hidden.new_empty(seq.prompt.length, hidden.shape[1])
+                pruning.layer_inputs[start:end] = hidden[offset:offset + end - start]
+            for index, seq in scored.items():
+                self._choose_survivors(seq, attention.captured[index], attention.scale)
+        if not late.spans:   # only prompt chunks of pruned rows: nothing reaches the late layers or samples
+            return [], torch.empty(0)
+        inputs = [piece if isinstance(piece, torch.Tensor) else hidden[piece:piece + late.spans[span].num_tokens]
+                  for span, piece in late_inputs]
+        attention = StepAttention(self.kv, late.spans, device)
+        num_layers = self.kv.geometry.num_layers
+        out = self.model.run_layers(torch.cat(inputs), late.position_ids(device), attention, layer, num_layers)
+        if not sampled:
+            return [], out
+        for seq in sampled:   # the prompt is done with: its layer-K inputs are no longer needed
+            if seq.pruning is not None:
+                seq.pruning.layer_inputs = None
+        return sampled, self.model.final_norm(out[torch.tensor(sampled_at, device=device)])
+
+    def _choose_survivors(self, seq: Sequence, query: torch.Tensor, scale: float) -> None:
+        pruning = seq.pruning
+        assert pruning is not None and seq.region is not None
+        keys, _ = self.kv.read(seq.region, pruning.layer - 1, seq.prompt.length)
+        scores = attention_of_last_query(query, keys[0], scale)
+        pruning.survivors = choose_survivors(scores, pruning.vision_mask, pruning.kept_vision)
 
     def _embed(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Input vectors of positions [start, end): token embeddings, vision vectors where blocks lie."""
@@ -81,3 +167,25 @@ class ModelRunner:
                                                [seq.prompt.vision_blocks[index] for seq, index in batch])
             for (seq, index), block_vectors in zip(batch, vectors):
                 seq.encoded[index] = block_vectors
+
+
+class _Part:
+    """The flattened tokens of the step that run through one range of layers."""
+
+    def __init__(self) -> None:
+        self.embeds: list[torch.Tensor] = []
+        self.positions: list[torch.Tensor] = []
+        self.spans: list[RowSpan] = []
+        self.tokens = 0
+
+    def add(self, embeds: torch.Tensor | None, positions: torch.Tensor, start: int, seq: Sequence,
+            num_tokens: int | None = None) -> None:
+        count = num_tokens if num_tokens is not None else positions.shape[1]
+        if embeds is not None:
+            self.embeds.append(embeds)
+        self.positions.append(positions)
+        self.spans.append(RowSpan(self.tokens, count, start, seq.region, seq.host_kv))
+        self.tokens += count
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        return torch.cat(self.positions, dim=1).to(device)

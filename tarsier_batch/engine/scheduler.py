@@ -83,7 +83,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         step: list[ScheduledRow] = []
         for seq in [seq for seq in self.running if not seq.in_prefill]:
-            if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq, seq.length):
+            if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq, seq.kv_length):
                 step.append(ScheduledRow(seq, 1))
                 budget -= 1
         prefilled_whole = False
@@ -125,6 +125,8 @@ class Scheduler:
         self.running.remove(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.encoded.clear()
+        if seq.pruning is not None:  # its survivors stay chosen: recomputing reproduces the same row
+            seq.pruning.layer_inputs = None
         seq.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(seq)
@@ -151,21 +153,22 @@ class Scheduler:
 
     def _schedule_alone(self, seq: Sequence) -> list[ScheduledRow]:
         tokens = self._chunk(seq, max(self.max_batch_tokens, 1), False)
-        if seq.in_prefill or self._make_room(seq, seq.length):
+        if seq.in_prefill or self._make_room(seq, seq.kv_length):
             return [ScheduledRow(seq, tokens)]
         return []
 
     def _chunk(self, seq: Sequence, budget: int, prefilled_whole: bool) -> int:
         """Positions of `seq` to compute this step within `budget`."""
-        if not self.prefill_chunk:  # unchunked: the whole rest at once, over budget if it is the first
-            return seq.remaining if seq.remaining <= budget or not prefilled_whole else 0
-        return min(seq.remaining, self.prefill_chunk, budget)
+        limit = seq.chunk_limit
+        if not self.prefill_chunk:  # unchunked: the whole rest (of a pruning stage) at once, over budget if first
+            return limit if limit <= budget or not prefilled_whole else 0
+        return min(limit, self.prefill_chunk, budget)
 
     def _admit(self, seq: Sequence, force: bool = False) -> bool:
         if self.offload_prefill and seq.in_prefill:
-            seq.host_kv = HostKV(self.kv.geometry, seq.length, self.kv.keys.dtype, self.kv.keys.device)
+            seq.host_kv = HostKV(self.kv.geometry, seq.kv_length, self.kv.keys.dtype, self.kv.keys.device)
         else:
-            size = min(seq.max_length, seq.length + FIRST_DECODE_RESERVE)
+            size = min(seq.max_length, seq.kv_length + FIRST_DECODE_RESERVE)
             watermark = 0 if force or not self.running else int(self.kv.capacity_tokens * ADMISSION_WATERMARK)
             if self.kv.allocator.free_slots - size < watermark:
                 return False
@@ -203,10 +206,10 @@ class Scheduler:
         if region is None:
             return False
         if seq.region is not None:
-            self.kv.move(seq.region, region, seq.num_computed)
+            self.kv.move(seq.region, region, seq.slots_used)
             self.kv.allocator.release(seq.region)
         elif seq.host_kv is not None:  # offloaded prefill done: bring its KV to the device
-            self.kv.copy_from(region, seq.host_kv, seq.num_computed)
+            self.kv.copy_from(region, seq.host_kv, seq.slots_used)
             seq.host_kv = None
         seq.region = region
         return True
@@ -227,7 +230,7 @@ class Scheduler:
             region = seq.region
             if region.start != cursor:
                 moved = Region(cursor, region.capacity)
-                self.kv.move(region, moved, min(seq.num_computed, region.capacity))
+                self.kv.move(region, moved, min(seq.slots_used, region.capacity))
                 seq.region = moved
             cursor += region.capacity
         self.kv.allocator.reset(used=cursor)

@@ -11,6 +11,7 @@ import torch
 
 from ..families.base import ProcessedPrompt
 from .kv_cache import HostKV, Region
+from .pruning import RowPruning
 
 _ids = itertools.count()
 
@@ -28,7 +29,8 @@ class Sequence:
     There are no prefill and decode phases, only `num_computed` (positions whose keys and
     values are cached) against `length` (prompt plus generated tokens): a prefill chunk is a
     step that computes many positions, a decode step computes one. When a step computes the
-    last position the row samples its next token.
+    last position the row samples its next token. A row whose vision tokens are pruned counts
+    its survivors' pass through the late layers as positions too (see `engine.pruning`).
     """
 
     prompt: ProcessedPrompt
@@ -46,6 +48,7 @@ class Sequence:
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
+    pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
     _prompt_vocabulary: torch.Tensor | None = None
 
     def seen_ids(self) -> torch.Tensor:
@@ -56,17 +59,43 @@ class Sequence:
 
     @property
     def length(self) -> int:
+        """Positions to compute before the next token: the prompt and the tokens generated (with pruning,
+        the survivors' late-layer pass too)."""
+        survivors = self.pruning.num_survivors if self.pruning is not None else 0
+        return self.prompt.length + survivors + len(self.output_ids)
+
+    @property
+    def kv_length(self) -> int:
+        """KV slots the row needs once `length` is computed: the prompt and the tokens generated (with
+        pruning, the early layers' count; the late layers use fewer of the same slots)."""
         return self.prompt.length + len(self.output_ids)
 
     @property
     def max_length(self) -> int:
-        """The most positions this row can ever hold: the prompt and every token it may generate."""
+        """The most KV slots this row can ever hold: the prompt and every token it may generate."""
         return self.prompt.length + self.max_new_tokens
+
+    @property
+    def slots_used(self) -> int:
+        """KV slots holding computed keys and values (in the early layers, with pruning)."""
+        if self.pruning is None:
+            return self.num_computed
+        prompt, survivors = self.prompt.length, self.pruning.num_survivors
+        return min(self.num_computed, prompt) + max(0, self.num_computed - prompt - survivors)
 
     @property
     def remaining(self) -> int:
         """Positions still to compute before the next token can be sampled."""
         return self.length - self.num_computed
+
+    @property
+    def chunk_limit(self) -> int:
+        """The most positions one step can compute: the rest, or with pruning the rest of the current stage."""
+        if self.pruning is not None:
+            for stage_end in (self.prompt.length, self.prompt.length + self.pruning.num_survivors):
+                if self.num_computed < stage_end:
+                    return stage_end - self.num_computed
+        return self.remaining
 
     @property
     def in_prefill(self) -> bool:
@@ -94,3 +123,5 @@ class Sequence:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         self.encoded.clear()
         self.host_kv = None
+        if self.pruning is not None:
+            self.pruning.layer_inputs = None

@@ -119,6 +119,14 @@ class CaptionModel(Protocol):
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         """Run (tokens, hidden) vectors at `positions` (components, tokens); returns final hidden states."""
 
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attention: Attention, first: int,
+                   end: int) -> torch.Tensor:
+        """Run (tokens, hidden) inputs of layer `first` through layers [first, end); returns layer `end`'s inputs
+        (`forward` is all layers, then `final_norm`)."""
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last layer's outputs -> final hidden states."""
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(rows, hidden) final hidden states -> (rows, vocab) next-token logits."""
 

@@ -24,10 +24,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       attention: Attention) -> torch.Tensor:
-    """(tokens, hidden) through every layer; `cos`/`sin` are each token's rotary factors."""
+                       attention: Attention, first: int = 0) -> torch.Tensor:
+    """(tokens, hidden) through `layers`, the decoder's layers from number `first` on (the number
+    attention is told); `cos`/`sin` are each token's rotary factors."""
     tokens = hidden.shape[0]
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(layers, start=first):
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
@@ -55,9 +56,16 @@ class DecoderCaptioner:
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         decoder = self.model.language_model.model
-        cos, sin = decoder.rotary_emb(embeds, self.rotary_position_ids(positions))  # (1, tokens, head_dim) each
-        hidden = run_decoder_layers(decoder.layers, embeds, cos[0], sin[0], attention)
-        return decoder.norm(hidden)
+        return decoder.norm(self.run_layers(embeds, positions, attention, 0, len(decoder.layers)))
+
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attention: Attention, first: int,
+                   end: int) -> torch.Tensor:
+        decoder = self.model.language_model.model
+        cos, sin = decoder.rotary_emb(hidden, self.rotary_position_ids(positions))  # (1, tokens, head_dim) each
+        return run_decoder_layers(decoder.layers[first:end], hidden, cos[0], sin[0], attention, first)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.language_model.lm_head(hidden)

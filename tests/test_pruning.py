@@ -1,0 +1,171 @@
+"""Vision-token pruning (`engine.pruning`): the engine's pruned rows against a plain reference that
+prunes one unchunked row alone; chunked, batched and preempted rows against rows alone; the score
+against eager attention weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
+from tarsier_batch.engine.pruning import attention_of_last_query, choose_survivors, row_pruning
+from tarsier_batch.families import ProcessedPrompt
+from tarsier_batch.families.base import embed_whole_prompt
+from test_engine import NAMES, process
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model, shared_media) -> list[ProcessedPrompt]:
+    return [process(tiny_model, shared_media / name) for name in NAMES]
+
+
+class _DenseAttention:
+    """Plain causal attention over per-layer key/value lists, with every layer's attention weights kept."""
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.weights: dict[int, torch.Tensor] = {}
+
+    def __call__(self, layer, q, k, v, scale):
+        keys = torch.cat([self.keys[layer], k]) if layer in self.keys else k
+        values = torch.cat([self.values[layer], v]) if layer in self.values else v
+        self.keys[layer], self.values[layer] = keys, values
+        groups = q.shape[1] // k.shape[1]
+        expanded_k = keys.repeat_interleave(groups, dim=1).transpose(0, 1)
+        expanded_v = values.repeat_interleave(groups, dim=1).transpose(0, 1)   # (heads, context, dim)
+        logits = torch.einsum("qhd,hcd->hqc", q, expanded_k) * scale
+        new, context = q.shape[0], keys.shape[0]
+        mask = torch.ones(new, context, dtype=torch.bool).tril(context - new)
+        self.weights[layer] = logits.masked_fill(~mask, float("-inf")).softmax(-1)
+        # The output through SDPA, as the official code computes it (the weights above only rank tokens).
+        return F.scaled_dot_product_attention(q.transpose(0, 1), expanded_k, expanded_v, attn_mask=mask,
+                                              scale=scale).transpose(0, 1)
+
+
+def reference(model, prompt: ProcessedPrompt, config: PruneConfig, max_new: int = MAX_NEW) -> tuple[list[int], torch.Tensor]:
+    """FastV on one row, written out plainly: layers [0, K) over the whole prompt, the last token's
+    head-averaged attention weights at layer K-1 rank the vision tokens, layers [K, end) over the
+    survivors at their own positions, then greedy decoding through every layer."""
+    layers = model.kv_geometry.num_layers
+    attention = _DenseAttention()
+    with torch.inference_mode():
+        hidden = model.run_layers(embed_whole_prompt(model, prompt), prompt.positions, attention, 0, config.layer)
+        scores = attention.weights[config.layer - 1][:, -1].mean(0)
+        pruning = row_pruning(prompt, config)
+        vision = pruning.vision_mask.nonzero().squeeze(1)
+        best = vision[scores[vision].topk(pruning.kept_vision).indices]
+        survivors = torch.cat([(~pruning.vision_mask).nonzero().squeeze(1), best]).sort().values
+        out = model.run_layers(hidden[survivors], prompt.positions[:, survivors], attention, config.layer, layers)
+        tokens: list[int] = []
+        normed = model.final_norm(out[-1:])
+        for step in range(max_new):
+            token = int(model.logits(normed).argmax(-1))
+            tokens.append(token)
+            if token in model.eos_token_ids:
+                break
+            position = torch.full((prompt.positions.shape[0], 1), prompt.next_position + step)
+            normed = model.forward(model.embed_tokens(torch.tensor([token])), position, attention)
+    return tokens, survivors
+
+
+def run(model, prompts: list[ProcessedPrompt], config: PruneConfig, max_new: int = MAX_NEW, **engine_config) -> list:
+    # Plain greedy, as the reference decodes (Tarsier2 checkpoints carry a repetition penalty).
+    engine = Engine(model, EngineConfig(prune=config, **engine_config),
+                    SamplingParams(max_new_tokens=max_new, repetition_penalty=1.0))
+    rows = [engine.add(prompt) for prompt in prompts]
+    while engine.has_work:
+        engine.step()
+    assert all(row.error is None for row in rows), [row.error for row in rows]
+    return rows
+
+
+@pytest.mark.parametrize("ratio, layer", [(0.5, 1), (0.75, 1), (0.25, 1)])   # the tiny model has 2 layers
+def test_a_pruned_row_alone_equals_the_plain_reference(tiny_model, prompts, ratio: float, layer: int) -> None:
+    config = PruneConfig(ratio, layer)
+    for prompt in prompts[:3]:
+        expected_tokens, expected_survivors = reference(tiny_model, prompt, config)
+        [row] = run(tiny_model, [prompt], config, max_rows=1, prefill_chunk=0)
+        assert row.output_ids == expected_tokens
+        assert torch.equal(row.pruning.survivors, expected_survivors)
+
+
+@pytest.mark.parametrize("chunk", [0, 7, 64])
+def test_pruned_rows_chunked_and_batched_equal_rows_alone(tiny_model, prompts, chunk: int) -> None:
+    config = PruneConfig(0.5, 1)
+    alone = [run(tiny_model, [prompt], config, max_rows=1, prefill_chunk=0)[0] for prompt in prompts]
+    together = run(tiny_model, prompts, config, max_rows=3, prefill_chunk=chunk, max_batch_tokens=96)
+    assert [row.output_ids for row in together] == [row.output_ids for row in alone]
+    assert all(torch.equal(a.pruning.survivors, b.pruning.survivors) for a, b in zip(alone, together))
+
+
+def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, prompts) -> None:
+    """A KV cache for about two rows forces preemptions mid-decode: the rows keep their survivors and tokens."""
+    config = PruneConfig(0.5, 1)
+    alone = [run(tiny_model, [prompt], config, 40, max_rows=1, prefill_chunk=0)[0] for prompt in prompts]
+    crowded = run(tiny_model, prompts, config, 40, max_rows=7, prefill_chunk=64, kv_cache_tokens=2 * (194 + 40) + 20)
+    assert [row.output_ids for row in crowded] == [row.output_ids for row in alone]
+    assert sum(row.preemptions for row in crowded) > 0
+
+
+def test_tarsier2_pruned_rows_keep_their_mrope_positions_and_equal_the_reference(shared_media, tmp_path_factory):
+    """M-RoPE: survivors keep their (t, h, w) positions, decoding continues after the rope delta; mixed frame
+    counts batched and chunked equal each row alone, which equals the plain reference."""
+    from tarsier_batch.families import load_caption_model
+    from tarsier_batch.tiny import make_tiny_model
+    from test_tarsier2 import process as process2
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-tarsier2"), "tiny", seed=0, family="tarsier2")
+    model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+    prompts2 = [process2(model, shared_media / "demo_test.mp4", frames=frames) for frames in (4, 8)] + \
+        [process2(model, shared_media / "tarsier_logo.jpg")]
+    config = PruneConfig(0.5, 1)
+    alone = [run(model, [prompt], config, max_rows=1, prefill_chunk=0)[0] for prompt in prompts2]
+    for prompt, row in zip(prompts2, alone):
+        tokens, survivors = reference(model, prompt, config)
+        assert row.output_ids == tokens and torch.equal(row.pruning.survivors, survivors)
+        assert prompt.positions.shape[0] == 3 and len(survivors) == row.pruning.num_survivors < prompt.length
+    together = run(model, prompts2, config, max_rows=3, prefill_chunk=16, max_batch_tokens=64)
+    assert [row.output_ids for row in together] == [row.output_ids for row in alone]
+
+
+def test_survivors_are_every_text_position_and_the_best_vision_positions_in_order() -> None:
+    scores = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.3, 0.05, 0.8])
+    vision = torch.tensor([False, True, True, True, True, True, False])
+    survivors = choose_survivors(scores, vision, kept_vision=3)
+    assert survivors.tolist() == [0, 2, 3, 4, 6]   # text 0 and 6 (whatever their score); 0.5, then 0.3 twice
+    assert choose_survivors(scores, vision, kept_vision=2).tolist() == [0, 2, 3, 6]   # a tie: the earlier one
+
+
+def test_the_score_equals_eager_attention_weights(tiny_model, prompts) -> None:
+    """The last prompt token's head-averaged attention at layer K-1, from its rotated query and the engine's
+    cached keys, equals transformers' eager attention weights for that token."""
+    language_model = tiny_model.model.language_model.model
+    prompt = prompts[1]
+    layer = 0   # K - 1: the tiny model has 2 layers
+    with torch.inference_mode():
+        embeds = embed_whole_prompt(tiny_model, prompt)
+        language_model.config._attn_implementation = "eager"
+        try:
+            eager = language_model(inputs_embeds=embeds.unsqueeze(0), position_ids=prompt.positions,
+                                   output_attentions=True).attentions[layer][0, :, -1].mean(0)
+        finally:
+            language_model.config._attn_implementation = "sdpa"
+    engine = Engine(tiny_model, EngineConfig(max_rows=1, prefill_chunk=0, prune=PruneConfig(0.5, layer + 1)),
+                    SamplingParams(max_new_tokens=1))
+    row = engine.add(prompt)
+    captured = {}
+    real_choose = engine.runner._choose_survivors
+
+    def choose(seq, query, scale):
+        keys, _ = engine.kv.read(seq.region, layer, seq.prompt.length)
+        captured["score"] = attention_of_last_query(query, keys[0], scale)
+        real_choose(seq, query, scale)
+
+    engine.runner._choose_survivors = choose
+    engine.step()
+    assert torch.allclose(captured["score"], eager, atol=1e-6), (captured["score"] - eager).abs().max()
+    assert len(row.pruning.survivors) == row.pruning.num_survivors
