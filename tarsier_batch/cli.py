@@ -472,7 +472,7 @@ def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple
     except Exception as error:  # anything else that stops the model loading is also a problem of the model given
         raise ValueError(one_line(error)) from error
     config = captioner.engine.config
-    kv_gib = captioner.engine.kv.nbytes / 2**30
+    kv_gib = captioner.engine.kv_bytes / 2**30
     offload = ", KV offloaded during prefill" if config.offload_kv \
         else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
     line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "

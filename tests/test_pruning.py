@@ -46,12 +46,14 @@ class _DenseAttention:
                                               scale=scale).transpose(0, 1)
 
 
-def reference(model, prompt: ProcessedPrompt, config: PruneConfig, max_new: int = MAX_NEW) -> tuple[list[int], torch.Tensor]:
+def reference(model, prompt: ProcessedPrompt, config: PruneConfig, max_new: int = MAX_NEW,
+              attention: _DenseAttention | None = None) -> tuple[list[int], torch.Tensor]:
     """FastV on one row, written out plainly: layers [0, K) over the whole prompt, the last token's
     head-averaged attention weights at layer K-1 rank the vision tokens, layers [K, end) over the
-    survivors at their own positions, then greedy decoding through every layer."""
+    survivors at their own positions, then greedy decoding through every layer. `attention` keeps
+    each layer's keys and values."""
     layers = model.kv_geometry.num_layers
-    attention = _DenseAttention()
+    attention = attention if attention is not None else _DenseAttention()
     with torch.inference_mode():
         hidden = model.run_layers(embed_whole_prompt(model, prompt), prompt.positions, attention, 0, config.layer)
         scores = attention.weights[config.layer - 1][:, -1].mean(0)
@@ -91,6 +93,8 @@ def test_a_pruned_row_alone_equals_the_plain_reference(tiny_model, prompts, rati
         [row] = run(tiny_model, [prompt], config, max_rows=1, prefill_chunk=0)
         assert row.output_ids == expected_tokens
         assert torch.equal(row.pruning.survivors, expected_survivors)
+        text = (~row.pruning.vision_mask).nonzero().squeeze(1)
+        assert torch.isin(text, row.pruning.survivors).all()   # text positions are never dropped
 
 
 @pytest.mark.parametrize("chunk", [0, 7, 64])
@@ -100,6 +104,63 @@ def test_pruned_rows_chunked_and_batched_equal_rows_alone(tiny_model, prompts, c
     together = run(tiny_model, prompts, config, max_rows=3, prefill_chunk=chunk, max_batch_tokens=96)
     assert [row.output_ids for row in together] == [row.output_ids for row in alone]
     assert all(torch.equal(a.pruning.survivors, b.pruning.survivors) for a, b in zip(alone, together))
+
+
+def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_model, prompts) -> None:
+    """Per-layer KV: the early layers' cache holds the whole prompt, the late layers' the survivors (their keys
+    as the reference computes them at their own positions), both then the generated tokens; a row reserves
+    less memory than without pruning, in caches that together take the memory of the unpruned one."""
+    config = PruneConfig(0.5, 1)
+    prompt = prompts[3]
+    attention = _DenseAttention()
+    reference(tiny_model, prompt, config, attention=attention)
+    engine = Engine(tiny_model, EngineConfig(max_rows=1, prefill_chunk=0, kv_cache_tokens=4096, prune=config),
+                    SamplingParams(max_new_tokens=MAX_NEW, repetition_penalty=1.0))
+    row = engine.add(prompt)
+    while len(row.output_ids) < 3:
+        engine.step()
+    early, late = engine.pools
+    assert (early.layers, late.layers) == (range(0, 1), range(1, 2))
+    survivors, generated = row.pruning.num_survivors, len(row.output_ids) - 1   # the last one is not computed yet
+    assert survivors < prompt.length
+    assert (row.slots_used(), row.slots_used(late=True)) == (prompt.length + generated, survivors + generated)
+    for pool, region, layer, length in ((early, row.regions[0], 0, prompt.length + generated),
+                                        (late, row.regions[1], 1, survivors + generated)):
+        keys, values = pool.read(region, layer, length)
+        torch.testing.assert_close(keys[0].transpose(0, 1), attention.keys[layer][:length], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(values[0].transpose(0, 1), attention.values[layer][:length], rtol=1e-4, atol=1e-5)
+    unpruned = Engine(tiny_model, EngineConfig(max_rows=1, prefill_chunk=0, kv_cache_tokens=4096),
+                      SamplingParams(max_new_tokens=MAX_NEW))
+    whole = unpruned.add(prompt)
+    unpruned.step()
+    assert engine.kv_bytes <= unpruned.kv_bytes and late.capacity_tokens < early.capacity_tokens
+    reserved = sum(region.capacity * pool.bytes_per_slot for region, pool in zip(row.regions, engine.pools))
+    assert reserved < whole.regions[0].capacity * unpruned.pools[0].bytes_per_slot * 0.8
+
+
+def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) -> None:
+    """In a cache that holds two unpruned rows, pruning three quarters of the vision tokens runs more at once,
+    with the same tokens as each row alone. (32 frames: a video-shaped prompt, almost all vision, as the
+    late layers' cache is sized for.)"""
+    videos = [process(tiny_model, shared_media / "demo_test.mp4", frames=32)] * 6
+    memory = 2 * (videos[0].length + 20) + 40
+
+    def most_rows_at_once(prune: PruneConfig | None) -> tuple[int, list[list[int]]]:
+        engine = Engine(tiny_model, EngineConfig(max_rows=6, prefill_chunk=0, kv_cache_tokens=memory, prune=prune),
+                        SamplingParams(max_new_tokens=20, repetition_penalty=1.0))
+        rows = [engine.add(prompt) for prompt in videos]
+        most = 0
+        while engine.has_work:
+            engine.step()
+            most = max(most, len(engine.scheduler.running))
+        assert all(row.error is None for row in rows)
+        return most, [row.output_ids for row in rows]
+
+    config = PruneConfig(0.75, 1)
+    unpruned_rows, _ = most_rows_at_once(None)
+    pruned_rows, outputs = most_rows_at_once(config)
+    assert unpruned_rows == 2 and pruned_rows >= 3
+    assert outputs == [run(tiny_model, videos[:1], config, 20, max_rows=1, prefill_chunk=0)[0].output_ids] * 6
 
 
 def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, prompts) -> None:
@@ -161,7 +222,7 @@ def test_the_score_equals_eager_attention_weights(tiny_model, prompts) -> None:
     real_choose = engine.runner._choose_survivors
 
     def choose(seq, query, scale):
-        keys, _ = engine.kv.read(seq.region, layer, seq.prompt.length)
+        keys, _ = engine.pools[0].read(seq.regions[0], layer, seq.prompt.length)
         captured["score"] = attention_of_last_query(query, keys[0], scale)
         real_choose(seq, query, scale)
 

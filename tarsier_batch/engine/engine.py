@@ -26,7 +26,7 @@ class EngineConfig:
     max_rows: int = 4
     max_batch_tokens: int = 4096
     prefill_chunk: int = 2048      # 0: prefill each prompt whole
-    kv_cache_tokens: int = 65536   # slots of the preallocated KV cache
+    kv_cache_tokens: int = 65536   # slots of the preallocated KV cache (its memory, with pruning)
     offload_kv: bool = False       # keep prefilling rows' KV in host memory
     prune: PruneConfig | None = None   # drop vision tokens after a layer (not the official output)
 
@@ -40,19 +40,31 @@ class Engine:
         if sampling.repetition_penalty is None:  # the checkpoint's own, as its generate() would apply
             sampling = replace(sampling, repetition_penalty=model.repetition_penalty)
         self.sampling = sampling
-        self.kv = KVCache(model.kv_geometry, config.kv_cache_tokens, model.dtype, model.device)
+        geometry = model.kv_geometry
+        if config.prune is None:
+            self.pools = [KVCache(geometry, config.kv_cache_tokens, model.dtype, model.device)]
+        else:
+            if config.prune.layer >= geometry.num_layers:
+                raise ValueError(f"--prune-layer {config.prune.layer}: the model has {geometry.num_layers} "
+                                 f"layers; give 1 <= K < {geometry.num_layers}")
+            if config.offload_kv:
+                raise ValueError("--offload-kv and --prune-vision do not work together yet; leave one out")
+            # The layers from K on hold only the survivors: their own, smaller cache in the same memory.
+            early, late = config.prune.split_kv_slots(config.kv_cache_tokens, geometry.num_layers)
+            layer = config.prune.layer
+            self.pools = [KVCache(geometry, early, model.dtype, model.device, range(layer)),
+                          KVCache(geometry, late, model.dtype, model.device, range(layer, geometry.num_layers))]
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
-                                                   config.prefill_chunk, config.offload_kv), self.kv)
-        if config.prune is not None and config.prune.layer >= model.kv_geometry.num_layers:
-            raise ValueError(f"--prune-layer {config.prune.layer}: the model has {model.kv_geometry.num_layers} "
-                             f"layers; give 1 <= K < {model.kv_geometry.num_layers}")
-        if config.prune is not None and config.offload_kv:
-            raise ValueError("--offload-kv and --prune-vision do not work together yet; leave one out")
-        self.runner = ModelRunner(model, self.kv, config.prune.layer if config.prune is not None else None)
+                                                   config.prefill_chunk, config.offload_kv), self.pools)
+        self.runner = ModelRunner(model, self.pools)
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(pool.nbytes for pool in self.pools)
 
     @property
     def num_waiting(self) -> int:

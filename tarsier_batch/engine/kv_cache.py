@@ -8,6 +8,10 @@ room to grow; it grows in place when the next range is free and moves otherwise 
 is geometric). Ranges rather than pages, because CPU attention kernels need each row's context
 contiguous; paging would cost a gather, i.e. a copy of the context, in every layer of every step.
 
+A cache may hold a range of the layers only: with vision-token pruning the engine keeps two,
+one for the layers that see the whole prompt and a smaller one for the layers that see only
+the survivors (see `engine.pruning`), each row holding a range in both.
+
 `HostKV` is the same interface over host memory, for rows whose prefill is offloaded.
 """
 
@@ -94,10 +98,12 @@ class RangeAllocator:
 
 
 class KVCache:
-    """Preallocated keys and values for all rows on the model's device."""
+    """Preallocated keys and values of some layers (all by default) for all rows, on the model's device."""
 
-    def __init__(self, geometry: KVGeometry, capacity_tokens: int, dtype: torch.dtype, device: torch.device):
-        shape = (geometry.num_layers, geometry.kv_heads, capacity_tokens, geometry.head_dim)
+    def __init__(self, geometry: KVGeometry, capacity_tokens: int, dtype: torch.dtype, device: torch.device,
+                 layers: range | None = None):
+        self.layers = layers if layers is not None else range(geometry.num_layers)
+        shape = (len(self.layers), geometry.kv_heads, capacity_tokens, geometry.head_dim)
         # torch.empty reserves without touching: on the CPU the pages are committed as rows use them.
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -112,16 +118,21 @@ class KVCache:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """Keys and values of one token in every layer this cache holds."""
+        return 2 * len(self.layers) * self.geometry.kv_heads * self.geometry.head_dim * self.keys.element_size()
+
     def write(self, region: Region, layer: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a row's new (tokens, kv_heads, head_dim) keys and values from position `offset` on."""
-        start = region.start + offset
-        self.keys[layer, :, start:start + keys.shape[0]] = keys.transpose(0, 1)
-        self.values[layer, :, start:start + values.shape[0]] = values.transpose(0, 1)
+        start, index = region.start + offset, layer - self.layers.start
+        self.keys[index, :, start:start + keys.shape[0]] = keys.transpose(0, 1)
+        self.values[index, :, start:start + values.shape[0]] = values.transpose(0, 1)
 
     def read(self, region: Region, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (1, kv_heads, length, head_dim) of a row's first `length` keys and values."""
-        window = slice(region.start, region.start + length)
-        return self.keys[layer, :, window].unsqueeze(0), self.values[layer, :, window].unsqueeze(0)
+        window, index = slice(region.start, region.start + length), layer - self.layers.start
+        return self.keys[index, :, window].unsqueeze(0), self.values[index, :, window].unsqueeze(0)
 
     def move(self, source: Region, target: Region, length: int) -> None:
         """Copy a row's first `length` tokens to another range (when it cannot grow in place)."""
@@ -129,7 +140,7 @@ class KVCache:
             storage[:, :, target.start:target.start + length] = storage[:, :, source.start:source.start + length].clone()
 
     def copy_from(self, region: Region, host: HostKV, length: int) -> None:
-        """Bring an offloaded row's first `length` tokens into its device range."""
+        """Bring an offloaded row's first `length` tokens into its device range (a cache of every layer)."""
         window = slice(region.start, region.start + length)
         self.keys[:, :, window].copy_(host.keys[:, :, :length], non_blocking=True)
         self.values[:, :, window].copy_(host.values[:, :, :length], non_blocking=True)

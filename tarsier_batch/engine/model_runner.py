@@ -11,7 +11,7 @@ import torch
 
 from ..families.base import CaptionModel
 from .attention import RowSpan, StepAttention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, Region
 from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
 from .sequence import Sequence
@@ -20,16 +20,16 @@ VISION_BLOCKS_PER_CALL = 16  # bounds the vision tower's activations in one call
 
 
 class ModelRunner:
-    def __init__(self, model: CaptionModel, kv: KVCache, prune_layer: int | None = None):
+    def __init__(self, model: CaptionModel, pools: list[KVCache]):
+        """`pools`: one cache of every layer, or (pruning) the layers before K's and the layers from K on's."""
         self.model = model
-        self.kv = kv
-        self.prune_layer = prune_layer   # K, when rows may have their vision tokens pruned
+        self.pools = pools
 
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the step; returns the rows that reached their last position and their logits."""
         self._encode_vision(step)
-        if any(row.seq.pruning is not None for row in step):
+        if len(self.pools) > 1:
             sampled, hidden = self._run_in_two_parts(step)
         else:
             sampled, hidden = self._run_whole(step)
@@ -47,28 +47,31 @@ class ModelRunner:
             end = start + row.num_tokens
             embeds.append(self._embed(seq, start, end))
             positions.append(seq.positions(start, end))
-            spans.append(RowSpan(offset, row.num_tokens, start, seq.region, seq.host_kv))
+            spans.append(RowSpan(offset, row.num_tokens, start, seq.regions[0] if seq.regions else None,
+                                 seq.host_kv))
             offset += row.num_tokens
             if end == seq.length:
                 sampled.append(seq)
                 sampled_at.append(offset - 1)
         device = self.model.device
-        attention = StepAttention(self.kv, spans, device)
+        attention = StepAttention(self.pools[0], spans, device)
         hidden = self.model.forward(torch.cat(embeds), torch.cat(positions, dim=1).to(device), attention)
         if not sampled:
             return [], hidden
         return sampled, hidden[torch.tensor(sampled_at, device=device)]
 
     def _run_in_two_parts(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
-        """Layers [0, K) then [K, end), when a row in the step is pruned (see `engine.pruning`).
+        """Layers [0, K) then [K, end), each part with its own cache, when rows may be pruned (see
+        `engine.pruning`).
 
         Rows not pruned and generated tokens go through both parts; a pruned row's prompt chunk
         only through the first (its layer-K inputs are kept), its survivors' chunk only through
-        the second. Each part attends with its own slot offsets: in the late layers a pruned row's
-        cache holds its survivors, then its generated tokens.
+        the second. Each part attends with its own slot offsets: in the late layers' cache a pruned
+        row holds its survivors, then its generated tokens.
         """
-        device, layer = self.model.device, self.prune_layer
-        assert layer is not None
+        device = self.model.device
+        early_pool, late_pool = self.pools
+        layer = late_pool.layers.start
         early = _Part()
         late = _Part()
         early_outputs: list[tuple[Sequence, int, int, int]] = []   # (seq, offset in early part, start, end)
@@ -83,26 +86,27 @@ class ModelRunner:
                 early_outputs.append((seq, early.tokens, start, end))
                 if end == prompt and pruning.survivors is None:
                     scored[len(early.spans)] = seq
-                early.add(self._embed(seq, start, end), seq.positions(start, end), start, seq)
+                early.add(self._embed(seq, start, end), seq.positions(start, end), start, seq.regions[0])
                 continue
             if pruning is not None and end <= prompt + pruning.num_survivors:   # survivors through the late layers
                 assert pruning.survivors is not None and pruning.layer_inputs is not None
                 chosen = pruning.survivors[start - prompt:end - prompt]
                 late_inputs.append((len(late.spans), pruning.layer_inputs[chosen.to(device)]))
-                late.add(None, seq.prompt.positions[:, chosen], start - prompt, seq, row.num_tokens)
+                late.add(None, seq.prompt.positions[:, chosen], start - prompt, seq.regions[1], row.num_tokens)
             else:   # a row not pruned, or generated tokens: both parts; late slots after the survivors
                 survivors = pruning.num_survivors if pruning is not None else 0
                 real_start, real_end = start - survivors, end - survivors
                 late_inputs.append((len(late.spans), early.tokens))
-                early.add(self._embed(seq, real_start, real_end), seq.positions(real_start, real_end), real_start, seq)
+                early.add(self._embed(seq, real_start, real_end), seq.positions(real_start, real_end), real_start,
+                          seq.regions[0])
                 late_start = start - prompt if pruning is not None else start
-                late.add(None, seq.positions(real_start, real_end), late_start, seq, row.num_tokens)
+                late.add(None, seq.positions(real_start, real_end), late_start, seq.regions[1], row.num_tokens)
             if end == seq.length:
                 sampled.append(seq)
                 sampled_at.append(late.tokens - 1)
         hidden = None
         if early.spans:
-            attention = StepAttention(self.kv, early.spans, device, capture=(layer - 1, set(scored)))
+            attention = StepAttention(early_pool, early.spans, device, capture=(layer - 1, set(scored)))
             hidden = self.model.run_layers(torch.cat(early.embeds), early.position_ids(device), attention, 0, layer)
             for seq, offset, start, end in early_outputs:
                 pruning = seq.pruning
@@ -116,9 +120,9 @@ class ModelRunner:
             return [], torch.empty(0)
         inputs = [piece if isinstance(piece, torch.Tensor) else hidden[piece:piece + late.spans[span].num_tokens]
                   for span, piece in late_inputs]
-        attention = StepAttention(self.kv, late.spans, device)
-        num_layers = self.kv.geometry.num_layers
-        out = self.model.run_layers(torch.cat(inputs), late.position_ids(device), attention, layer, num_layers)
+        attention = StepAttention(late_pool, late.spans, device)
+        out = self.model.run_layers(torch.cat(inputs), late.position_ids(device), attention, layer,
+                                    late_pool.layers.stop)
         if not sampled:
             return [], out
         for seq in sampled:   # the prompt is done with: its layer-K inputs are no longer needed
@@ -128,8 +132,8 @@ class ModelRunner:
 
     def _choose_survivors(self, seq: Sequence, query: torch.Tensor, scale: float) -> None:
         pruning = seq.pruning
-        assert pruning is not None and seq.region is not None
-        keys, _ = self.kv.read(seq.region, pruning.layer - 1, seq.prompt.length)
+        assert pruning is not None
+        keys, _ = self.pools[0].read(seq.regions[0], pruning.layer - 1, seq.prompt.length)
         scores = attention_of_last_query(query, keys[0], scale)
         pruning.survivors = choose_survivors(scores, pruning.vision_mask, pruning.kept_vision)
 
@@ -178,13 +182,13 @@ class _Part:
         self.spans: list[RowSpan] = []
         self.tokens = 0
 
-    def add(self, embeds: torch.Tensor | None, positions: torch.Tensor, start: int, seq: Sequence,
+    def add(self, embeds: torch.Tensor | None, positions: torch.Tensor, start: int, region: Region,
             num_tokens: int | None = None) -> None:
         count = num_tokens if num_tokens is not None else positions.shape[1]
         if embeds is not None:
             self.embeds.append(embeds)
         self.positions.append(positions)
-        self.spans.append(RowSpan(self.tokens, count, start, seq.region, seq.host_kv))
+        self.spans.append(RowSpan(self.tokens, count, start, region, None))
         self.tokens += count
 
     def position_ids(self, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,11 @@ import torch
 
 from ..families.base import ProcessedPrompt
 
+# The late layers' cache is sized for rows keeping (1 - ratio) of their prompt plus this share of the
+# dropped part: the text and generated tokens a row keeps besides its vision tokens (about a tenth of
+# an 8-frame video row with a long caption; more for an image, whose rows the late cache then limits).
+LATE_MARGIN = 0.1
+
 
 @dataclass(frozen=True)
 class PruneConfig:
@@ -41,6 +46,13 @@ class PruneConfig:
     def kept_vision(self, vision_tokens: int) -> int:
         """How many of a row's vision tokens survive: all but floor(ratio x count)."""
         return vision_tokens - int(vision_tokens * self.ratio)
+
+    def split_kv_slots(self, slots: int, num_layers: int) -> tuple[int, int]:
+        """The early and the late layers' cache slots in the memory of `slots` slots of every layer: the
+        late cache holds (1 - ratio) of the early one's slots, plus the margin, so more rows fit."""
+        late_share = 1 - self.ratio * (1 - LATE_MARGIN)
+        early = int(slots * num_layers / (self.layer + (num_layers - self.layer) * late_share))
+        return early, int(early * late_share)
 
 
 @dataclass(eq=False)

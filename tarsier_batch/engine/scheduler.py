@@ -5,6 +5,9 @@ prefill chunks (at most `prefill_chunk` positions each) for running rows still p
 chunks of newly admitted rows while fewer than `max_rows` run. A row is admitted only when its
 prompt fits the KV cache with room to spare; a decoding row that cannot grow preempts the most
 recently admitted row, whose KV is freed and recomputed later (its tokens so far are kept).
+With vision-token pruning there are two caches (the early layers' and the late layers'): a row
+holds a range in each, sized for its whole prompt and for its survivors, and is admitted only
+when both have room.
 Rows are admitted in input order: attention runs on each row's exact length, so mixing a short
 image with a long video costs nothing and there is no reason to reorder.
 """
@@ -51,8 +54,12 @@ class SchedulerConfig:
 class Scheduler:
     """Waiting and running rows, and the KV ranges they hold."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCache):
-        self.kv = kv
+    def __init__(self, config: SchedulerConfig, pools: list[KVCache]):
+        """`pools`: one cache of every layer, or the early layers' and the late layers' (pruning)."""
+        if config.offload_prefill and len(pools) > 1:
+            raise ValueError("offloaded prefill keeps one cache of every layer")
+        self.pools = pools
+        self.late = (False, True)[:len(pools)]   # per cache: does it hold the late layers of pruned rows
         self.max_rows = config.max_rows
         self.max_batch_tokens = config.max_batch_tokens
         self.prefill_chunk = config.prefill_chunk
@@ -67,11 +74,14 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row; returns why it can never run, if so (it is then not queued)."""
-        if seq.max_length > self.kv.capacity_tokens:
-            gib = seq.max_length * self.kv.geometry.bytes_per_token(self.kv.keys.dtype) / 2**30
-            return (f"needs {seq.max_length} tokens of KV cache ({gib:.2f} GiB: prompt {seq.prompt.length} + "
-                    f"{seq.max_new_tokens} new), more than the cache holds ({self.kv.capacity_tokens} tokens); "
-                    f"raise --kv-cache-gb or lower --frames / --max-new-tokens")
+        for late, pool in zip((False, True), self.pools):
+            if seq.max_length(late) > pool.capacity_tokens:
+                gib = seq.max_length(late) * pool.bytes_per_slot / 2**30
+                layers = f"layers {pool.layers.start}-{pool.layers.stop - 1}" if len(self.pools) > 1 else "the model"
+                return (f"needs {seq.max_length(late)} tokens of KV cache for {layers} ({gib:.2f} GiB: prompt "
+                        f"{seq.prompt.length - (seq.pruned if late else 0)} + {seq.max_new_tokens} new), more than "
+                        f"the cache holds ({pool.capacity_tokens} tokens); "
+                        f"raise --kv-cache-gb or lower --frames / --max-new-tokens")
         self.waiting.append(seq)
         return None
 
@@ -83,7 +93,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         step: list[ScheduledRow] = []
         for seq in [seq for seq in self.running if not seq.in_prefill]:
-            if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq, seq.kv_length):
+            if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq):
                 step.append(ScheduledRow(seq, 1))
                 budget -= 1
         prefilled_whole = False
@@ -153,7 +163,7 @@ class Scheduler:
 
     def _schedule_alone(self, seq: Sequence) -> list[ScheduledRow]:
         tokens = self._chunk(seq, max(self.max_batch_tokens, 1), False)
-        if seq.in_prefill or self._make_room(seq, seq.kv_length):
+        if seq.in_prefill or self._make_room(seq):
             return [ScheduledRow(seq, tokens)]
         return []
 
@@ -166,77 +176,95 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, force: bool = False) -> bool:
         if self.offload_prefill and seq.in_prefill:
-            seq.host_kv = HostKV(self.kv.geometry, seq.kv_length, self.kv.keys.dtype, self.kv.keys.device)
+            pool = self.pools[0]
+            seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
         else:
-            size = min(seq.max_length, seq.kv_length + FIRST_DECODE_RESERVE)
-            watermark = 0 if force or not self.running else int(self.kv.capacity_tokens * ADMISSION_WATERMARK)
-            if self.kv.allocator.free_slots - size < watermark:
-                return False
-            seq.region = self._allocate(size)
-            if seq.region is None:
-                return False
+            sizes = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
+            for pool, size in zip(self.pools, sizes):
+                watermark = 0 if force or not self.running else int(pool.capacity_tokens * ADMISSION_WATERMARK)
+                if pool.allocator.free_slots - size < watermark:
+                    return False
+            for index, size in enumerate(sizes):
+                region = self._allocate(index, size)
+                if region is None:
+                    self._release(seq)
+                    return False
+                seq.regions.append(region)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
 
-    def _make_room(self, seq: Sequence, needed: int) -> bool:
-        """Ensure `seq` holds `needed` device slots, preempting later rows if it must.
+    def _make_room(self, seq: Sequence) -> bool:
+        """Ensure `seq` holds device slots for every position it will have computed after this step,
+        preempting later rows if it must.
 
         An offloaded row gets its device range here, once its prefill is done. Returns False
         if `seq` cannot run this step (it was preempted, or it waits for room).
         """
-        if seq.region is not None and seq.region.capacity >= needed:
-            return True
-        target = min(seq.max_length, max(needed, (seq.region.capacity if seq.region else 0) * 5 // 4,
-                                         needed + MIN_GROWTH if seq.region else needed + FIRST_DECODE_RESERVE))
-        while not self._grow(seq, target):
-            if seq.host_kv is not None:
-                return False  # an offloaded prefill waits for room; evicting others would thrash
-            # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
-            victim = next(row for row in reversed(self.running) if row.region is not None)
-            self.preempt(victim)
-            if victim is seq:
-                return False
+        for index, late in enumerate(self.late):
+            region = seq.regions[index] if seq.regions else None
+            needed = seq.kv_length(late)
+            if region is not None and region.capacity >= needed:
+                continue
+            growth = (max(region.capacity * 5 // 4, needed + MIN_GROWTH) if region is not None
+                      else needed + FIRST_DECODE_RESERVE)
+            target = min(seq.max_length(late), growth)
+            while not self._grow(seq, index, target):
+                if seq.host_kv is not None:
+                    return False  # an offloaded prefill waits for room; evicting others would thrash
+                # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
+                victim = next(row for row in reversed(self.running) if row.regions)
+                self.preempt(victim)
+                if victim is seq:
+                    return False
         return True
 
-    def _grow(self, seq: Sequence, size: int) -> bool:
-        if seq.region is not None and self.kv.allocator.extend(seq.region, size):
+    def _grow(self, seq: Sequence, index: int, size: int) -> bool:
+        pool = self.pools[index]
+        current = seq.regions[index] if seq.regions else None
+        if current is not None and pool.allocator.extend(current, size):
             return True
-        region = self._allocate(size)
+        region = self._allocate(index, size)
         if region is None:
             return False
-        if seq.region is not None:
-            self.kv.move(seq.region, region, seq.slots_used)
-            self.kv.allocator.release(seq.region)
-        elif seq.host_kv is not None:  # offloaded prefill done: bring its KV to the device
-            self.kv.copy_from(region, seq.host_kv, seq.slots_used)
+        current = seq.regions[index] if seq.regions else None   # compacting may have moved it
+        if current is not None:
+            pool.move(current, region, seq.slots_used(self.late[index]))
+            pool.allocator.release(current)
+            seq.regions[index] = region
+        else:  # an offloaded prefill is done: bring its KV to the device
+            assert seq.host_kv is not None
+            pool.copy_from(region, seq.host_kv, seq.slots_used())
             seq.host_kv = None
-        seq.region = region
+            seq.regions = [region]
         return True
 
-    def _allocate(self, size: int) -> Region | None:
-        """A free range of `size`, compacting the running rows' ranges if only fragmentation is in the way."""
-        region = self.kv.allocator.allocate(size)
-        if region is None and self.kv.allocator.free_slots >= size:
-            self._compact()
-            region = self.kv.allocator.allocate(size)
+    def _allocate(self, index: int, size: int) -> Region | None:
+        """A free range of `size` in a cache, compacting the running rows' ranges if only fragmentation is
+        in the way."""
+        allocator = self.pools[index].allocator
+        region = allocator.allocate(size)
+        if region is None and allocator.free_slots >= size:
+            self._compact(index)
+            region = allocator.allocate(size)
         return region
 
-    def _compact(self) -> None:
-        """Slide every running row's range to the front of the cache, keeping their order."""
-        holders = sorted((seq for seq in self.running if seq.region is not None), key=lambda s: s.region.start)
+    def _compact(self, index: int) -> None:
+        """Slide every running row's range in a cache to its front, keeping their order."""
+        pool = self.pools[index]
+        holders = sorted((seq for seq in self.running if seq.regions), key=lambda s: s.regions[index].start)
         cursor = 0
         for seq in holders:
-            region = seq.region
+            region = seq.regions[index]
             if region.start != cursor:
                 moved = Region(cursor, region.capacity)
-                self.kv.move(region, moved, min(seq.slots_used, region.capacity))
-                seq.region = moved
+                pool.move(region, moved, min(seq.slots_used(self.late[index]), region.capacity))
+                seq.regions[index] = moved
             cursor += region.capacity
-        self.kv.allocator.reset(used=cursor)
+        pool.allocator.reset(used=cursor)
 
     def _release(self, seq: Sequence) -> None:
-        if seq.region is not None:
-            self.kv.allocator.release(seq.region)
-            seq.region = None
+        for pool, region in zip(self.pools, seq.regions):
+            pool.allocator.release(region)
+        seq.regions = []
         seq.host_kv = None

@@ -43,7 +43,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
-    region: Region | None = None             # device KV range while running
+    regions: list[Region] = field(default_factory=list)   # device KV ranges while running, one per cache
     host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
@@ -65,22 +65,27 @@ class Sequence:
         return self.prompt.length + survivors + len(self.output_ids)
 
     @property
-    def kv_length(self) -> int:
-        """KV slots the row needs once `length` is computed: the prompt and the tokens generated (with
-        pruning, the early layers' count; the late layers use fewer of the same slots)."""
-        return self.prompt.length + len(self.output_ids)
+    def pruned(self) -> int:
+        """Prompt positions the late layers never hold: the vision tokens dropped (0 unless pruned)."""
+        return self.prompt.length - self.pruning.num_survivors if self.pruning is not None else 0
 
-    @property
-    def max_length(self) -> int:
-        """The most KV slots this row can ever hold: the prompt and every token it may generate."""
-        return self.prompt.length + self.max_new_tokens
+    def kv_length(self, late: bool = False) -> int:
+        """KV slots the row needs once `length` is computed: the prompt and the tokens generated (in the
+        late layers of a pruned row, the survivors and the tokens generated)."""
+        return self.prompt.length + len(self.output_ids) - (self.pruned if late else 0)
 
-    @property
-    def slots_used(self) -> int:
-        """KV slots holding computed keys and values (in the early layers, with pruning)."""
+    def max_length(self, late: bool = False) -> int:
+        """The most KV slots this row can ever hold: the prompt (its survivors, in the late layers) and every
+        token it may generate."""
+        return self.prompt.length + self.max_new_tokens - (self.pruned if late else 0)
+
+    def slots_used(self, late: bool = False) -> int:
+        """KV slots holding computed keys and values, in the early (or only) layers or in the late ones."""
         if self.pruning is None:
             return self.num_computed
         prompt, survivors = self.prompt.length, self.pruning.num_survivors
+        if late:
+            return max(0, self.num_computed - prompt)
         return min(self.num_computed, prompt) + max(0, self.num_computed - prompt - survivors)
 
     @property
