@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from . import __version__
-from .catalog import DEFAULT_MODEL
+from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
-from .engine import Engine, EngineConfig, SamplingParams, Sequence
+from .engine import Engine, EngineConfig, PruneConfig, SamplingParams, Sequence
 from .families import CaptionModel, load_caption_model
 from .media import decoder_versions
+from .outputs.resume import prune_setting
 from .results import CaptionResult
 from .sources import MediaItem
 from .workers import DecodeJob, Decoded, DecodePool, default_workers
@@ -51,6 +52,8 @@ class CaptionSettings:
     prefill_chunk: int = 2048          # 0: prefill each prompt whole
     kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
     offload_kv: bool = False           # keep prefilling rows' KV in host memory
+    prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
+    prune_layer: int = DEFAULT_PRUNE_LAYER
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"
@@ -72,6 +75,10 @@ class CaptionSettings:
             raise ValueError("prefill chunk must be 0 (off) or positive")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError("--kv-cache-gb must be positive")
+        if not 0 <= self.prune_vision < 1:
+            raise ValueError(f"--prune-vision {self.prune_vision}: give a share 0 <= R < 1 (0: off)")
+        if self.prune_layer < 1:
+            raise ValueError(f"--prune-layer {self.prune_layer}: give K >= 1")
         if self.workers is not None and self.workers < 1:
             raise ValueError("workers must be at least 1")
         if self.decode_timeout_s is not None and self.decode_timeout_s <= 0:
@@ -102,7 +109,8 @@ class Captioner:
             max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
-            offload_kv=settings.offload_kv and self.device.type != "cpu")
+            offload_kv=settings.offload_kv and self.device.type != "cpu",
+            prune=PruneConfig(settings.prune_vision, settings.prune_layer) if settings.prune_vision > 0 else None)
         needed = self.model.processor.min_vision_positions(self.frames)
         if needed >= kv_tokens:  # checked here: otherwise every item would decode its frames, then fail
             raise ValueError(f"--frames {self.frames} needs at least {needed} positions per item, more than the "
@@ -123,6 +131,7 @@ class Captioner:
             "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
+            "prune": prune_setting(self.settings.prune_vision, self.settings.prune_layer),
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
             "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
@@ -135,7 +144,8 @@ class Captioner:
         return {"model": self.settings.model, "model_revision": self.resolved.revision,
                 "prompt": self.settings.prompt, "frames": self.frames,
                 "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty}
+                "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty,
+                "prune": prune_setting(self.settings.prune_vision, self.settings.prune_layer)}
 
     def caption(self, items: Iterable[MediaItem],
                 on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:

@@ -32,6 +32,8 @@ TARSIER2 = FamilyInfo(
     checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"), tiny_alias="tiny-random-tarsier2")
 FAMILIES = (TARSIER2, TARSIER)
 DEFAULT_MODEL = TARSIER2.checkpoints[0]
+# With --prune-vision: the first layer that sees only the kept vision tokens (FastV's choice).
+DEFAULT_PRUNE_LAYER = 2
 MODEL_TYPE = "llava"  # both families' checkpoints are LLaVA-style
 
 

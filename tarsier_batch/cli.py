@@ -21,14 +21,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import __version__
-from .catalog import DEFAULT_MODEL, FAMILIES, family_named
+from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER, FAMILIES, family_named
 from .checkpoints import DEMO_ALIAS, ModelNotFoundError, needs_building, tiny_model_dir
 from .config import ConfigError, config_defaults
 from .job import CaptionJob
 from .manifest import ManifestError, check_manifest_path, read_manifest
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.resume import Plan, SettingsMismatchError, check_settings, describe_plan, plan_run
+from .outputs.resume import Plan, SettingsMismatchError, check_settings, describe_plan, plan_run, prune_setting
 from .outputs.schema import RESERVED_NAMES, OutputColumns
 from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
@@ -147,6 +147,8 @@ def caption(
     prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
     kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
+    prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
+    prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="The first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
@@ -182,6 +184,7 @@ def caption(
     target = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
                           null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
                           overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
+    prune_layer = _check_prune_flags(prune_vision, prune_layer, offload_kv)
     shard_spec = _parse_shard(shard)
     actors = _check_ray_flags(out_dir, shard_spec, ray_workers, prune_missing) if ray is not None else (1, 1)
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
@@ -206,7 +209,7 @@ def caption(
         raise typer.Exit(EXIT_SOME_FAILED if fail_on_empty else EXIT_OK)
     requested = {"model": model, "prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
                  "top_p": top_p, "seed": seed, "with_token_ids": with_token_ids, "key": key.value,
-                 "shard": str(shard_spec) if shard_spec else None,
+                 "shard": str(shard_spec) if shard_spec else None, "prune": prune_setting(prune_vision, prune_layer),
                  **({"frames": frames} if frames is not None else {}),
                  **({"repetition_penalty": repetition_penalty} if repetition_penalty is not None else {})}
     if dry_run:
@@ -230,7 +233,8 @@ def caption(
                 {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
                 model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                 prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv, dtype=dtype.value,
-                device=device, sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty)))
+                device=device, prune_vision=prune_vision, prune_layer=prune_layer,
+                sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty)))
         later = len(plan.limit(limit)) if limit else 0
         for problem in stored.unreadable_parts:
             console.print(f"tarsier: warning: unreadable part file {problem}", highlight=False, markup=False)
@@ -246,6 +250,7 @@ def caption(
             captioner = _load_captioner(console, quiet, log, model=model, prompt=prompt, frames=frames,
                                         batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                         prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
+                                        prune_vision=prune_vision, prune_layer=prune_layer,
                                         dtype=dtype.value, device=device, workers=workers,
                                         decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
                                         sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
@@ -316,6 +321,20 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     except (ManifestError, OutputError) as error:
         _fail(str(error))
     return target
+
+
+def _check_prune_flags(vision: float, layer: int | None, offload_kv: bool) -> int:
+    """The pruning layer to use, after checking the pruning flags (the layer's upper bound is checked once the
+    model is loaded: it depends on its depth)."""
+    if not 0 <= vision < 1:
+        _fail(f"--prune-vision {vision}: give the share of vision tokens to drop, 0 <= R < 1 (0: off)")
+    if layer is not None and vision == 0:
+        _fail("--prune-layer needs --prune-vision R > 0 (pruning is off)")
+    if layer is not None and layer < 1:
+        _fail(f"--prune-layer {layer}: the first layer can only see every token; give K >= 1")
+    if vision > 0 and offload_kv:
+        _fail("--offload-kv and --prune-vision do not work together yet; leave one out")
+    return layer if layer is not None else DEFAULT_PRUNE_LAYER
 
 
 def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str, prune_missing: bool) -> tuple[int, int]:
@@ -471,18 +490,26 @@ def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple
         raise
     except Exception as error:  # anything else that stops the model loading is also a problem of the model given
         raise ValueError(one_line(error)) from error
-    config = captioner.engine.config
-    kv_gib = captioner.engine.kv_bytes / 2**30
+    engine = captioner.engine
+    config = engine.config
     offload = ", KV offloaded during prefill" if config.offload_kv \
         else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
+    slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}" if len(engine.pools) > 1 else "")
+                       for pool in engine.pools)
+    pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
+               f"(not the official output)" if config.prune is not None else "")
     line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
             f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
-            f"KV cache {config.kv_cache_tokens} tokens ({kv_gib:.2f} GiB), "
-            f"{plural(captioner.workers, 'decoding worker')}{offload}")
+            f"KV cache {slots} ({engine.kv_bytes / 2**30:.2f} GiB), "
+            f"{plural(captioner.workers, 'decoding worker')}{offload}{pruning}")
     if not quiet:
         console.print(f"tarsier: {line}", highlight=False, markup=False)
     log(line)
     return captioner
+
+
+def _layer_range(layers: range) -> str:
+    return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
 
 
 @contextmanager

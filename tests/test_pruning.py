@@ -4,14 +4,22 @@ against eager attention weights."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
 
 from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 from tarsier_batch.engine.pruning import attention_of_last_query, choose_survivors, row_pruning
 from tarsier_batch.families import ProcessedPrompt
 from tarsier_batch.families.base import embed_whole_prompt
+from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings
 from test_engine import NAMES, process
 
 MAX_NEW = 12
@@ -230,3 +238,48 @@ def test_the_score_equals_eager_attention_weights(tiny_model, prompts) -> None:
     engine.step()
     assert torch.allclose(captured["score"], eager, atol=1e-6), (captured["score"] - eager).abs().max()
     assert len(row.pruning.survivors) == row.pruning.num_survivors
+
+
+# -- the CLI -----------------------------------------------------------------------------------------
+
+def test_cli_prune_flags_reach_the_engine_are_recorded_and_must_match_to_resume(tiny_model, tiny_model_dir, prompts,
+                                                                                 shared_media, tmp_path) -> None:
+    names = NAMES[:3]
+    common = ["caption", *[str(shared_media / name) for name in names], "--model", str(tiny_model_dir),
+              "--max-new-tokens", str(MAX_NEW), "--with-token-ids"]
+
+    def caption(out: Path, *flags: str):
+        return CliRunner().invoke(app, [*common, "-o", str(out), *flags])
+
+    def ids(out: Path) -> dict[str, list[int]]:
+        return {Path(row["path"]).name: row["generated_ids"] for row in pq.read_table(out).to_pylist()}
+
+    assert caption(tmp_path / "off.parquet").exit_code == 0
+    assert caption(tmp_path / "zero.parquet", "--prune-vision", "0").exit_code == 0
+    assert ids(tmp_path / "zero.parquet") == ids(tmp_path / "off.parquet")   # R = 0: pruning is off
+    pruned_out = tmp_path / "pruned.parquet"
+    done = caption(pruned_out, "--prune-vision", "0.5", "--prune-layer", "1")
+    assert done.exit_code == 0, done.output
+    assert "0.5 of the vision tokens dropped after layer 1 (not the official output)" in done.output
+    engine = Engine(tiny_model, EngineConfig(prune=PruneConfig(0.5, 1)), SamplingParams(max_new_tokens=MAX_NEW))
+    rows = [engine.add(prompt) for prompt in prompts[:3]]
+    while engine.has_work:
+        engine.step()
+    assert ids(pruned_out) == {name: row.output_ids for name, row in zip(names, rows)}
+    assert ids(pruned_out) != ids(tmp_path / "off.parquet")
+    provenance = json.loads(pq.read_schema(pruned_out).metadata[b"tarsier_batch"])
+    assert provenance["prune"] == provenance["settings"]["prune"] == {"vision": 0.5, "layer": 1}
+    assert json.loads(pq.read_schema(tmp_path / "off.parquet").metadata[b"tarsier_batch"])["prune"] is None
+    unpruned_again = caption(pruned_out)
+    assert unpruned_again.exit_code == 2 and "prune {'vision': 0.5, 'layer': 1} there, (default) now" in \
+        unpruned_again.output and "loading" not in unpruned_again.output
+    too_deep = caption(tmp_path / "deep.parquet", "--prune-vision", "0.5", "--prune-layer", "2")
+    assert too_deep.exit_code == 2 and "--prune-layer 2: the model has 2 layers; give 1 <= K < 2" in too_deep.output
+
+
+def test_outputs_from_before_pruning_resume_unpruned_only() -> None:
+    """Stored settings without a 'prune' entry were not pruned: they continue without pruning, not with it."""
+    before = {"old.parquet": {"model": "m", "frames": 8}}
+    check_settings(before, {"model": "m", "frames": 8, "prune": None})
+    with pytest.raises(SettingsMismatchError, match="prune"):
+        check_settings(before, {"model": "m", "frames": 8, "prune": {"vision": 0.5, "layer": 2}})

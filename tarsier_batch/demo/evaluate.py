@@ -27,6 +27,7 @@ class Evaluation:
     correct: int
     reversed_correct: int
     mistakes: list[tuple[str, str, str]] = field(default_factory=list)   # (file, expected, got)
+    captions: dict[str, str] = field(default_factory=dict)               # file -> caption (or error)
 
     @property
     def accuracy(self) -> float:
@@ -63,6 +64,7 @@ def evaluate(n: int, seed: int, model: str = "demo", extra_flags: tuple[str, ...
     for row in rows:
         caption, backwards = expected[row["path"]]
         got = (row["caption"] or row["error"] or "").strip()
+        result.captions[Path(row["path"]).name] = got
         if got == caption:
             result.reversed_correct += backwards
             result.correct += not backwards

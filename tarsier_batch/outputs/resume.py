@@ -13,9 +13,15 @@ from .store import StoredRows
 
 # The settings that decide a caption. Rows made with other values must not be mixed in one file.
 RESUME_SETTINGS = ("model", "model_revision", "prompt", "frames", "max_new_tokens", "temperature", "top_p",
-                   "seed", "repetition_penalty", "with_token_ids", "key", "shard")
+                   "seed", "repetition_penalty", "with_token_ids", "key", "shard", "prune")
 # With greedy decoding these do not change a caption.
 SAMPLING_ONLY = ("top_p", "seed")
+
+
+def prune_setting(vision: float, layer: int) -> dict[str, float | int] | None:
+    """How vision-token pruning is recorded in the settings: None when off, which is also what outputs
+    written before pruning existed read as (they were not pruned)."""
+    return {"vision": vision, "layer": layer} if vision > 0 else None
 
 
 class SettingsMismatchError(Exception):

@@ -37,6 +37,10 @@ SIZES: dict[str, dict[str, int]] = {
     # Long-video memory benchmarks: the same LM with the real 601 vectors per frame.
     "wide": dict(image_size=336, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
                  text_hidden=1024, text_intermediate=2816, text_layers=8, text_heads=16, text_kv_heads=16),
+    # Pruning benchmarks: a ~103M-parameter LM at Tarsier-7b's depth (32 layers, head dim 128) with the
+    # real 601 vectors per frame, so that "after layer K" leaves the real share of layers.
+    "deep": dict(image_size=336, patch_size=14, vision_hidden=64, vision_layers=3, vision_heads=4,
+                 text_hidden=512, text_intermediate=1408, text_layers=32, text_heads=4, text_kv_heads=4),
 }
 
 

@@ -72,6 +72,10 @@ SIZES: dict[str, dict[str, Any]] = {
     # The same LM at the official 460,800 px per frame.
     "wide": dict(embed_dim=64, depth=2, vision_heads=2, text_hidden=1024, text_intermediate=3072, text_layers=8,
                  text_heads=8, text_kv_heads=2, mrope_section=[16, 24, 24], max_pixels=QWEN2_VL_MAX_PIXELS),
+    # Pruning benchmarks: a ~90M-parameter LM at Tarsier2-7b's depth (28 layers, head dim 128, grouped
+    # queries) at the official pixel budget, so that "after layer K" leaves the real share of layers.
+    "deep": dict(embed_dim=64, depth=2, vision_heads=2, text_hidden=512, text_intermediate=1536, text_layers=28,
+                 text_heads=4, text_kv_heads=2, mrope_section=[16, 24, 24], max_pixels=QWEN2_VL_MAX_PIXELS),
 }
 MIN_PIXELS = 56 * 56
 

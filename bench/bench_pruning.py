@@ -1,0 +1,252 @@
+"""Vision-token pruning (`--prune-vision R --prune-layer K`): what it saves and what it costs.
+
+    python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2]
+    python bench/bench_pruning.py quality [--n 100] [--seed 1]
+
+`speed`: random-weight checkpoints with a ~100M-parameter language model at the real depth
+(Tarsier v1: 32 layers; Tarsier2: 28) and the real per-frame geometry (`deep`), on
+../shared/media/demo_test.mp4. For R in {0, .25, .5, .75} x K in {2, 8}, side by side in one run:
+the language model's analytic prefill FLOPs, the measured prefill time of one item (median of
+--repeats, the settings interleaved), the KV bytes a row holds at its first token, how many such
+rows the same KV memory admits, and, in a fresh process per setting, the peak memory of one item
+(prefill and first token) above the loaded model and the items/s of 4 items generating 16 tokens
+each (EOS off). Two torch threads.
+
+`quality`: the trained demo model (3 layers, so K in {1, 2}) captions --n held-out clips forwards
+and backwards (2n clips) through `tarsier caption` per setting: exact-caption accuracy, and against
+the unpruned captions the share of identical captions, token F1 and ROUGE-L.
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VIDEO = REPO.parent / "shared" / "media" / "demo_test.mp4"
+sys.path.insert(0, str(REPO))
+
+RATIOS = (0.25, 0.5, 0.75)
+SPEED_LAYERS = (2, 8)
+QUALITY_LAYERS = (1, 2)
+BATCH, NEW_TOKENS = 4, 16
+MAX_NEW_TOKENS_FOR_FIT = 512   # the CLI's default: what a row reserves room to grow to
+THREADS = 2
+
+# One setting in a fresh process: the peak memory of one item's prefill and first token above the
+# loaded model (KV, kept layer-K inputs, activations), then the items/s of a small batch.
+_MEASURE = """
+import json, sys, time, torch
+from pathlib import Path
+sys.path.insert(0, {bench!r})
+from bench_pruning import engine_for, prompt_of, run_rows
+from tarsier_batch.families import load_caption_model
+torch.set_num_threads({threads})
+model = load_caption_model(Path({model_dir!r}), torch.float32, torch.device("cpu"))
+model.eos_token_ids = frozenset()
+prompt = prompt_of(model, {frames})
+run_rows(engine_for(model, prompt, {ratio}, {layer}, rows=1, new_tokens=1), [prompt])   # warm up
+
+def status_kb(field):
+    line = next(l for l in open("/proc/self/status") if l.startswith(field))
+    return int(line.split()[1])
+
+open("/proc/self/clear_refs", "w").write("5")   # the peak (VmHWM) restarts from here
+start_kb = status_kb("VmRSS:")
+run_rows(engine_for(model, prompt, {ratio}, {layer}, rows=1, new_tokens=1), [prompt])
+peak_mb = (status_kb("VmHWM:") - start_kb) / 1024
+seconds, _ = run_rows(engine_for(model, prompt, {ratio}, {layer}, rows={batch}, new_tokens={new_tokens}),
+                      [prompt] * {batch})
+print(json.dumps({{"peak_above_loaded_mb": peak_mb, "seconds": seconds}}))
+"""
+
+
+def prompt_of(model, frames: int):
+    from tarsier_batch.sources import MediaType
+
+    return model.processor.process(model.processor.load_media(str(VIDEO), MediaType.VIDEO, frames), None)
+
+
+def engine_for(model, prompt, ratio: float, layer: int, rows: int, new_tokens: int, kv_rows: int | None = None):
+    """An engine with room for `kv_rows` (default `rows`) unpruned rows of `prompt`, pruning if ratio > 0."""
+    from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
+
+    slots = (kv_rows or rows) * (prompt.length + new_tokens + 16)
+    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prune=PruneConfig(ratio, layer) if ratio else None)
+    return Engine(model, config, SamplingParams(max_new_tokens=new_tokens, repetition_penalty=1.0))
+
+
+def run_rows(engine, prompts) -> tuple[float, list]:
+    """Seconds to generate every row, and the finished rows."""
+    start = time.perf_counter()
+    rows = [engine.add(prompt) for prompt in prompts]
+    while engine.has_work:
+        engine.step()
+    assert all(row.error is None for row in rows), [row.error for row in rows]
+    return time.perf_counter() - start, rows
+
+
+def prefill_flops(layer_params: int, heads: int, head_dim: int, layers: int, prompt: int, survivors: int,
+                  prune_layer: int) -> float:
+    """Language-model FLOPs of one prefill: 2 per parameter per position, and 4 x heads x head_dim per
+    (query, key) pair of causal attention; layers from `prune_layer` on see `survivors` positions."""
+    def per_layer(positions: int) -> float:
+        return 2 * layer_params * positions + 4 * heads * head_dim * positions * (positions + 1) / 2
+    return prune_layer * per_layer(prompt) + (layers - prune_layer) * per_layer(survivors)
+
+
+def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
+    import torch
+
+    from tarsier_batch.families import load_caption_model
+    from tarsier_batch.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(workdir / family, "deep", seed=0, family=family)
+    model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+    model.eos_token_ids = frozenset()
+    prompt = prompt_of(model, frames)
+    geometry = model.kv_geometry
+    first_layer = model.model.language_model.model.layers[0]
+    layer_params = sum(p.numel() for p in first_layer.parameters() if p.dim() == 2)
+    heads = first_layer.self_attn.q_proj.out_features // geometry.head_dim
+    settings = [(0.0, 0)] + [(ratio, layer) for layer in SPEED_LAYERS for ratio in RATIOS]
+    name = {setting: "unpruned" if not setting[0] else f"R={setting[0]},K={setting[1]}" for setting in settings}
+
+    run_rows(engine_for(model, prompt, 0.5, 2, rows=1, new_tokens=1), [prompt])   # warm up
+    times: dict[tuple[float, int], list[float]] = {setting: [] for setting in settings}
+    kv_bytes: dict[tuple[float, int], int] = {}
+    for _ in range(repeats):
+        for setting in settings:   # interleaved: machine noise hits every setting alike
+            engine = engine_for(model, prompt, *setting, rows=1, new_tokens=1)
+            seconds, [row] = run_rows(engine, [prompt])
+            times[setting].append(seconds)
+            # What the row held at its first token: its computed slots in each cache.
+            kv_bytes[setting] = sum(row.slots_used(late=index == 1) * pool.bytes_per_slot
+                                    for index, pool in enumerate(engine.pools))
+
+    results = {}
+    for setting in settings:
+        ratio, layer = setting
+        engine = engine_for(model, prompt, ratio, layer, rows=16, new_tokens=MAX_NEW_TOKENS_FOR_FIT, kv_rows=16)
+        row = engine.add(prompt)
+        survivors = row.pruning.num_survivors if row.pruning is not None else prompt.length
+        # Rows of this prompt (room for --max-new-tokens 512) the same KV memory holds at once.
+        fit = min(pool.capacity_tokens // row.max_length(late=index == 1) for index, pool in enumerate(engine.pools))
+        measured = json.loads(subprocess.run(
+            [sys.executable, "-c", _MEASURE.format(bench=str(REPO / "bench"), threads=THREADS, model_dir=str(model_dir),
+                                                   frames=frames, ratio=ratio, layer=layer, batch=BATCH,
+                                                   new_tokens=NEW_TOKENS)],
+            check=True, capture_output=True, text=True).stdout)
+        results[name[setting]] = {
+            "survivors": survivors,
+            "prefill_gflops": round(prefill_flops(layer_params, heads, geometry.head_dim, geometry.num_layers,
+                                                  prompt.length, survivors, layer if ratio else 0) / 1e9, 1),
+            "prefill_s": round(statistics.median(times[setting]), 2), "prefill_runs_s": [round(t, 2) for t in times[setting]],
+            "kv_mb_per_row": round(kv_bytes[setting] / 2**20, 1), "rows_in_kv_of_16_unpruned": fit,
+            "peak_above_loaded_mb": round(measured["peak_above_loaded_mb"]),
+            f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens": round(BATCH / measured["seconds"], 3),
+        }
+        print(json.dumps({family: {name[setting]: results[name[setting]]}}), file=sys.stderr, flush=True)
+    base = results["unpruned"]
+    for values in results.values():
+        values["vs_unpruned"] = {
+            "prefill_flops": round(values["prefill_gflops"] / base["prefill_gflops"], 3),
+            "prefill_time": round(values["prefill_s"] / base["prefill_s"], 3),
+            "kv_bytes": round(values["kv_mb_per_row"] / base["kv_mb_per_row"], 3),
+            "peak_memory": round(values["peak_above_loaded_mb"] / base["peak_above_loaded_mb"], 3),
+            "items_per_s": round(values[f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens"]
+                                 / base[f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens"], 3),
+        }
+    return {"checkpoint": f"{family} deep: {geometry.num_layers} layers, {layer_params * geometry.num_layers / 1e6:.0f}M "
+                          f"parameters in the decoder layers", "frames": frames, "prompt_tokens": prompt.length,
+            "vision_tokens": sum(block.end - block.start for block in prompt.vision_blocks), "settings": results}
+
+
+def speed(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(THREADS)
+    with tempfile.TemporaryDirectory(prefix="bench-pruning-") as scratch:
+        return {"benchmark": "vision-token pruning: speed and memory", "repeats": args.repeats, "threads": THREADS,
+                "families": {family: one_family(family, args.frames, args.repeats, Path(scratch))
+                             for family in args.families}}
+
+
+def token_f1(reference: str, candidate: str) -> float:
+    from collections import Counter
+
+    ref, cand = reference.split(), candidate.split()
+    common = sum((Counter(ref) & Counter(cand)).values())
+    if not common:
+        return float(ref == cand)
+    precision, recall = common / len(cand), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def rouge_l(reference: str, candidate: str) -> float:
+    """F-measure of the longest common subsequence of words."""
+    ref, cand = reference.split(), candidate.split()
+    if not ref or not cand:
+        return float(ref == cand)
+    previous = [0] * (len(cand) + 1)
+    for word in ref:
+        current = [0]
+        for index, other in enumerate(cand):
+            current.append(previous[index] + 1 if word == other else max(previous[index + 1], current[index]))
+        previous = current
+    lcs = previous[-1]
+    if not lcs:
+        return 0.0
+    precision, recall = lcs / len(cand), lcs / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def quality(args: argparse.Namespace) -> dict:
+    from tarsier_batch.demo.evaluate import evaluate
+
+    settings = [(0.0, 0)] + [(ratio, layer) for layer in QUALITY_LAYERS for ratio in RATIOS]
+    results, unpruned = {}, None
+    for ratio, layer in settings:
+        flags = ("--prune-vision", str(ratio), "--prune-layer", str(layer)) if ratio else ()
+        start = time.perf_counter()
+        evaluation = evaluate(args.n, args.seed, "demo", flags)
+        seconds = time.perf_counter() - start
+        captions = evaluation.captions
+        unpruned = unpruned or captions
+        pairs = [(unpruned[name], captions[name]) for name in unpruned]
+        result = {"accuracy": round((evaluation.correct + evaluation.reversed_correct) / (2 * args.n), 4),
+                  "forwards": round(evaluation.accuracy, 4), "backwards": round(evaluation.reversed_accuracy, 4),
+                  "identical_to_unpruned": round(sum(a == b for a, b in pairs) / len(pairs), 4),
+                  "token_f1_vs_unpruned": round(statistics.mean(token_f1(a, b) for a, b in pairs), 4),
+                  "rouge_l_vs_unpruned": round(statistics.mean(rouge_l(a, b) for a, b in pairs), 4),
+                  "seconds": round(seconds, 1)}
+        results["unpruned" if not ratio else f"R={ratio},K={layer}"] = result
+        print(json.dumps({f"R={ratio},K={layer}": result}), file=sys.stderr, flush=True)
+    return {"benchmark": "vision-token pruning: demo-model caption quality", "clips": 2 * args.n, "seed": args.seed,
+            "settings": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    speed_parser = commands.add_parser("speed")
+    speed_parser.add_argument("--families", nargs="+", default=["tarsier", "tarsier2"], choices=["tarsier", "tarsier2"])
+    speed_parser.add_argument("--frames", type=int, default=8)
+    speed_parser.add_argument("--repeats", type=int, default=2)
+    quality_parser = commands.add_parser("quality")
+    quality_parser.add_argument("--n", type=int, default=100)
+    quality_parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    print(json.dumps(speed(args) if args.command == "speed" else quality(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
