@@ -2,6 +2,7 @@
 
     python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2]
     python bench/bench_pruning.py quality [--n 100] [--seed 1]
+    python bench/bench_pruning.py selectivity [--n 40] [--seed 1]
 
 `speed`: random-weight checkpoints with a ~100M-parameter language model at the real depth
 (Tarsier v1: 32 layers; Tarsier2: 28) and the real per-frame geometry (`deep`), on
@@ -16,6 +17,11 @@ each (EOS off). Two torch threads.
 and backwards (2n clips) through `tarsier caption` per setting: exact-caption accuracy, and against
 the unpruned captions the share of identical captions, token F1 and ROUGE-L.
 
+`selectivity`: why quality drops on the demo model. Its frames are 4 x 4 patches (a newline vector
+after each row, a separator after the frame): for --n held-out clips, the share of the patches
+showing the shape that survive against the share of background patches and of newline/separator
+vectors, at R = 0.5 and each K (a score that finds the shape keeps more of its patches).
+
 Prints one JSON object.
 """
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -234,6 +241,52 @@ def quality(args: argparse.Namespace) -> dict:
             "settings": results}
 
 
+def selectivity(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    from tarsier_batch.checkpoints import resolve_model
+    from tarsier_batch.demo import HELD_OUT_SEEDS
+    from tarsier_batch.demo.clips import BACKGROUNDS, make_clip, write_mp4
+    from tarsier_batch.families import load_caption_model
+    from tarsier_batch.sources import MediaType
+
+    model = load_caption_model(resolve_model("demo").path, torch.float32, torch.device("cpu"))
+    size = model.model.vision_tower.config.image_size   # the frames the vision tower sees
+    clips = [make_clip(seed) for seed in random.Random(args.seed).sample(range(*HELD_OUT_SEEDS), args.n)]
+    prompts = []
+    with tempfile.TemporaryDirectory(prefix="bench-pruning-") as scratch:
+        for index, clip in enumerate(clips):
+            path = write_mp4(clip, Path(scratch) / f"{index}.mp4")
+            prompts.append(model.processor.process(model.processor.load_media(str(path), MediaType.VIDEO, 8), None))
+    results = {}
+    for layer in QUALITY_LAYERS:
+        kept = {"shape": [0, 0], "background": [0, 0], "newline_or_separator": [0, 0]}   # kind -> [kept, all]
+        for clip, prompt in zip(clips, prompts):
+            engine = engine_for(model, prompt, 0.5, layer, rows=1, new_tokens=1)
+            _, [row] = run_rows(engine, [prompt])
+            survivors = set(row.pruning.survivors.tolist())
+            shown = np.linspace(0, len(clip.frames) - 1, len(prompt.vision_blocks)).round().astype(int)
+            background = np.array(BACKGROUNDS[clip.spec.background])
+            for block, frame_index in zip(prompt.vision_blocks, shown):
+                pixels = np.asarray(clip.frames[frame_index].resize((size, size))).astype(int)
+                grid = int((block.end - block.start - 1) ** 0.5)   # rows of `grid` patches and a newline, a separator
+                patch = size // grid
+                for offset in range(block.end - block.start):
+                    row_index, column = divmod(offset, grid + 1)
+                    if column == grid or row_index == grid:
+                        kind = "newline_or_separator"
+                    else:
+                        cell = pixels[row_index * patch:(row_index + 1) * patch, column * patch:(column + 1) * patch]
+                        kind = "shape" if (np.abs(cell - background).sum(-1) > 60).mean() > 0.05 else "background"
+                    kept[kind][0] += block.start + offset in survivors
+                    kept[kind][1] += 1
+        results[f"R=0.5,K={layer}"] = {f"{kind}_kept": round(done / total, 3) for kind, (done, total) in kept.items()}
+        print(json.dumps(results), file=sys.stderr, flush=True)
+    return {"benchmark": "vision-token pruning: which demo-model vectors survive", "clips": args.n, "seed": args.seed,
+            "settings": results}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -244,8 +297,11 @@ def main() -> None:
     quality_parser = commands.add_parser("quality")
     quality_parser.add_argument("--n", type=int, default=100)
     quality_parser.add_argument("--seed", type=int, default=1)
+    selectivity_parser = commands.add_parser("selectivity")
+    selectivity_parser.add_argument("--n", type=int, default=40)
+    selectivity_parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    print(json.dumps(speed(args) if args.command == "speed" else quality(args), indent=2))
+    print(json.dumps({"speed": speed, "quality": quality, "selectivity": selectivity}[args.command](args), indent=2))
 
 
 if __name__ == "__main__":
