@@ -10,9 +10,11 @@ renumbered and cached keys never re-rotated). Layers K … then run over the sur
 (in chunks), and cache only them. Generated tokens run through every layer and continue from
 the whole prompt's next position.
 
-The engine counts a pruned row's work in "steps positions": the prompt's P positions in the
+The engine counts a pruned row's work in "step positions": the prompt's P positions in the
 early layers, then its S survivors in the late layers, then its generated tokens in all layers.
-A chunk never crosses from one stage to the next.
+A chunk never crosses from one stage to the next. The late layers have their own KV cache, in
+which a row holds S + generated slots instead of P + generated: that is the memory saved, and
+what lets the scheduler admit more rows.
 """
 
 from __future__ import annotations
