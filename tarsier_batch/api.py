@@ -208,7 +208,7 @@ class Captioner:
             return
         queued = _Queued(decoded, time.perf_counter())
         seq = self.engine.add(decoded.prompt, payload=queued,
-                              generator=self.settings.sampling.generator_for(decoded.item.stable_key))
+                              seed=self.settings.sampling.row_seed(decoded.item.stable_key))
         decoded.prompt = None  # the sequence holds it now; freed with the sequence
         if seq.finish_reason == "error":  # can never fit the KV cache
             ready[decoded.index] = self._result(seq)

@@ -43,11 +43,8 @@ def run(model: TarsierCaptioner, prompts: list[ProcessedPrompt], sampling: Sampl
     engine = Engine(model, EngineConfig(**config), sampling)
     rows = []
     for index, prompt in enumerate(prompts):
-        generator = None
-        if seeds is not None:
-            generator = torch.Generator().manual_seed(seeds[index])
         rows.append(engine.add(prompt, payload=index, max_new_tokens=max_new[index] if max_new else None,
-                               generator=generator))
+                               seed=seeds[index] if seeds is not None else None))
     while engine.has_work:
         engine.step()
     assert all(row.error is None for row in rows), [row.error for row in rows]
@@ -108,7 +105,7 @@ def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_mod
                      prefill_chunk=16, max_batch_tokens=24)
     assert ids(continuous) == reference
     preempted = run(tiny_model, prompts, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=7,
-                    prefill_chunk=64, kv_cache_tokens=2 * (194 + MAX_NEW) + 20)
+                    prefill_chunk=64, kv_cache_tokens=2 * (194 + MAX_NEW) + 20, kv_page_slots=8)
     assert ids(preempted) == reference
     assert sum(row.preemptions for row in preempted) > 0
     greedy = alone(tiny_model, prompts, max_new=max_new)

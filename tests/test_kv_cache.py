@@ -29,20 +29,29 @@ def test_allocator_extends_in_place_only_into_a_free_neighbour() -> None:
     assert allocator.extend(a, 100) and allocator.free_slots == 0
 
 
-def test_rows_are_written_and_read_in_place_and_moved_intact() -> None:
+def test_rows_are_written_to_their_pages_read_back_and_moved_intact() -> None:
     geometry = KVGeometry(num_layers=2, kv_heads=3, head_dim=4)
-    cache = KVCache(geometry, 64, torch.float32, torch.device("cpu"))
-    region = cache.allocator.allocate(10)
-    keys, values = torch.randn(6, 3, 4), torch.randn(6, 3, 4)
+    cache = KVCache(geometry, 70, torch.float32, torch.device("cpu"), page_slots=8)
+    assert cache.keys.shape == (2, 8, 3, 8, 4), "whole pages only: (layers, pages, kv heads, slots, head dim)"
+    region = cache.allocator.allocate(cache.whole_pages(10))
+    assert region == Region(0, 16)
+    rest = cache.allocator.allocate(48)
+    assert rest is not None and cache.allocator.allocate(8) is None, "the 6 slots short of a page are never used"
+    cache.allocator.release(rest)
+    keys, values = torch.randn(11, 3, 4), torch.randn(11, 3, 4)
     cache.write(region, 1, 0, keys[:4], values[:4])
-    cache.write(region, 1, 4, keys[4:], values[4:])  # a second chunk after the first
-    read_keys, read_values = cache.read(region, 1, 6)
-    assert read_keys.shape == (1, 3, 6, 4)
-    assert read_keys.data_ptr() == cache.keys[1, :, region.start].data_ptr(), "a view, not a copy"
+    cache.write(region, 1, 4, keys[4:], values[4:])  # a second chunk after the first, across a page edge
+    read_keys, read_values = cache.read(region, 1, 11)
+    assert read_keys.shape == (1, 3, 11, 4)
     torch.testing.assert_close(read_keys[0], keys.transpose(0, 1), rtol=0, atol=0)
-    overlapping = Region(3, 10)  # compaction moves ranges onto themselves
-    cache.move(region, overlapping, 6)
-    moved_keys, moved_values = cache.read(overlapping, 1, 6)
+    torch.testing.assert_close(read_values[0], values.transpose(0, 1), rtol=0, atol=0)
+    # The decode path's view of the first pages is the storage itself, page by page and head by head.
+    paged_keys, _ = cache.page_view(1, 2)
+    assert paged_keys.data_ptr() == cache.keys[1].data_ptr() and paged_keys.shape == (2 * 3, 8, 4)
+    torch.testing.assert_close(paged_keys[3 + 2, 10 - 8], keys[10, 2], rtol=0, atol=0)   # page 1, head 2, slot 10
+    overlapping = Region(8, 16)  # compaction moves ranges onto themselves
+    cache.move(region, overlapping, 11)
+    moved_keys, moved_values = cache.read(overlapping, 1, 11)
     torch.testing.assert_close(moved_keys[0], keys.transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(moved_values[0], values.transpose(0, 1), rtol=0, atol=0)
 
@@ -54,8 +63,9 @@ def test_offloaded_rows_come_back_to_the_device_range_intact() -> None:
     for layer in range(2):
         host.write(layer, 0, keys[layer, :3], -keys[layer, :3])
         host.write(layer, 3, keys[layer, 3:], -keys[layer, 3:])
-    cache = KVCache(geometry, 32, torch.float32, torch.device("cpu"))
-    region = cache.allocator.allocate(8)
+    cache = KVCache(geometry, 32, torch.float32, torch.device("cpu"), page_slots=4)
+    cache.allocator.allocate(4)
+    region = cache.allocator.allocate(8)   # from the second page on
     cache.copy_from(region, host, 5)
     for layer in range(2):
         device_keys, device_values = cache.read(region, layer, 5)

@@ -154,7 +154,8 @@ def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) 
     memory = 2 * (videos[0].length + 20) + 40
 
     def most_rows_at_once(prune: PruneConfig | None) -> tuple[int, list[list[int]]]:
-        engine = Engine(tiny_model, EngineConfig(max_rows=6, prefill_chunk=0, kv_cache_tokens=memory, prune=prune),
+        engine = Engine(tiny_model, EngineConfig(max_rows=6, prefill_chunk=0, kv_cache_tokens=memory, prune=prune,
+                                                     kv_page_slots=2),
                         SamplingParams(max_new_tokens=20, repetition_penalty=1.0))
         rows = [engine.add(prompt) for prompt in videos]
         most = 0

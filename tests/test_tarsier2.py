@@ -59,7 +59,7 @@ def run(model: Tarsier2Captioner, prompts: list[ProcessedPrompt], max_new: list[
         sampling: SamplingParams | None = None, seeds: list[int] | None = None, **config) -> list[Sequence]:
     engine = Engine(model, EngineConfig(**config), sampling or SamplingParams(max_new_tokens=MAX_NEW))
     rows = [engine.add(prompt, max_new_tokens=max_new[index] if max_new else None,
-                       generator=torch.Generator().manual_seed(seeds[index]) if seeds else None)
+                       seed=seeds[index] if seeds else None)
             for index, prompt in enumerate(prompts)]
     while engine.has_work:
         engine.step()
@@ -254,7 +254,8 @@ def test_repetition_penalty_is_applied_and_equals_transformers(model: Tarsier2Ca
     assert without != reference, "the checkpoint's 1.05 penalty should change some captions"
     logits = torch.randn(2, 50)
     seen = [torch.tensor([3, 7, 7, 49]), torch.tensor([0, 12])]
-    ours = select_tokens(logits, SamplingParams(repetition_penalty=1.3), [None, None], seen)
+    pairs = ([row for row, ids in enumerate(seen) for _ in ids], [int(i) for ids in seen for i in ids])
+    ours = select_tokens(logits, SamplingParams(repetition_penalty=1.3), [None, None], [0, 0], pairs)
     for row, ids in enumerate(seen):
         expected = RepetitionPenaltyLogitsProcessor(1.3)(ids[None], logits[row:row + 1].clone()).argmax(dim=-1)
         assert ours[row] == int(expected)
@@ -284,7 +285,7 @@ def test_mixed_batch_with_rows_joining_and_leaving_equals_one_at_a_time(model: T
     sampled_alone = alone(model, mixed, sampling=sampling, seeds=seeds)
     # A cache for about two of the longest rows: rows are preempted mid-decode and recomputed.
     sampled = run(model, mixed, sampling=sampling, seeds=seeds, max_rows=4, prefill_chunk=20,
-                  max_batch_tokens=30, kv_cache_tokens=2 * (263 + MAX_NEW) + 20)
+                  max_batch_tokens=30, kv_cache_tokens=2 * (263 + MAX_NEW) + 20, kv_page_slots=8)
     assert [row.output_ids for row in sampled] == sampled_alone
     assert sampled_alone[:len(reference)] != reference, "sampling should differ from greedy decoding"
     assert sum(row.preemptions for row in sampled) > 0, "the small cache should force recomputation"

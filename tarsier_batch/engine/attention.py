@@ -1,9 +1,23 @@
-"""Attention for one step: store each row's new keys and values, attend over its own context.
+"""Attention for one step: store every row's new keys and values, attend over each row's own context.
 
-The step's tokens arrive flattened over rows (no padding anywhere): the projections and MLPs
-of all rows run as one matrix multiply, and attention runs row by row on views of the cache.
-A row computes positions [start, start + n) and attends to positions [0, start + n), so every
-row is computed exactly as if it were alone, whatever else shares the step.
+The step's tokens arrive flattened over rows (no padding anywhere): the projections and MLPs of
+all rows run as one matrix multiply, and so does the rest of a step's work:
+
+- the new keys and values of every row with device KV go into the cache in one indexed copy per
+  layer and kind;
+- the rows that compute one position (decoding rows, the usual bulk of a step) attend in one
+  batched computation per layer whatever their number: each page their contexts occupy is paired
+  with its row's query, every page's partial attention is one slice of a batched matrix multiply
+  over the cache's first pages read where they lie, and each row's pages are then combined by their
+  softmax weights (split-K attention, as flash-decoding does it; see `DecodePages`);
+- a prefill chunk (many positions of one row) attends on its own with SDPA, over its own new keys
+  for a prompt's first chunk and over its row's context copied out of its pages for a later one:
+  a chunk is compute-bound, so that copy is small next to its arithmetic, and there are few
+  chunks per step (the token budget holds one or two);
+- a row whose prefill is offloaded reads its context from host memory, as before.
+
+A row computes positions [start, start + n) and attends to positions [0, start + n), so each row
+is computed as if it were alone, whatever else shares the step.
 """
 
 from __future__ import annotations
@@ -28,6 +42,76 @@ class RowSpan:
     region: Region | None
     host_kv: HostKV | None
 
+    @property
+    def decodes(self) -> bool:
+        """One position against device KV: attends in the step's batched decode call."""
+        return self.num_tokens == 1 and self.host_kv is None
+
+
+class DecodePages:
+    """The pages of a step's one-position rows, laid out once per step for every layer's attention.
+
+    The cache's first `window` pages are read as one view; `owner` names the decode row whose query
+    each page meets (row 0 for pages of other rows and free pages, whose slots are all masked),
+    `masked` which of its slots are not its row's context, and `row_pages` each row's pages in order
+    (padded with page 0, whose weight `padding` zeroes).
+    """
+
+    def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device):
+        page = kv.page_slots
+        firsts = [row.region.start // page for row in rows if row.region is not None]
+        assert len(firsts) == len(rows), "a decoding row holds device KV"
+        counts = [-(-(row.start + 1) // page) for row in rows]
+        self.window = max(first + count for first, count in zip(firsts, counts))
+        owner = [0] * self.window
+        filled = [0] * self.window
+        table, real = [], []
+        widest = max(counts)
+        for index, (row, first, count) in enumerate(zip(rows, firsts, counts)):
+            pages = range(first, first + count)
+            for number, page_index in enumerate(pages):
+                owner[page_index] = index
+                filled[page_index] = min(page, row.start + 1 - number * page)
+            table.append(list(pages) + [0] * (widest - count))
+            real.append([True] * count + [False] * (widest - count))
+        self.owner = to_device(owner, device)
+        slots = torch.arange(page, device=device)
+        self.masked = (slots >= to_device(filled, device).unsqueeze(1)).unsqueeze(1)            # (pages, 1, slots)
+        self.row_pages = to_device(table, device)                                               # (rows, widest)
+        self.padding = ~to_device(real, device, torch.bool)[:, :, None, None]                   # (rows, widest, 1, 1)
+
+    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages.
+
+        Scores and the softmax are float32; for a bfloat16 model the scores come out of the matrix
+        multiply in bfloat16 first, as in transformers' eager attention.
+        """
+        rows, heads, dim = q.shape
+        keys, values = kv.page_view(layer, self.window)       # (window * kv_heads, slots, dim), in place
+        kv_heads = keys.shape[0] // self.window
+        grouped = (q * scale)[self.owner].view(self.window * kv_heads, heads // kv_heads, dim)
+        scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(self.window, heads, -1))
+        scores.masked_fill_(self.masked, float("-inf"))
+        # A page with no slot of a decode row has max -inf: clamped, its weights come out 0, not NaN.
+        page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
+        weights = scores.sub_(page_max).exp_()                                             # (window, heads, slots)
+        page_sum = weights.sum(dim=-1, keepdim=True)                                      # (window, heads, 1)
+        weights = weights.view(self.window * kv_heads, heads // kv_heads, -1)
+        page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
+                                      values).view(self.window, heads, dim))
+        # Combine each row's pages: rescale every page to the row's maximum, add, normalise (the sums ride
+        # along as one more column of the outputs).
+        partial = torch.cat([page_out, page_sum], dim=-1)[self.row_pages]                  # (rows, widest, heads, dim + 1)
+        row_max_by_page = page_max[self.row_pages].masked_fill_(self.padding, float("-inf"))  # (rows, widest, heads, 1)
+        scale_by_page = row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)).exp_()
+        combined = (scale_by_page * partial).sum(dim=1)                                    # (rows, heads, dim + 1)
+        out = combined[..., :dim] / combined[..., dim:]
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
 
 class StepAttention:
     """The `Attention` callback a model calls once per layer during one engine step."""
@@ -37,10 +121,29 @@ class StepAttention:
         """`capture`: (layer, row indices) whose last token's query to keep at that layer (`captured`)."""
         self.kv = kv
         self.rows = rows
-        self.masks = [_causal_mask(row.start, row.num_tokens, device) for row in rows]
         self.capture = capture
         self.captured: dict[int, torch.Tensor] = {}   # row index -> (heads, head_dim) rotated query
         self.scale = 0.0
+        decoding = [row for row in rows if row.decodes]
+        self.decode = DecodePages(kv, decoding, device) if decoding else None
+        offsets = [row.offset for row in decoding]
+        self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
+                                                    else to_device(offsets, device))
+        self.chunks = [row for row in rows if not row.decodes]
+        self.masks = [_causal_mask(row.start, row.num_tokens, device) for row in self.chunks]
+        self.only_decodes = not self.chunks and isinstance(self.decode_tokens, slice)
+        # Every token of a row with device KV, written in one indexed copy per layer and kind.
+        tokens, pages, offsets_in_page = [], [], []
+        for row in rows:
+            if row.host_kv is None and row.region is not None:
+                first = row.region.start + row.start
+                tokens.extend(range(row.offset, row.offset + row.num_tokens))
+                pages.extend((first + n) // kv.page_slots for n in range(row.num_tokens))
+                offsets_in_page.extend((first + n) % kv.page_slots for n in range(row.num_tokens))
+        total = sum(row.num_tokens for row in rows)
+        self.write_tokens = None if tokens == list(range(total)) else to_device(tokens, device)
+        self.write_pages = to_device(pages, device)
+        self.write_offsets = to_device(offsets_in_page, device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -49,21 +152,41 @@ class StepAttention:
             for index in self.capture[1]:
                 row = self.rows[index]
                 self.captured[index] = q[row.offset + row.num_tokens - 1].clone()
+        if self.write_pages.numel():
+            device_k, device_v = (k, v) if self.write_tokens is None else (k[self.write_tokens], v[self.write_tokens])
+            self.kv.write_at(layer, self.write_pages, self.write_offsets, device_k, device_v)
+        if self.decode is not None:
+            decoded = self.decode.attend(self.kv, layer, q[self.decode_tokens], scale)
+            if self.only_decodes:
+                return decoded
         out = torch.empty_like(q)
-        for row, mask in zip(self.rows, self.masks):
+        if self.decode is not None:
+            out[self.decode_tokens] = decoded
+        for row, mask in zip(self.chunks, self.masks):
             tokens = slice(row.offset, row.offset + row.num_tokens)
-            context = row.start + row.num_tokens
-            if row.host_kv is not None:
-                row.host_kv.write(layer, row.start, k[tokens], v[tokens])
-                keys, values = row.host_kv.read(layer, context)
-            else:
-                assert row.region is not None
-                self.kv.write(row.region, layer, row.start, k[tokens], v[tokens])
-                keys, values = self.kv.read(row.region, layer, context)
+            keys, values = self._context(row, layer, k[tokens], v[tokens])
             query = q[tokens].transpose(0, 1).unsqueeze(0)
             out[tokens] = _attend(query, keys, values, mask, row.start == 0 and row.num_tokens > 1,
                                   scale).transpose(0, 1)
         return out
+
+    def _context(self, row: RowSpan, layer: int, new_keys: torch.Tensor,
+                 new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(1, kv_heads, context, head_dim) keys and values a chunk attends to (its own new ones included)."""
+        context = row.start + row.num_tokens
+        if row.host_kv is not None:
+            row.host_kv.write(layer, row.start, new_keys, new_values)
+            return row.host_kv.read(layer, context)
+        if row.start == 0:   # a prompt's first chunk: its context is what it just computed
+            return new_keys.transpose(0, 1).unsqueeze(0), new_values.transpose(0, 1).unsqueeze(0)
+        assert row.region is not None
+        return self.kv.read(row.region, layer, context)
+
+
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A step's host-made indices on the device without waiting for it: a blocking copy to a GPU would
+    first drain the GPU's queue, so a step would synchronise once per tensor instead of once in all."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

@@ -11,7 +11,7 @@ import torch
 from ..devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
 from ..families.base import CaptionModel, ProcessedPrompt
 from ..text import one_line
-from .kv_cache import KVCache
+from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning
 from .sampling import SamplingParams, select_tokens
@@ -29,6 +29,7 @@ class EngineConfig:
     kv_cache_tokens: int = 65536   # slots of the preallocated KV cache (its memory, with pruning)
     offload_kv: bool = False       # keep prefilling rows' KV in host memory
     prune: PruneConfig | None = None   # drop vision tokens after a layer (not the official output)
+    kv_page_slots: int = PAGE_SLOTS    # a row's KV range is whole pages of this many slots
 
 
 class Engine:
@@ -42,7 +43,8 @@ class Engine:
         self.sampling = sampling
         geometry = model.kv_geometry
         if config.prune is None:
-            self.pools = [KVCache(geometry, config.kv_cache_tokens, model.dtype, model.device)]
+            self.pools = [KVCache(geometry, config.kv_cache_tokens, model.dtype, model.device,
+                                  page_slots=config.kv_page_slots)]
         else:
             if config.prune.layer >= geometry.num_layers:
                 raise ValueError(f"--prune-layer {config.prune.layer}: the model has {geometry.num_layers} "
@@ -52,8 +54,9 @@ class Engine:
             # The layers from K on hold only the survivors: their own, smaller cache in the same memory.
             early, late = config.prune.split_kv_slots(config.kv_cache_tokens, geometry.num_layers)
             layer = config.prune.layer
-            self.pools = [KVCache(geometry, early, model.dtype, model.device, range(layer)),
-                          KVCache(geometry, late, model.dtype, model.device, range(layer, geometry.num_layers))]
+            self.pools = [KVCache(geometry, early, model.dtype, model.device, range(layer), config.kv_page_slots),
+                          KVCache(geometry, late, model.dtype, model.device, range(layer, geometry.num_layers),
+                                  config.kv_page_slots)]
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
                                                    config.prefill_chunk, config.offload_kv), self.pools)
         self.runner = ModelRunner(model, self.pools)
@@ -74,10 +77,10 @@ class Engine:
         return sum(seq.prompt.pixel_values.nbytes for seq in self.scheduler.waiting)
 
     def add(self, prompt: ProcessedPrompt, payload: Any = None, max_new_tokens: int | None = None,
-            generator: torch.Generator | None = None) -> Sequence:
-        """Queue one row. A row that can never fit the KV cache is not queued: it comes back finished
-        with an error."""
-        seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, generator, payload)
+            seed: int | None = None) -> Sequence:
+        """Queue one row; `seed` names its sampling stream (`SamplingParams.row_seed`, needed unless greedy).
+        A row that can never fit the KV cache is not queued: it comes back finished with an error."""
+        seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, seed, payload)
         if self.config.prune is not None and prompt.vision_blocks:
             seq.pruning = row_pruning(prompt, self.config.prune)
         problem = self.scheduler.add(seq)
@@ -114,8 +117,17 @@ class Engine:
             row.seq.num_computed += row.num_tokens
         if logits is None:
             return []
-        seen = [seq.seen_ids() for seq in sampled] if self.sampling.repetition_penalty not in (None, 1) else None
-        tokens = select_tokens(logits, self.sampling, [seq.generator for seq in sampled], seen)
+        seen = None
+        if self.sampling.repetition_penalty not in (None, 1):
+            seen_rows: list[int] = []
+            seen_ids: list[int] = []
+            for index, seq in enumerate(sampled):
+                ids = seq.seen_ids()
+                seen_rows += [index] * len(ids)
+                seen_ids += ids
+            seen = (seen_rows, seen_ids)
+        tokens = select_tokens(logits, self.sampling, [seq.seed for seq in sampled],
+                               [len(seq.output_ids) for seq in sampled], seen)
         if on_tokens is not None:
             on_tokens(len(tokens))
         finished = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..families.base import CaptionModel
-from .attention import RowSpan, StepAttention
+from .attention import RowSpan, StepAttention, to_device
 from .kv_cache import KVCache, Region
 from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
@@ -40,25 +40,20 @@ class ModelRunner:
 
     def _run_whole(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
         """Every row's new positions through every layer; the final hidden states of the rows that sample."""
-        embeds, positions, spans, sampled_at, sampled = [], [], [], [], []
-        offset = 0
+        inputs, spans, sampled_at, sampled = StepInputs(), [], [], []
         for row in step:
             seq, start = row.seq, row.seq.num_computed
             end = start + row.num_tokens
-            embeds.append(self._embed(seq, start, end))
-            positions.append(seq.positions(start, end))
-            spans.append(RowSpan(offset, row.num_tokens, start, seq.regions[0] if seq.regions else None,
+            spans.append(RowSpan(inputs.tokens, row.num_tokens, start, seq.regions[0] if seq.regions else None,
                                  seq.host_kv))
-            offset += row.num_tokens
+            inputs.add(seq, start, end)
             if end == seq.length:
                 sampled.append(seq)
-                sampled_at.append(offset - 1)
+                sampled_at.append(inputs.tokens - 1)
         device = self.model.device
         attention = StepAttention(self.pools[0], spans, device)
-        hidden = self.model.forward(torch.cat(embeds), torch.cat(positions, dim=1).to(device), attention)
-        if not sampled:
-            return [], hidden
-        return sampled, hidden[torch.tensor(sampled_at, device=device)]
+        hidden = self.model.forward(self._embed(inputs), inputs.position_ids(device), attention)
+        return sampled, _rows_at(hidden, sampled_at) if sampled else hidden
 
     def _run_in_two_parts(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
         """Layers [0, K) then [K, end), each part with its own cache, when rows may be pruned (see
@@ -86,28 +81,28 @@ class ModelRunner:
                 early_outputs.append((seq, early.tokens, start, end))
                 if end == prompt and pruning.survivors is None:
                     scored[len(early.spans)] = seq
-                early.add(self._embed(seq, start, end), seq.positions(start, end), start, seq.regions[0])
+                early.add(seq, start, end, start, seq.regions[0])
                 continue
             if pruning is not None and end <= prompt + pruning.num_survivors:   # survivors through the late layers
                 assert pruning.survivors is not None and pruning.layer_inputs is not None
                 chosen = pruning.survivors[start - prompt:end - prompt]
                 late_inputs.append((len(late.spans), pruning.layer_inputs[chosen.to(device)]))
-                late.add(None, seq.prompt.positions[:, chosen], start - prompt, seq.regions[1], row.num_tokens)
+                late.add_survivors(seq.prompt.positions[:, chosen], start - prompt, seq.regions[1])
             else:   # a row not pruned, or generated tokens: both parts; late slots after the survivors
                 survivors = pruning.num_survivors if pruning is not None else 0
                 real_start, real_end = start - survivors, end - survivors
                 late_inputs.append((len(late.spans), early.tokens))
-                early.add(self._embed(seq, real_start, real_end), seq.positions(real_start, real_end), real_start,
-                          seq.regions[0])
+                early.add(seq, real_start, real_end, real_start, seq.regions[0])
                 late_start = start - prompt if pruning is not None else start
-                late.add(None, seq.positions(real_start, real_end), late_start, seq.regions[1], row.num_tokens)
+                late.add(seq, real_start, real_end, late_start, seq.regions[1])
             if end == seq.length:
                 sampled.append(seq)
                 sampled_at.append(late.tokens - 1)
         hidden = None
         if early.spans:
             attention = StepAttention(early_pool, early.spans, device, capture=(layer - 1, set(scored)))
-            hidden = self.model.run_layers(torch.cat(early.embeds), early.position_ids(device), attention, 0, layer)
+            hidden = self.model.run_layers(self._embed(early.inputs), early.inputs.position_ids(device), attention, 0,
+                                           layer)
             for seq, offset, start, end in early_outputs:
                 pruning = seq.pruning
                 assert pruning is not None
@@ -118,17 +113,21 @@ class ModelRunner:
                 self._choose_survivors(seq, attention.captured[index], attention.scale)
         if not late.spans:   # only prompt chunks of pruned rows: nothing reaches the late layers or samples
             return [], torch.empty(0)
-        inputs = [piece if isinstance(piece, torch.Tensor) else hidden[piece:piece + late.spans[span].num_tokens]
-                  for span, piece in late_inputs]
+        if hidden is not None and not early_outputs and all(isinstance(piece, int) for _, piece in late_inputs):
+            late_hidden = hidden   # every early token goes on, in the same order
+        else:
+            late_hidden = torch.cat([piece if isinstance(piece, torch.Tensor)
+                                     else hidden[piece:piece + late.spans[span].num_tokens]
+                                     for span, piece in late_inputs])
         attention = StepAttention(late_pool, late.spans, device)
-        out = self.model.run_layers(torch.cat(inputs), late.position_ids(device), attention, layer,
+        out = self.model.run_layers(late_hidden, late.inputs.position_ids(device), attention, layer,
                                     late_pool.layers.stop)
         if not sampled:
             return [], out
         for seq in sampled:   # the prompt is done with: its layer-K inputs are no longer needed
             if seq.pruning is not None:
                 seq.pruning.layer_inputs = None
-        return sampled, self.model.final_norm(out[torch.tensor(sampled_at, device=device)])
+        return sampled, self.model.final_norm(_rows_at(out, sampled_at))
 
     def _choose_survivors(self, seq: Sequence, query: torch.Tensor, scale: float) -> None:
         pruning = seq.pruning
@@ -137,15 +136,20 @@ class ModelRunner:
         scores = attention_of_last_query(query, keys[0], scale)
         pruning.survivors = choose_survivors(scores, pruning.vision_mask, pruning.kept_vision)
 
-    def _embed(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """Input vectors of positions [start, end): token embeddings, vision vectors where blocks lie."""
-        embeds = self.model.embed_tokens(seq.token_ids(start, end).to(self.model.device))
-        for index, block in enumerate(seq.prompt.vision_blocks):
-            first, last = max(start, block.start), min(end, block.end)
-            if first >= last:
-                continue
-            vectors = seq.encoded[index]
-            embeds[first - start:last - start] = vectors[first - block.start:last - block.start]
+    def _embed(self, inputs: StepInputs) -> torch.Tensor:
+        """Input vectors of the step's tokens: one embedding lookup, then the vision vectors of every block the
+        step reaches put in place with one indexed copy."""
+        embeds = self.model.embed_tokens(inputs.token_ids(self.model.device))
+        targets: list[int] = []
+        vectors: list[torch.Tensor] = []
+        for offset, seq, start, end in inputs.vision_spans:
+            for index, block in enumerate(seq.prompt.vision_blocks):
+                first, last = max(start, block.start), min(end, block.end)
+                if first < last:
+                    targets.extend(range(offset + first - start, offset + last - start))
+                    vectors.append(seq.encoded[index][first - block.start:last - block.start])
+        if vectors:
+            embeds.index_copy_(0, to_device(targets, embeds.device), _joined(vectors, dim=0))
         return embeds
 
     @staticmethod
@@ -174,22 +178,82 @@ class ModelRunner:
 
 
 class _Part:
-    """The flattened tokens of the step that run through one range of layers."""
+    """The flattened tokens of the step that run through one range of layers, and their spans."""
 
     def __init__(self) -> None:
-        self.embeds: list[torch.Tensor] = []
-        self.positions: list[torch.Tensor] = []
+        self.inputs = StepInputs()
         self.spans: list[RowSpan] = []
-        self.tokens = 0
 
-    def add(self, embeds: torch.Tensor | None, positions: torch.Tensor, start: int, region: Region,
-            num_tokens: int | None = None) -> None:
-        count = num_tokens if num_tokens is not None else positions.shape[1]
-        if embeds is not None:
-            self.embeds.append(embeds)
-        self.positions.append(positions)
-        self.spans.append(RowSpan(self.tokens, count, start, region, None))
-        self.tokens += count
+    @property
+    def tokens(self) -> int:
+        return self.inputs.tokens
+
+    def add(self, seq: Sequence, start: int, end: int, kv_start: int, region: Region) -> None:
+        """Positions [start, end) of `seq`, cached from slot `kv_start` of `region` on."""
+        self.spans.append(RowSpan(self.tokens, end - start, kv_start, region, None))
+        self.inputs.add(seq, start, end)
+
+    def add_survivors(self, positions: torch.Tensor, kv_start: int, region: Region) -> None:
+        self.spans.append(RowSpan(self.tokens, positions.shape[1], kv_start, region, None))
+        self.inputs.add_positions(positions)
+
+
+class StepInputs:
+    """The token ids and positions of a step's flattened tokens, built on the host in as few tensors as
+    the rows allow: the generated tokens of consecutive decoding rows become one tensor, not one each."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.vision_spans: list[tuple[int, Sequence, int, int]] = []   # (offset, seq, start, end) with vision
+        self._ids: list[torch.Tensor] = []
+        self._positions: list[torch.Tensor] = []
+        self._pending_ids: list[int] = []
+        self._pending_positions: list[int] = []
+        self._components = 1
+
+    def add(self, seq: Sequence, start: int, end: int) -> None:
+        """Positions [start, end) of `seq`, ids and positions both."""
+        prompt = seq.prompt
+        self._components = prompt.positions.shape[0]
+        if end - start == 1 and start >= prompt.length:   # a generated token: plain ints
+            self._pending_ids.append(seq.output_ids[start - prompt.length])
+            self._pending_positions.append(prompt.next_position + start - prompt.length)
+        else:
+            self._flush()
+            self._ids.append(seq.token_ids(start, end))
+            self._positions.append(seq.positions(start, end))
+            if any(block.start < end and block.end > start for block in prompt.vision_blocks):
+                self.vision_spans.append((self.tokens, seq, start, end))
+        self.tokens += end - start
+
+    def add_positions(self, positions: torch.Tensor) -> None:
+        """Tokens whose inputs come from elsewhere (a pruned row's survivors): positions only."""
+        self._flush()
+        self._positions.append(positions)
+        self.tokens += positions.shape[1]
+
+    def token_ids(self, device: torch.device) -> torch.Tensor:
+        self._flush()
+        return _joined(self._ids, dim=0).to(device, non_blocking=True)
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
-        return torch.cat(self.positions, dim=1).to(device)
+        """(components, tokens) on `device`."""
+        self._flush()
+        return _joined(self._positions, dim=1).to(device, non_blocking=True)
+
+    def _flush(self) -> None:
+        if self._pending_ids:
+            self._ids.append(torch.tensor(self._pending_ids))
+            self._positions.append(torch.tensor(self._pending_positions).expand(self._components, -1))
+            self._pending_ids, self._pending_positions = [], []
+
+
+def _joined(pieces: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def _rows_at(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """The rows of `hidden` at `indices` (all of it, without a copy, when that is every row in order)."""
+    if indices == list(range(hidden.shape[0])):
+        return hidden
+    return hidden[to_device(indices, hidden.device)]

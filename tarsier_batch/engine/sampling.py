@@ -32,49 +32,83 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator_for(self, key: str) -> torch.Generator | None:
-        """A generator seeded from the run seed and the item's key (its path).
+    def row_seed(self, key: str) -> int | None:
+        """The seed of one item's sampling stream, from the run seed and the item's key (its path).
 
         Each item draws from its own stream, so a sampled caption does not depend on which
-        other items share its batch, or on the batch size.
+        other items share its batch, or on the batch size. None when decoding greedily.
         """
         if self.greedy:
             return None
-        generator = torch.Generator()
-        # The CPU generator keeps 32 bits of a seed, so mix seed and key into 32 bits.
-        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=4).digest()
-        generator.manual_seed(int.from_bytes(digest, "little"))
-        return generator
+        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1   # 63 bits: a non-negative int64
 
 
-def select_tokens(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
-                  seen_ids: list[torch.Tensor] | None = None) -> list[int]:
-    """One next token per row of `logits` (rows, vocab), chosen over the full vocabulary.
+def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: list[int | None], draws: list[int],
+                  seen: tuple[list[int], list[int]] | None = None) -> list[int]:
+    """One next token per row of `logits` (rows, vocab), chosen over the full vocabulary, for all rows at
+    once; the list of tokens is the step's one copy from the device.
 
-    With a repetition penalty other than 1, `seen_ids` holds each row's prompt and generated ids.
+    `seeds` and `draws` name each row's sampling stream and which of its tokens this is (its count
+    of generated tokens): a sampled token depends on them alone, not on the other rows. With a
+    repetition penalty other than 1, `seen` holds (row, id) pairs of every id in each row's prompt
+    and output.
     """
     logits = logits.float()
     penalty = params.repetition_penalty
     if penalty is not None and penalty != 1:
-        assert seen_ids is not None, "a repetition penalty needs each row's ids so far"
-        logits = _penalise_repeats(logits, seen_ids, penalty)
+        assert seen is not None, "a repetition penalty needs each row's ids so far"
+        logits = _penalise_repeats(logits, seen, penalty)
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1:
         probs = _keep_top_p(probs, params.top_p)
-    probs = probs.cpu()
-    return [int(torch.multinomial(row, 1, generator=generator)) for row, generator in zip(probs, generators)]
+    assert all(seed is not None for seed in seeds), "sampling needs each row's seed"
+    counters = torch.tensor([seeds, draws]).to(probs.device, non_blocking=True)
+    noise = exponential_noise(counters[0], counters[1], probs.shape[1])
+    # The exponential race: argmax(p / E) with E ~ Exp(1) independent per token is a draw from p.
+    return (probs / noise).argmax(dim=-1).tolist()
 
 
-def _penalise_repeats(logits: torch.Tensor, seen_ids: list[torch.Tensor], penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty: every id already in the row (prompt included) has its
-    logit divided by `penalty` if positive, multiplied by it if negative."""
+def exponential_noise(seeds: torch.Tensor, draws: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) float64 Exp(1) variables, a pure function of (seed, draw, token id) per element.
+
+    Counter-based (a splitmix64-style hash of the three counters), so every row's noise comes from
+    one computation for the whole batch and is the same on any device and in any batch.
+    """
+    ids = torch.arange(vocab, device=seeds.device)
+    state = seeds.unsqueeze(1) * _GOLDEN + draws.unsqueeze(1) * _DRAW_STEP + ids.unsqueeze(0)
+    for shift, multiplier in ((30, _MIX1), (27, _MIX2)):
+        state = (state ^ _shift_right(state, shift)) * multiplier
+    state = state ^ _shift_right(state, 31)
+    uniform = (_shift_right(state, 11).double() + 0.5) / 2.0**53      # 53 bits, in (0, 1)
+    return -torch.log(uniform)
+
+
+def _as_int64(value: int) -> int:
+    """A 64-bit constant as the signed int64 torch multiplies with (wrapping modulo 2^64)."""
+    return value - 2**64 if value >= 2**63 else value
+
+
+def _shift_right(state: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: mask off the copied sign bits)."""
+    return (state >> shift) & ((1 << (64 - shift)) - 1)
+
+
+_GOLDEN = _as_int64(0x9E3779B97F4A7C15)
+_DRAW_STEP = _as_int64(0xD1B54A32D192ED03)
+_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = _as_int64(0x94D049BB133111EB)
+
+
+def _penalise_repeats(logits: torch.Tensor, seen: tuple[list[int], list[int]], penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty, for every row at once: each id already in a row (prompt
+    included) has its logit divided by `penalty` if positive, multiplied by it if negative."""
     logits = logits.clone()  # the model's logits may be an inference-mode tensor, not writable here
-    for row, ids in zip(logits, seen_ids):
-        ids = ids.to(row.device)
-        scores = row[ids]
-        row[ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
+    rows, ids = torch.tensor(seen).to(logits.device, non_blocking=True)
+    scores = logits[rows, ids]   # an id listed twice in a row gets the same value written twice
+    logits[rows, ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
     return logits
 
 
@@ -82,6 +116,6 @@ def _keep_top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of most likely tokens whose mass reaches `top_p`."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs[mass_before >= top_p] = 0  # the most likely token always has mass_before 0
+    sorted_probs.masked_fill_(mass_before >= top_p, 0)  # the most likely token always has mass_before 0
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     return kept / kept.sum(dim=-1, keepdim=True)

@@ -75,7 +75,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> str | None:
         """Queue a row; returns why it can never run, if so (it is then not queued)."""
         for late, pool in zip((False, True), self.pools):
-            if seq.max_length(late) > pool.capacity_tokens:
+            if pool.whole_pages(seq.max_length(late)) > pool.capacity_tokens:
                 gib = seq.max_length(late) * pool.bytes_per_slot / 2**30
                 layers = f"layers {pool.layers.start}-{pool.layers.stop - 1}" if len(self.pools) > 1 else "the model"
                 return (f"needs {seq.max_length(late)} tokens of KV cache for {layers} ({gib:.2f} GiB: prompt "
@@ -179,13 +179,14 @@ class Scheduler:
             pool = self.pools[0]
             seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
         else:
-            sizes = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
-            for pool, size in zip(self.pools, sizes):
+            needs = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
+            for pool, need in zip(self.pools, needs):
+                # The slots that round a range up to whole pages are room to grow like the watermark's.
                 watermark = 0 if force or not self.running else int(pool.capacity_tokens * ADMISSION_WATERMARK)
-                if pool.allocator.free_slots - size < watermark:
+                if pool.allocator.free_slots - need < watermark:
                     return False
-            for index, size in enumerate(sizes):
-                region = self._allocate(index, size)
+            for index, need in enumerate(needs):
+                region = self._allocate(index, self.pools[index].whole_pages(need))
                 if region is None:
                     self._release(seq)
                     return False
@@ -208,7 +209,7 @@ class Scheduler:
                 continue
             growth = (max(region.capacity * 5 // 4, needed + MIN_GROWTH) if region is not None
                       else needed + FIRST_DECODE_RESERVE)
-            target = min(seq.max_length(late), growth)
+            target = self.pools[index].whole_pages(min(seq.max_length(late), growth))
             while not self._grow(seq, index, target):
                 if seq.host_kv is not None:
                     return False  # an offloaded prefill waits for room; evicting others would thrash
@@ -222,8 +223,11 @@ class Scheduler:
     def _grow(self, seq: Sequence, index: int, size: int) -> bool:
         pool = self.pools[index]
         current = seq.regions[index] if seq.regions else None
-        if current is not None and pool.allocator.extend(current, size):
-            return True
+        if current is not None:
+            old_end = current.end
+            if pool.allocator.extend(current, size):
+                pool.clear_values(old_end, current.end)
+                return True
         region = self._allocate(index, size)
         if region is None:
             return False
@@ -242,11 +246,13 @@ class Scheduler:
     def _allocate(self, index: int, size: int) -> Region | None:
         """A free range of `size` in a cache, compacting the running rows' ranges if only fragmentation is
         in the way."""
-        allocator = self.pools[index].allocator
-        region = allocator.allocate(size)
-        if region is None and allocator.free_slots >= size:
+        pool = self.pools[index]
+        region = pool.allocator.allocate(size)
+        if region is None and pool.allocator.free_slots >= size:
             self._compact(index)
-            region = allocator.allocate(size)
+            region = pool.allocator.allocate(size)
+        if region is not None:
+            pool.clear_values(region.start, region.end)
         return region
 
     def _compact(self, index: int) -> None:

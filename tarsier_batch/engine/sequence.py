@@ -35,7 +35,7 @@ class Sequence:
 
     prompt: ProcessedPrompt
     max_new_tokens: int
-    generator: torch.Generator | None = None
+    seed: int | None = None                  # its sampling stream (SamplingParams.row_seed); None: greedy
     payload: Any = None                      # the caller's handle, returned untouched
     seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
@@ -49,13 +49,13 @@ class Sequence:
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
     pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
-    _prompt_vocabulary: torch.Tensor | None = None
+    _prompt_vocabulary: list[int] | None = None
 
-    def seen_ids(self) -> torch.Tensor:
+    def seen_ids(self) -> list[int]:
         """Every distinct id of the prompt, then the generated ids: what a repetition penalty looks at."""
         if self._prompt_vocabulary is None:
-            self._prompt_vocabulary = torch.unique(self.prompt.token_ids)
-        return torch.cat([self._prompt_vocabulary, torch.tensor(self.output_ids, dtype=torch.long)])
+            self._prompt_vocabulary = torch.unique(self.prompt.token_ids).tolist()
+        return self._prompt_vocabulary + self.output_ids
 
     @property
     def length(self) -> int:

@@ -34,7 +34,9 @@ def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.T
         q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
         k = attn.k_proj(normed).view(tokens, -1, attn.head_dim)
         v = attn.v_proj(normed).view(tokens, -1, attn.head_dim)
-        attended = attention(index, rotate(q, cos, sin), rotate(k, cos, sin), v, attn.scaling)
+        # Queries and keys rotate as one tensor: the same arithmetic per element, half the kernels.
+        q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
+        attended = attention(index, q, k, v, attn.scaling)
         hidden = hidden + attn.o_proj(attended.reshape(tokens, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
     return hidden
