@@ -1,0 +1,123 @@
+"""What one decode step costs a GPU: kernel-launching ops per step, and CPU ms per step, by rows.
+
+    python bench/bench_step.py [--families tarsier tarsier2] [--rows 1 8 32] [--context 256] [--steps 5]
+
+On a GPU an eager step costs about what the host spends launching its kernels, so the figure that
+matters there is how many kernel-launching aten ops a step runs and whether that grows with the
+rows. This runs the engine's decode step on the `deep` random checkpoints (a ~100M-parameter
+language model at the real depth: Tarsier v1 32 layers, Tarsier2 28 layers with grouped-query
+attention), every row a text prompt of --context positions (decode does not care where the
+positions came from), EOS off, one torch thread, float32 on the CPU:
+
+- `ops`: aten operations per decode step that would launch a kernel on a GPU
+  (`tarsier_batch.engine.profiling.kernel_ops`: not views, not allocations or metadata, not ops
+  that only compose others); the median step of --steps profiled steps.
+- `aten`: every aten event of the step less the views (composite ops and the ops they call both
+  count): the issue's own way of counting, an upper bound on launches.
+- `all_aten`: every aten event of the step, views included (for reference).
+- `ms`: median wall time of a decode step without the profiler.
+- `greedy` uses the checkpoint's settings; `sampled` adds temperature 1, top-p 0.9 and a
+  repetition penalty of 1.1 (the penalty and the sampler were per-row work before).
+
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tarsier_batch.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from tarsier_batch.engine.profiling import kernel_ops, non_view_ops  # noqa: E402
+from tarsier_batch.families import ProcessedPrompt, load_caption_model  # noqa: E402
+from tarsier_batch.tiny import make_tiny_model  # noqa: E402
+
+SAMPLED = dict(temperature=1.0, top_p=0.9, repetition_penalty=1.1)
+
+
+def text_prompt(vocab: int, components: int, length: int, seed: int) -> ProcessedPrompt:
+    """A prompt of `length` text positions (ids drawn from the lower half of the vocabulary)."""
+    ids = torch.randint(10, vocab // 2, (length,), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(length).expand(components, -1).clone()
+    return ProcessedPrompt("", ids, positions, length, [], torch.empty(0))
+
+
+def decoding_engine(model, rows: int, context: int, steps: int, sampling: dict) -> Engine:
+    """An engine whose `rows` rows have all finished their prefill (the next steps are pure decode)."""
+    params = SamplingParams(max_new_tokens=steps * 4 + 16, **sampling)
+    engine = Engine(model, EngineConfig(max_rows=rows, max_batch_tokens=max(4096, rows * context),
+                                        prefill_chunk=0, kv_cache_tokens=rows * (context + steps * 4 + 256)),
+                    params)
+    components = 3 if model.family.name == "tarsier2" else 1
+    vocab = model.model.language_model.lm_head.out_features
+    for index in range(rows):
+        engine.add(text_prompt(vocab, components, context, index), **_seed_argument(engine, index, params))
+    while any(seq.in_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+def _seed_argument(engine: Engine, index: int, params: SamplingParams) -> dict:
+    """Each row its own sampling stream, in whichever form this checkout's Engine.add takes it."""
+    if params.greedy:
+        return {}
+    import inspect
+    if "seed" in inspect.signature(engine.add).parameters:
+        return {"seed": params.row_seed(f"row{index}")}
+    return {"generator": params.generator_for(f"row{index}")}
+
+
+def measure(model, rows: int, context: int, steps: int, sampling: dict) -> dict:
+    engine = decoding_engine(model, rows, context, steps, sampling)
+    counts = []
+    for _ in range(steps):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.step()
+        events = profile.events()
+        counts.append((len(kernel_ops(events)), non_view_ops(events), sum(e.name.startswith("aten::") for e in events)))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    assert all(len(seq.output_ids) > 0 for seq in engine.scheduler.running) and len(engine.scheduler.running) == rows
+    ops, aten, all_aten = (int(statistics.median(column)) for column in zip(*counts))
+    return {"ops": ops, "aten": aten, "all_aten": all_aten, "ms": round(statistics.median(times) * 1000, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=["tarsier", "tarsier2"])
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results: dict = {"context": args.context, "threads": 1, "dtype": "float32", "families": {}}
+    with tempfile.TemporaryDirectory() as workdir:
+        for family in args.families:
+            model_dir = make_tiny_model(Path(workdir) / family, "deep", seed=0, family=family)
+            model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+            model.eos_token_ids = frozenset()
+            by_mode = {}
+            for mode, sampling in (("greedy", {}), ("sampled", SAMPLED)):
+                by_rows = {str(rows): measure(model, rows, args.context, args.steps, sampling) for rows in args.rows}
+                first, last = by_rows[str(args.rows[0])], by_rows[str(args.rows[-1])]
+                by_rows[f"ops_{args.rows[-1]}_over_{args.rows[0]}"] = round(last["ops"] / first["ops"], 3)
+                by_mode[mode] = by_rows
+            results["families"][family] = {"layers": model.kv_geometry.num_layers, **by_mode}
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""A step is shaped by the batch, not by its rows: decode attention for every row in one batched
+computation over the cache's pages, equal to each row attending alone; the same kernels launched
+at any row count; mixed steps (prefill chunks with decoding rows, pruned with unpruned rows,
+offloaded with device rows) equal to each row alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
+from tarsier_batch.engine.attention import DecodePages, RowSpan
+from tarsier_batch.engine.kv_cache import KVCache, Region
+from tarsier_batch.engine.profiling import kernel_ops
+from tarsier_batch.engine.scheduler import Scheduler
+from tarsier_batch.families import ProcessedPrompt
+from tarsier_batch.families.base import KVGeometry
+from test_engine import MAX_NEW, NAMES, alone, ids, process, run
+from test_pruning import run as run_pruned
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model, shared_media) -> list[ProcessedPrompt]:
+    return [process(tiny_model, shared_media / name) for name in NAMES]
+
+
+def text_prompt(prompt: ProcessedPrompt, length: int) -> ProcessedPrompt:
+    """A prompt of the first `length` text ids of `prompt` (no vision: never pruned)."""
+    text = prompt.token_ids[prompt.token_ids != prompt.token_ids[prompt.vision_blocks[0].start]][:length]
+    return ProcessedPrompt("", text, torch.arange(length).unsqueeze(0), length, [], torch.empty(0))
+
+
+def test_decode_attention_over_pages_equals_each_row_attending_alone() -> None:
+    """Rows of several lengths (one slot, exactly a page, a page and one, many pages) at scattered pages with
+    free pages between them; never-written memory (NaN here) outside the rows' ranges must not leak in."""
+    geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=8)
+    cache = KVCache(geometry, 40 * 4, torch.float32, torch.device("cpu"), page_slots=4)
+    cache.keys.fill_(float("nan"))
+    cache.values.fill_(float("nan"))
+    contexts = [1, 4, 5, 13, 30]
+    regions = [Region(8, 4), Region(0, 8), Region(20, 8), Region(40, 16), Region(80, 32)]
+    rows, queries = [], torch.randn(len(contexts), 4, 8)   # 4 query heads over 2 kv heads
+    for index, (context, region) in enumerate(zip(contexts, regions)):
+        cache.clear_values(region.start, region.end)   # as the scheduler does when it hands a range out
+        cache.write(region, 1, 0, torch.randn(context, 2, 8), torch.randn(context, 2, 8))
+        rows.append(RowSpan(index, 1, context - 1, region, None))
+    pages = DecodePages(cache, rows, torch.device("cpu"))
+    batched = pages.attend(cache, 1, queries, scale=0.3)
+    for index, (context, region) in enumerate(zip(contexts, regions)):
+        keys, values = cache.read(region, 1, context)
+        alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
+                                                   scale=0.3, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
+    assert pages.window == 28, "the view ends at the last page a decoding row uses"
+
+
+def decode_step_kernels(model, prompts: list[ProcessedPrompt], sampling: SamplingParams) -> list[str]:
+    """The kernels of one pure decode step of an engine running `prompts`."""
+    engine = Engine(model, EngineConfig(max_rows=len(prompts), max_batch_tokens=4096, prefill_chunk=0,
+                                        kv_cache_tokens=8192), sampling)
+    for index, prompt in enumerate(prompts):
+        engine.add(prompt, seed=sampling.row_seed(str(index)))
+    while any(seq.in_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()   # every row has sampled once: the penalty sees generated ids too
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        engine.step()
+    return kernel_ops(profile.events())
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=MAX_NEW, repetition_penalty=1.0),
+                                      SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.8,
+                                                     repetition_penalty=1.2)], ids=["greedy", "sampled"])
+def test_a_decode_step_launches_the_same_kernels_at_any_row_count(tiny_model, prompts, sampling) -> None:
+    """Before the batched step, every row added its own KV write, attention, positions, penalty and draw."""
+    one, three, seven = (decode_step_kernels(tiny_model, prompts[:rows], sampling) for rows in (1, 3, 7))
+    assert one == three == seven, (len(one), len(three), len(seven))
+    assert one.count("aten::bmm") == 2 * 2, "two batched matrix multiplies per layer for all rows' attention"
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in one
+
+
+def test_steps_mixing_prefill_chunks_and_decoding_rows_equal_rows_alone(tiny_model, prompts, monkeypatch) -> None:
+    reference = alone(tiny_model, prompts)
+    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40, max_batch_tokens=48)
+    assert ids(engine_rows) == reference
+    assert mixed > 5, "steps should hold prefill chunks beside decoding rows"
+
+
+def test_offloaded_prefill_beside_decoding_rows_equals_rows_alone(tiny_model, prompts, monkeypatch) -> None:
+    reference = alone(tiny_model, prompts)
+    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40, max_batch_tokens=48,
+                                       offload_kv=True, host_rows=True)
+    assert ids(engine_rows) == reference
+    assert mixed > 5, "steps should hold offloaded prefill chunks beside decoding rows"
+
+
+def test_pruned_and_unpruned_rows_in_one_step_equal_rows_alone(tiny_model, prompts) -> None:
+    config = PruneConfig(0.5, 1)
+    mixed_prompts = [prompts[3], text_prompt(prompts[0], 30), prompts[0], text_prompt(prompts[2], 9), prompts[5]]
+    expected = [run_pruned(tiny_model, [prompt], config, max_rows=1, prefill_chunk=0)[0].output_ids
+                for prompt in mixed_prompts]
+    rows = run_pruned(tiny_model, mixed_prompts, config, max_rows=5, prefill_chunk=24, max_batch_tokens=40)
+    assert [row.output_ids for row in rows] == expected
+    assert [row.pruning is not None for row in rows] == [True, False, True, False, True]
+
+
+def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows: bool = False,
+                  **config) -> tuple[list, int]:
+    """The engine's rows, and how many steps computed a chunk of several positions (of an offloaded row, with
+    `host_rows`) and a decoding row together."""
+    schedule = Scheduler.schedule
+    mixed = 0
+
+    def recording(scheduler: Scheduler) -> list:
+        nonlocal mixed
+        step = schedule(scheduler)
+        chunks = [row for row in step if row.num_tokens > 1 and (row.seq.host_kv is not None or not host_rows)]
+        mixed += bool(chunks) and any(not row.seq.in_prefill for row in step)
+        return step
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    return run(model, prompts, **config), mixed
