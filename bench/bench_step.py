@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+# Inductor's generated CPU kernels show in the profiler only with this, set before torch is imported.
+os.environ.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")
+
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -52,11 +56,12 @@ def text_prompt(vocab: int, components: int, length: int, seed: int) -> Processe
     return ProcessedPrompt("", ids, positions, length, [], torch.empty(0))
 
 
-def decoding_engine(model, rows: int, context: int, steps: int, sampling: dict) -> Engine:
+def decoding_engine(model, rows: int, context: int, steps: int, sampling: dict, compiled: bool = False) -> Engine:
     """An engine whose `rows` rows have all finished their prefill (the next steps are pure decode)."""
     params = SamplingParams(max_new_tokens=steps * 4 + 16, **sampling)
+    extra = {"compile": True} if compiled else {}
     engine = Engine(model, EngineConfig(max_rows=rows, max_batch_tokens=max(4096, rows * context),
-                                        prefill_chunk=0, kv_cache_tokens=rows * (context + steps * 4 + 256)),
+                                        prefill_chunk=0, kv_cache_tokens=rows * (context + steps * 4 + 256), **extra),
                     params)
     components = 3 if model.family.name == "tarsier2" else 1
     vocab = model.model.language_model.lm_head.out_features
@@ -77,8 +82,9 @@ def _seed_argument(engine: Engine, index: int, params: SamplingParams) -> dict:
     return {"generator": params.generator_for(f"row{index}")}
 
 
-def measure(model, rows: int, context: int, steps: int, sampling: dict) -> dict:
-    engine = decoding_engine(model, rows, context, steps, sampling)
+def measure(model, rows: int, context: int, steps: int, sampling: dict, compiled: bool = False) -> dict:
+    engine = decoding_engine(model, rows, context, steps, sampling, compiled)
+    engine.step()   # a first decode step (with --compile: it compiles the decode shapes)
     counts = []
     for _ in range(steps):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -101,17 +107,22 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="the engine with --compile (torch.compile)")
+    parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
     args = parser.parse_args()
     torch.set_num_threads(1)
-    results: dict = {"context": args.context, "threads": 1, "dtype": "float32", "families": {}}
+    results: dict = {"context": args.context, "threads": 1, "dtype": "float32", "compile": args.compile,
+                     "families": {}}
     with tempfile.TemporaryDirectory() as workdir:
         for family in args.families:
             model_dir = make_tiny_model(Path(workdir) / family, "deep", seed=0, family=family)
             model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
             model.eos_token_ids = frozenset()
             by_mode = {}
-            for mode, sampling in (("greedy", {}), ("sampled", SAMPLED)):
-                by_rows = {str(rows): measure(model, rows, args.context, args.steps, sampling) for rows in args.rows}
+            for mode in args.modes:
+                sampling = SAMPLED if mode == "sampled" else {}
+                by_rows = {str(rows): measure(model, rows, args.context, args.steps, sampling, args.compile)
+                           for rows in args.rows}
                 first, last = by_rows[str(args.rows[0])], by_rows[str(args.rows[-1])]
                 by_rows[f"ops_{args.rows[-1]}_over_{args.rows[0]}"] = round(last["ops"] / first["ops"], 3)
                 by_mode[mode] = by_rows

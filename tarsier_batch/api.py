@@ -54,6 +54,7 @@ class CaptionSettings:
     offload_kv: bool = False           # keep prefilling rows' KV in host memory
     prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
     prune_layer: int = DEFAULT_PRUNE_LAYER
+    compile_step: bool = False         # the layers and decode attention through torch.compile
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"
@@ -110,7 +111,8 @@ class Captioner:
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu",
-            prune=PruneConfig(settings.prune_vision, settings.prune_layer) if settings.prune_vision > 0 else None)
+            prune=PruneConfig(settings.prune_vision, settings.prune_layer) if settings.prune_vision > 0 else None,
+            compile=settings.compile_step)
         needed = self.model.processor.min_vision_positions(self.frames)
         if needed >= kv_tokens:  # checked here: otherwise every item would decode its frames, then fail
             raise ValueError(f"--frames {self.frames} needs at least {needed} positions per item, more than the "
@@ -132,6 +134,7 @@ class Captioner:
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
             "prune": prune_setting(self.settings.prune_vision, self.settings.prune_layer),
+            "compile": config.compile,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
             "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,

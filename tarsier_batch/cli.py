@@ -147,6 +147,7 @@ def caption(
     prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
     kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
+    compile_step: Annotated[bool, typer.Option("--compile", help="Compile the language model's layers and decode attention with torch.compile: fewer, fused kernels per step, after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions.")] = False,
     prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
     prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="The first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
@@ -233,7 +234,7 @@ def caption(
                 {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
                 model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                 prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv, dtype=dtype.value,
-                device=device, prune_vision=prune_vision, prune_layer=prune_layer,
+                device=device, prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step,
                 sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty)))
         later = len(plan.limit(limit)) if limit else 0
         for problem in stored.unreadable_parts:
@@ -251,6 +252,7 @@ def caption(
                                         batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                                         prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
                                         prune_vision=prune_vision, prune_layer=prune_layer,
+                                        compile_step=compile_step,
                                         dtype=dtype.value, device=device, workers=workers,
                                         decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
                                         sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
@@ -498,6 +500,7 @@ def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple
                        for pool in engine.pools)
     pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
                f"(not the official output)" if config.prune is not None else "")
+    pruning += ", compiled step (the first steps compile)" if config.compile else ""
     line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
             f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
             f"KV cache {slots} ({engine.kv_bytes / 2**30:.2f} GiB), "

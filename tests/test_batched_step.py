@@ -16,6 +16,7 @@ from tarsier_batch.engine.profiling import kernel_ops
 from tarsier_batch.engine.scheduler import Scheduler
 from tarsier_batch.families import ProcessedPrompt
 from tarsier_batch.families.base import KVGeometry
+from tarsier_batch.media import media_type_of
 from test_engine import MAX_NEW, NAMES, alone, ids, process, run
 from test_pruning import run as run_pruned
 
@@ -121,3 +122,30 @@ def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows:
 
     monkeypatch.setattr(Scheduler, "schedule", recording)
     return run(model, prompts, **config), mixed
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("family", ["tarsier", "tarsier2"])
+def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_media) -> None:
+    """--compile: the layers and the decode attention through torch.compile (inductor's C++ kernels here, Triton
+    on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill; one
+    compilation of each piece serves every row count (dynamic shapes), not one per step shape."""
+    import torch._dynamo
+
+    from tarsier_batch.families import load_caption_model
+    from tarsier_batch.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(f"compile-{family}"), "tiny", seed=0, family=family)
+    eager_model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+    compiled_model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))   # compiled in place
+    names = ["tarsier_logo.jpg", "clip_5f.gif", "short_5f.mp4", "portrait_200x333.png"]
+    prompts = [compiled_model.processor.process(
+        compiled_model.processor.load_media(str(shared_media / name), media_type_of(shared_media / name), 4), None)
+        for name in names]
+    sampling = SamplingParams(max_new_tokens=10)
+    expected = [row.output_ids for row in run(eager_model, prompts, sampling=sampling, max_rows=1, prefill_chunk=0)]
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=4, fail_on_recompile_limit_hit=True):
+        rows = run(compiled_model, prompts, sampling=sampling, max_rows=3, prefill_chunk=32, max_batch_tokens=40,
+                   compile=True)
+    assert [row.output_ids for row in rows] == expected

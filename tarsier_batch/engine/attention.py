@@ -22,6 +22,7 @@ is computed as if it were alone, whatever else shares the step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,33 +81,46 @@ class DecodePages:
         self.row_pages = to_device(table, device)                                               # (rows, widest)
         self.padding = ~to_device(real, device, torch.bool)[:, :, None, None]                   # (rows, widest, 1, 1)
 
-    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages.
-
-        Scores and the softmax are float32; for a bfloat16 model the scores come out of the matrix
-        multiply in bfloat16 first, as in transformers' eager attention.
-        """
-        rows, heads, dim = q.shape
+    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float,
+               kernel: DecodeAttention | None = None) -> torch.Tensor:
+        """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages."""
         keys, values = kv.page_view(layer, self.window)       # (window * kv_heads, slots, dim), in place
-        kv_heads = keys.shape[0] // self.window
-        grouped = (q * scale)[self.owner].view(self.window * kv_heads, heads // kv_heads, dim)
-        scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(self.window, heads, -1))
-        scores.masked_fill_(self.masked, float("-inf"))
-        # A page with no slot of a decode row has max -inf: clamped, its weights come out 0, not NaN.
-        page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
-        weights = scores.sub_(page_max).exp_()                                             # (window, heads, slots)
-        page_sum = weights.sum(dim=-1, keepdim=True)                                      # (window, heads, 1)
-        weights = weights.view(self.window * kv_heads, heads // kv_heads, -1)
-        page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
-                                      values).view(self.window, heads, dim))
-        # Combine each row's pages: rescale every page to the row's maximum, add, normalise (the sums ride
-        # along as one more column of the outputs).
-        partial = torch.cat([page_out, page_sum], dim=-1)[self.row_pages]                  # (rows, widest, heads, dim + 1)
-        row_max_by_page = page_max[self.row_pages].masked_fill_(self.padding, float("-inf"))  # (rows, widest, heads, 1)
-        scale_by_page = row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)).exp_()
-        combined = (scale_by_page * partial).sum(dim=1)                                    # (rows, heads, dim + 1)
-        out = combined[..., :dim] / combined[..., dim:]
-        return out if q.dtype == torch.float32 else out.to(q.dtype)
+        return (kernel or paged_decode_attention)(q, keys, values, self.owner, self.masked, self.row_pages,
+                                                  self.padding, scale)
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
+                           masked: torch.Tensor, row_pages: torch.Tensor, padding: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Decode attention of every row at once over pages (see `DecodePages` for the layout).
+
+    Scores and the softmax are float32; for a bfloat16 model the scores come out of the matrix
+    multiply in bfloat16 first, as in transformers' eager attention.
+    """
+    rows, heads, dim = q.shape
+    window = owner.shape[0]
+    kv_heads = keys.shape[0] // window
+    grouped = (q * scale)[owner].view(window * kv_heads, heads // kv_heads, dim)
+    scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(window, heads, -1))
+    scores.masked_fill_(masked, float("-inf"))
+    # A page with no slot of a decode row has max -inf: clamped, its weights come out 0, not NaN.
+    page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
+    weights = scores.sub_(page_max).exp_()                                              # (window, heads, slots)
+    page_sum = weights.sum(dim=-1, keepdim=True)                                       # (window, heads, 1)
+    weights = weights.view(window * kv_heads, heads // kv_heads, -1)
+    page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
+                                  values).view(window, heads, dim))
+    # Combine each row's pages: rescale every page to the row's maximum, add, normalise (the sums ride
+    # along as one more column of the outputs).
+    partial = torch.cat([page_out, page_sum], dim=-1)[row_pages]                       # (rows, widest, heads, dim + 1)
+    row_max_by_page = page_max[row_pages].masked_fill_(padding, float("-inf"))          # (rows, widest, heads, 1)
+    scale_by_page = row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)).exp_()
+    combined = (scale_by_page * partial).sum(dim=1)                                     # (rows, heads, dim + 1)
+    out = combined[..., :dim] / combined[..., dim:]
+    return out if q.dtype == torch.float32 else out.to(q.dtype)
+
+
+DecodeAttention = Callable[..., torch.Tensor]   # paged_decode_attention, or it compiled
 
 
 def _float32(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,9 +131,11 @@ class StepAttention:
     """The `Attention` callback a model calls once per layer during one engine step."""
 
     def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device,
-                 capture: tuple[int, set[int]] | None = None):
-        """`capture`: (layer, row indices) whose last token's query to keep at that layer (`captured`)."""
+                 capture: tuple[int, set[int]] | None = None, decode_kernel: DecodeAttention | None = None):
+        """`capture`: (layer, row indices) whose last token's query to keep at that layer (`captured`);
+        `decode_kernel`: `paged_decode_attention` compiled, with --compile."""
         self.kv = kv
+        self.decode_kernel = decode_kernel
         self.rows = rows
         self.capture = capture
         self.captured: dict[int, torch.Tensor] = {}   # row index -> (heads, head_dim) rotated query
@@ -156,7 +172,7 @@ class StepAttention:
             device_k, device_v = (k, v) if self.write_tokens is None else (k[self.write_tokens], v[self.write_tokens])
             self.kv.write_at(layer, self.write_pages, self.write_offsets, device_k, device_v)
         if self.decode is not None:
-            decoded = self.decode.attend(self.kv, layer, q[self.decode_tokens], scale)
+            decoded = self.decode.attend(self.kv, layer, q[self.decode_tokens], scale, self.decode_kernel)
             if self.only_decodes:
                 return decoded
         out = torch.empty_like(q)

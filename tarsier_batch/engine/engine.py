@@ -30,6 +30,8 @@ class EngineConfig:
     offload_kv: bool = False       # keep prefilling rows' KV in host memory
     prune: PruneConfig | None = None   # drop vision tokens after a layer (not the official output)
     kv_page_slots: int = PAGE_SLOTS    # a row's KV range is whole pages of this many slots
+    compile: bool = False              # layers and decode attention through torch.compile (the model's
+                                       # layers stay compiled: `CaptionModel.compile` works in place)
 
 
 class Engine:
@@ -59,7 +61,7 @@ class Engine:
                                   config.kv_page_slots)]
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
                                                    config.prefill_chunk, config.offload_kv), self.pools)
-        self.runner = ModelRunner(model, self.pools)
+        self.runner = ModelRunner(model, self.pools, config.compile)
 
     @property
     def has_work(self) -> bool:
@@ -102,7 +104,7 @@ class Engine:
         try:
             sampled, logits = self.runner.run(step)
         except Exception as error:
-            if is_fatal_device_error(error):
+            if is_fatal_device_error(error) or _is_compile_error(error):
                 raise
             # Decide here, recover below: until this block ends, the traceback keeps the failed
             # step's tensors alive.
@@ -166,3 +168,8 @@ class Engine:
         self.scheduler.finish(seq)
         seq.finish("error", message)
         return [seq]
+
+
+def _is_compile_error(error: BaseException) -> bool:
+    """torch.compile failed (e.g. no C++ compiler for inductor on the CPU): every step would fail alike."""
+    return type(error).__module__.startswith(("torch._dynamo", "torch._inductor"))

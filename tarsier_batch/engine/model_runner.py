@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..families.base import CaptionModel
-from .attention import RowSpan, StepAttention, to_device
+from .attention import DecodeAttention, RowSpan, StepAttention, paged_decode_attention, to_device
 from .kv_cache import KVCache, Region
 from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
@@ -20,10 +20,15 @@ VISION_BLOCKS_PER_CALL = 16  # bounds the vision tower's activations in one call
 
 
 class ModelRunner:
-    def __init__(self, model: CaptionModel, pools: list[KVCache]):
-        """`pools`: one cache of every layer, or (pruning) the layers before K's and the layers from K on's."""
+    def __init__(self, model: CaptionModel, pools: list[KVCache], compile_step: bool = False):
+        """`pools`: one cache of every layer, or (pruning) the layers before K's and the layers from K on's;
+        `compile_step`: run the layers and decode attention through torch.compile."""
         self.model = model
         self.pools = pools
+        self.decode_kernel: DecodeAttention | None = None
+        if compile_step:
+            model.compile()
+            self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
 
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -51,7 +56,7 @@ class ModelRunner:
                 sampled.append(seq)
                 sampled_at.append(inputs.tokens - 1)
         device = self.model.device
-        attention = StepAttention(self.pools[0], spans, device)
+        attention = StepAttention(self.pools[0], spans, device, decode_kernel=self.decode_kernel)
         hidden = self.model.forward(self._embed(inputs), inputs.position_ids(device), attention)
         return sampled, _rows_at(hidden, sampled_at) if sampled else hidden
 
@@ -100,7 +105,8 @@ class ModelRunner:
                 sampled_at.append(late.tokens - 1)
         hidden = None
         if early.spans:
-            attention = StepAttention(early_pool, early.spans, device, capture=(layer - 1, set(scored)))
+            attention = StepAttention(early_pool, early.spans, device, capture=(layer - 1, set(scored)),
+                                      decode_kernel=self.decode_kernel)
             hidden = self.model.run_layers(self._embed(early.inputs), early.inputs.position_ids(device), attention, 0,
                                            layer)
             for seq, offset, start, end in early_outputs:
@@ -119,7 +125,7 @@ class ModelRunner:
             late_hidden = torch.cat([piece if isinstance(piece, torch.Tensor)
                                      else hidden[piece:piece + late.spans[span].num_tokens]
                                      for span, piece in late_inputs])
-        attention = StepAttention(late_pool, late.spans, device)
+        attention = StepAttention(late_pool, late.spans, device, decode_kernel=self.decode_kernel)
         out = self.model.run_layers(late_hidden, late.inputs.position_ids(device), attention, layer,
                                     late_pool.layers.stop)
         if not sampled:

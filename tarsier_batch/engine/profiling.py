@@ -8,6 +8,7 @@ that only composes others (`linear` is not counted, the `addmm` it calls is).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -26,9 +27,15 @@ METADATA = frozenset({"aten::empty", "aten::empty_strided", "aten::empty_like", 
 
 
 def kernel_ops(events: Iterable[Any]) -> list[str]:
-    """Names of the ops in `events` (a profile's `events()`) that would launch a kernel, in order."""
-    aten = [event for event in events if event.name.startswith("aten::")]
-    return [event.name for event in aten if _launches(event) and not _delegates(event)]
+    """Names of the ops in `events` (a profile's `events()`) that would launch a kernel, in order: aten ops,
+    and the kernels torch.compile generated (visible to the profiler on the CPU with
+    TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1 set before torch is imported)."""
+    return [event.name for event in events
+            if (event.name.startswith("aten::") and _launches(event) and not _delegates(event))
+            or _GENERATED.search(event.name)]
+
+
+_GENERATED = re.compile(r"^graph_\d+_(cpp_fused|triton_)")
 
 
 def non_view_ops(events: Iterable[Any]) -> int:

@@ -133,6 +133,9 @@ class CaptionModel(Protocol):
     def decode(self, token_ids: list[int]) -> str:
         """Caption text for generated ids."""
 
+    def compile(self) -> None:
+        """Run the language model's layers through torch.compile from now on."""
+
 
 def embed_whole_prompt(model: CaptionModel, prompt: ProcessedPrompt) -> torch.Tensor:
     """All of a prompt's input vectors at once, (length, hidden): what the official code feeds its

@@ -8,7 +8,8 @@ the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v bi
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -23,22 +24,46 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos.unsqueeze(1) + rotated_half * sin.unsqueeze(1)
 
 
+def attention_inputs(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer up to its attention: (tokens, hidden) -> rotated queries and keys, and values,
+    (tokens, heads, head_dim) each."""
+    attn, tokens = layer.self_attn, hidden.shape[0]
+    normed = layer.input_layernorm(hidden)
+    q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
+    k = attn.k_proj(normed).view(tokens, -1, attn.head_dim)
+    v = attn.v_proj(normed).view(tokens, -1, attn.head_dim)
+    # Queries and keys rotate as one tensor: the same arithmetic per element, half the kernels.
+    q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
+    return q, k, v
+
+
+def layer_outputs(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """A layer after its attention: the output projection, the residuals and the MLP."""
+    hidden = hidden + layer.self_attn.o_proj(attended.reshape(hidden.shape[0], -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+class LayerSteps(NamedTuple):
+    """The two halves of a layer around its attention, eager or compiled."""
+
+    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
+    layer_outputs: Callable[..., torch.Tensor] = layer_outputs
+
+
+def compiled_layer_steps() -> LayerSteps:
+    """Both halves through torch.compile: every layer runs the same code with its own weights as inputs, so
+    one compilation serves all layers; shapes are dynamic (one compilation serves every row count)."""
+    return LayerSteps(torch.compile(attention_inputs, dynamic=True), torch.compile(layer_outputs, dynamic=True))
+
+
 def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       attention: Attention, first: int = 0) -> torch.Tensor:
+                       attention: Attention, first: int = 0, steps: LayerSteps = LayerSteps()) -> torch.Tensor:
     """(tokens, hidden) through `layers`, the decoder's layers from number `first` on (the number
     attention is told); `cos`/`sin` are each token's rotary factors."""
-    tokens = hidden.shape[0]
     for index, layer in enumerate(layers, start=first):
-        attn = layer.self_attn
-        normed = layer.input_layernorm(hidden)
-        q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
-        k = attn.k_proj(normed).view(tokens, -1, attn.head_dim)
-        v = attn.v_proj(normed).view(tokens, -1, attn.head_dim)
-        # Queries and keys rotate as one tensor: the same arithmetic per element, half the kernels.
-        q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
-        attended = attention(index, q, k, v, attn.scaling)
-        hidden = hidden + attn.o_proj(attended.reshape(tokens, -1))
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        q, k, v = steps.attention_inputs(layer, hidden, cos, sin)
+        hidden = steps.layer_outputs(layer, hidden, attention(index, q, k, v, layer.self_attn.scaling))
     return hidden
 
 
@@ -48,6 +73,11 @@ class DecoderCaptioner:
 
     model: nn.Module
     processor: Any
+    layer_steps: LayerSteps = LayerSteps()
+
+    def compile(self) -> None:
+        """Run the language model's layers compiled from now on (`--compile`)."""
+        self.layer_steps = compiled_layer_steps()
 
     def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """The engine's (components, tokens) positions as the decoder's rotary embedding takes them."""
@@ -64,7 +94,8 @@ class DecoderCaptioner:
                    end: int) -> torch.Tensor:
         decoder = self.model.language_model.model
         cos, sin = decoder.rotary_emb(hidden, self.rotary_position_ids(positions))  # (1, tokens, head_dim) each
-        return run_decoder_layers(decoder.layers[first:end], hidden, cos[0], sin[0], attention, first)
+        return run_decoder_layers(decoder.layers[first:end], hidden, cos[0], sin[0], attention, first,
+                                  self.layer_steps)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.language_model.model.norm(hidden)
