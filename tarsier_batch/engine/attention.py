@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,27 +60,28 @@ class DecodePages:
     """
 
     def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device):
+        # Built with numpy on the host (a row's pages are a range: no Python loop over pages, which at
+        # 7B scale number thousands a step), then copied to the device without waiting for it.
         page = kv.page_slots
-        firsts = [row.region.start // page for row in rows if row.region is not None]
-        assert len(firsts) == len(rows), "a decoding row holds device KV"
-        counts = [-(-(row.start + 1) // page) for row in rows]
-        self.window = max(first + count for first, count in zip(firsts, counts))
-        owner = [0] * self.window
-        filled = [0] * self.window
-        table, real = [], []
-        widest = max(counts)
-        for index, (row, first, count) in enumerate(zip(rows, firsts, counts)):
-            pages = range(first, first + count)
-            for number, page_index in enumerate(pages):
-                owner[page_index] = index
-                filled[page_index] = min(page, row.start + 1 - number * page)
-            table.append(list(pages) + [0] * (widest - count))
-            real.append([True] * count + [False] * (widest - count))
-        self.owner = to_device(owner, device)
-        slots = torch.arange(page, device=device)
-        self.masked = (slots >= to_device(filled, device).unsqueeze(1)).unsqueeze(1)            # (pages, 1, slots)
-        self.row_pages = to_device(table, device)                                               # (rows, widest)
-        self.padding = ~to_device(real, device, torch.bool)[:, :, None, None]                   # (rows, widest, 1, 1)
+        assert all(row.region is not None for row in rows), "a decoding row holds device KV"
+        firsts = np.array([row.region.start // page for row in rows if row.region is not None])
+        contexts = np.array([row.start + 1 for row in rows])
+        counts = -(-contexts // page)
+        self.window = int((firsts + counts).max())
+        row_of_page = np.repeat(np.arange(len(rows)), counts)
+        number_in_row = np.arange(len(row_of_page)) - np.repeat(np.cumsum(counts) - counts, counts)
+        page_index = firsts[row_of_page] + number_in_row
+        owner = np.zeros(self.window, dtype=np.int64)
+        owner[page_index] = row_of_page
+        filled = np.zeros(self.window, dtype=np.int64)
+        filled[page_index] = np.minimum(page, contexts[row_of_page] - number_in_row * page)
+        widest = int(counts.max())
+        table = np.zeros((len(rows), widest), dtype=np.int64)
+        table[row_of_page, number_in_row] = page_index
+        self.owner = _to_device(owner, device)
+        self.masked = _to_device(np.arange(page) >= filled[:, None], device)[:, None, :]          # (pages, 1, slots)
+        self.row_pages = _to_device(table, device)                                                # (rows, widest)
+        self.padding = _to_device(np.arange(widest) >= counts[:, None], device)[:, :, None, None]  # (rows, widest, 1, 1)
 
     def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float,
                kernel: DecodeAttention | None = None) -> torch.Tensor:
@@ -199,10 +201,14 @@ class StepAttention:
         return self.kv.read(row.region, layer, context)
 
 
-def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+def to_device(values: list, device: torch.device) -> torch.Tensor:
     """A step's host-made indices on the device without waiting for it: a blocking copy to a GPU would
     first drain the GPU's queue, so a step would synchronise once per tensor instead of once in all."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
