@@ -35,7 +35,7 @@ def kernel_ops(events: Iterable[Any]) -> list[str]:
             or _GENERATED.search(event.name)]
 
 
-_GENERATED = re.compile(r"^graph_\d+_(cpp_fused|triton_)")
+_GENERATED = re.compile(r"^graph_\d+_(cpp_|triton_|kernel)")
 
 
 def non_view_ops(events: Iterable[Any]) -> int:
