@@ -147,7 +147,7 @@ def caption(
     prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
     kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
-    compile_step: Annotated[bool, typer.Option("--compile", help="Compile the language model's layers and decode attention with torch.compile: fewer, fused kernels per step, after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions.")] = False,
+    compile_step: Annotated[bool, typer.Option("--compile", help="Compile the language model's layers and decode attention with torch.compile: fewer, fused kernels per step, after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in float32.")] = False,
     prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
     prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="The first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,

@@ -34,13 +34,15 @@ def text_prompt(prompt: ProcessedPrompt, length: int) -> ProcessedPrompt:
 
 def test_decode_attention_over_pages_equals_each_row_attending_alone() -> None:
     """Rows of several lengths (one slot, exactly a page, a page and one, many pages) at scattered pages with
-    free pages between them; never-written memory (NaN here) outside the rows' ranges must not leak in."""
+    free pages between and before them; never-written memory (NaN here) outside the rows' ranges must not
+    leak in."""
     geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=8)
     cache = KVCache(geometry, 40 * 4, torch.float32, torch.device("cpu"), page_slots=4)
     cache.keys.fill_(float("nan"))
     cache.values.fill_(float("nan"))
     contexts = [1, 4, 5, 13, 30]
-    regions = [Region(8, 4), Region(0, 8), Region(20, 8), Region(40, 16), Region(80, 32)]
+    # Page 0 stays free (NaN): rows with fewer pages than the longest must not borrow it as padding.
+    regions = [Region(12, 4), Region(4, 8), Region(20, 8), Region(40, 16), Region(80, 32)]
     rows, queries = [], torch.randn(len(contexts), 4, 8)   # 4 query heads over 2 kv heads
     for index, (context, region) in enumerate(zip(contexts, regions)):
         cache.clear_values(region.start, region.end)   # as the scheduler does when it hands a range out

@@ -56,7 +56,7 @@ class DecodePages:
     The cache's first `window` pages are read as one view; `owner` names the decode row whose query
     each page meets (row 0 for pages of other rows and free pages, whose slots are all masked),
     `masked` which of its slots are not its row's context, and `row_pages` each row's pages in order
-    (padded with page 0, whose weight `padding` zeroes).
+    (padded with its first page, whose weight `padding` zeroes).
     """
 
     def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device):
@@ -76,7 +76,9 @@ class DecodePages:
         filled = np.zeros(self.window, dtype=np.int64)
         filled[page_index] = np.minimum(page, contexts[row_of_page] - number_in_row * page)
         widest = int(counts.max())
-        table = np.zeros((len(rows), widest), dtype=np.int64)
+        # Padding repeats the row's first page: weighted 0, and finite (a free page may hold NaN, and 0 * NaN
+        # would reach the row).
+        table = np.repeat(firsts[:, None], widest, axis=1)
         table[row_of_page, number_in_row] = page_index
         self.owner = _to_device(owner, device)
         self.masked = _to_device(np.arange(page) >= filled[:, None], device)[:, None, :]          # (pages, 1, slots)
