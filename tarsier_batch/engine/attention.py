@@ -80,10 +80,10 @@ class DecodePages:
         # would reach the row).
         table = np.repeat(firsts[:, None], widest, axis=1)
         table[row_of_page, number_in_row] = page_index
-        self.owner = _to_device(owner, device)
-        self.masked = _to_device(np.arange(page) >= filled[:, None], device)[:, None, :]          # (pages, 1, slots)
-        self.row_pages = _to_device(table, device)                                                # (rows, widest)
-        self.padding = _to_device(np.arange(widest) >= counts[:, None], device)[:, :, None, None]  # (rows, widest, 1, 1)
+        self.owner = to_device(owner, device)
+        self.masked = to_device(np.arange(page) >= filled[:, None], device)[:, None, :]          # (pages, 1, slots)
+        self.row_pages = to_device(table, device)                                                # (rows, widest)
+        self.padding = to_device(np.arange(widest) >= counts[:, None], device)[:, :, None, None]  # (rows, widest, 1, 1)
 
     def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float,
                kernel: DecodeAttention | None = None) -> torch.Tensor:
@@ -153,17 +153,14 @@ class StepAttention:
         self.masks = [_causal_mask(row.start, row.num_tokens, device) for row in self.chunks]
         self.only_decodes = not self.chunks and isinstance(self.decode_tokens, slice)
         # Every token of a row with device KV, written in one indexed copy per layer and kind.
-        tokens, pages, offsets_in_page = [], [], []
-        for row in rows:
-            if row.host_kv is None and row.region is not None:
-                first = row.region.start + row.start
-                tokens.extend(range(row.offset, row.offset + row.num_tokens))
-                pages.extend((first + n) // kv.page_slots for n in range(row.num_tokens))
-                offsets_in_page.extend((first + n) % kv.page_slots for n in range(row.num_tokens))
-        total = sum(row.num_tokens for row in rows)
-        self.write_tokens = None if tokens == list(range(total)) else to_device(tokens, device)
-        self.write_pages = to_device(pages, device)
-        self.write_offsets = to_device(offsets_in_page, device)
+        cached = [row for row in rows if row.host_kv is None and row.region is not None]
+        tokens = np.concatenate([np.arange(row.offset, row.offset + row.num_tokens) for row in cached] or [[]])
+        slots = np.concatenate([np.arange(row.num_tokens) + row.region.start + row.start for row in cached
+                                if row.region is not None] or [[]]).astype(np.int64)
+        every_token = len(cached) == len(rows)   # rows are laid out back to back, so then tokens is 0..n-1
+        self.write_tokens = None if every_token else to_device(tokens.astype(np.int64), device)
+        self.write_pages = to_device(slots // kv.page_slots, device)
+        self.write_offsets = to_device(slots % kv.page_slots, device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -203,14 +200,12 @@ class StepAttention:
         return self.kv.read(row.region, layer, context)
 
 
-def to_device(values: list, device: torch.device) -> torch.Tensor:
-    """A step's host-made indices on the device without waiting for it: a blocking copy to a GPU would
-    first drain the GPU's queue, so a step would synchronise once per tensor instead of once in all."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(array).to(device, non_blocking=True)
+def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
+    """A step's host-made indices (ints, or a numpy array of ints or booleans) on the device without waiting
+    for it: a blocking copy to a GPU would first drain the GPU's queue, so a step would synchronise once
+    per tensor instead of once in all."""
+    host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=torch.long)
+    return host.to(device, non_blocking=True)
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
