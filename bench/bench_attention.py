@@ -31,13 +31,14 @@ from pathlib import Path
 # Inductor's generated CPU kernels show in the profiler only with this, set before torch is imported.
 os.environ.setdefault("TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tarsier_batch.engine.attention import DecodePages, RowSpan  # noqa: E402
+from tarsier_batch.engine.attention import attend_decoding, decode_tables  # noqa: E402
 from tarsier_batch.engine.kv_cache import PAGE_SLOTS, KVCache, Region  # noqa: E402
 from tarsier_batch.engine.profiling import kernel_ops  # noqa: E402
 from tarsier_batch.families.base import KVGeometry  # noqa: E402
@@ -115,9 +116,9 @@ def one_shape(rows: int, context: int, repeats: int) -> dict:
     queries = torch.randn(rows, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
     contexts = [cache.read(region, 0, context) for region in regions]
     reference = per_row_sdpa(contexts, queries)
-    spans = [RowSpan(index, 1, context - 1, region, None) for index, region in enumerate(regions)]
-    pages = DecodePages(cache, spans, torch.device("cpu"))
-    paged = lambda: pages.attend(cache, 0, queries, 0.1)  # noqa: E731
+    tables = decode_tables(np.array([region.start // PAGE_SLOTS for region in regions]),
+                           np.full(len(regions), context), PAGE_SLOTS, torch.device("cpu"))
+    paged = lambda: attend_decoding(cache, 0, queries, tables, 0.1)  # noqa: E731
     keys, values, mask = flex_inputs(cache, regions, context)
     compiled = torch.compile(flex_attention, dynamic=False)
     flex = lambda: compiled(queries[:, :, None], keys, values, block_mask=mask, scale=0.1,  # noqa: E731

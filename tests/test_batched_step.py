@@ -5,12 +5,13 @@ offloaded with device rows) equal to each row alone."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
-from tarsier_batch.engine.attention import DecodePages, RowSpan
+from tarsier_batch.engine.attention import attend_decoding, decode_tables
 from tarsier_batch.engine.kv_cache import KVCache, Region
 from tarsier_batch.engine.profiling import kernel_ops
 from tarsier_batch.engine.scheduler import Scheduler
@@ -32,10 +33,12 @@ def text_prompt(prompt: ProcessedPrompt, length: int) -> ProcessedPrompt:
     return ProcessedPrompt("", text, torch.arange(length).unsqueeze(0), length, [], torch.empty(0))
 
 
-def test_decode_attention_over_pages_equals_each_row_attending_alone() -> None:
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: bool) -> None:
     """Rows of several lengths (one slot, exactly a page, a page and one, many pages) at scattered pages with
     free pages between and before them; never-written memory (NaN here) outside the rows' ranges must not
-    leak in."""
+    leak in. Bucketed (a static decode step's tables), the rows, the window and the pages per row are padded
+    to powers of two and each real row's result is the same."""
     geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=8)
     cache = KVCache(geometry, 40 * 4, torch.float32, torch.device("cpu"), page_slots=4)
     cache.keys.fill_(float("nan"))
@@ -43,19 +46,22 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone() -> None:
     contexts = [1, 4, 5, 13, 30]
     # Page 0 stays free (NaN): rows with fewer pages than the longest must not borrow it as padding.
     regions = [Region(12, 4), Region(4, 8), Region(20, 8), Region(40, 16), Region(80, 32)]
-    rows, queries = [], torch.randn(len(contexts), 4, 8)   # 4 query heads over 2 kv heads
-    for index, (context, region) in enumerate(zip(contexts, regions)):
+    queries = torch.randn(8 if bucketed else len(contexts), 4, 8)   # 4 query heads over 2 kv heads
+    for context, region in zip(contexts, regions):
         cache.clear_values(region.start, region.end)   # as the scheduler does when it hands a range out
         cache.write(region, 1, 0, torch.randn(context, 2, 8), torch.randn(context, 2, 8))
-        rows.append(RowSpan(index, 1, context - 1, region, None))
-    pages = DecodePages(cache, rows, torch.device("cpu"))
-    batched = pages.attend(cache, 1, queries, scale=0.3)
+    tables = decode_tables(np.array([region.start // 4 for region in regions]), np.array(contexts), 4,
+                           torch.device("cpu"), bucketed_within=cache.scratch_page if bucketed else None)
+    batched = attend_decoding(cache, 1, queries, tables, scale=0.3)
     for index, (context, region) in enumerate(zip(contexts, regions)):
         keys, values = cache.read(region, 1, context)
         alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
                                                    scale=0.3, enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
-    assert pages.window == 28, "the view ends at the last page a decoding row uses"
+    # The view ends at the last page a decoding row uses (28), or at its power of two within the 40 pages.
+    assert tables.owner.shape[0] == (32 if bucketed else 28)
+    assert tables.row_pages.shape == ((8, 8) if bucketed else (5, 8))
+    assert batched.shape[0] == queries.shape[0] and batched.isfinite().all(), "padding rows come out finite too"
 
 
 def decode_step_kernels(model, prompts: list[ProcessedPrompt], sampling: SamplingParams) -> list[str]:
@@ -128,12 +134,14 @@ def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows:
 
 @pytest.mark.compile
 @pytest.mark.parametrize("family", ["tarsier", "tarsier2"])
-def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_media) -> None:
+def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_media, monkeypatch) -> None:
     """--compile: the layers and the decode attention through torch.compile (inductor's C++ kernels here, Triton
-    on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill; one
-    compilation of each piece serves every row count (dynamic shapes), not one per step shape."""
+    on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill. A pure
+    decode step is one graph (`fullgraph`: no host synchronisation or value-dependent Python inside, or it
+    fails) at power-of-two sizes; a few compilations serve every step shape of the run, not one per shape."""
     import torch._dynamo
 
+    from tarsier_batch.engine.decode_step import DecodeStep
     from tarsier_batch.families import load_caption_model
     from tarsier_batch.tiny import make_tiny_model
 
@@ -145,9 +153,15 @@ def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_m
         compiled_model.processor.load_media(str(shared_media / name), media_type_of(shared_media / name), 4), None)
         for name in names]
     sampling = SamplingParams(max_new_tokens=10)
-    expected = [row.output_ids for row in run(eager_model, prompts, sampling=sampling, max_rows=1, prefill_chunk=0)]
+    max_new = [10, 3, 7, 10]   # rows leave at different steps (or at EOS): decode steps of several row counts
+    expected = [row.output_ids for row in run(eager_model, prompts, sampling=sampling, max_new=max_new, max_rows=1,
+                                              prefill_chunk=0)]
+    decode_steps = []
+    decode = DecodeStep.run
+    monkeypatch.setattr(DecodeStep, "run", lambda self, step: decode_steps.append(len(step)) or decode(self, step))
     torch._dynamo.reset()
     with torch._dynamo.config.patch(recompile_limit=4, fail_on_recompile_limit_hit=True):
-        rows = run(compiled_model, prompts, sampling=sampling, max_rows=3, prefill_chunk=32, max_batch_tokens=40,
-                   compile=True)
+        rows = run(compiled_model, prompts, sampling=sampling, max_new=max_new, max_rows=3, prefill_chunk=32,
+                   max_batch_tokens=40, compile=True)
     assert [row.output_ids for row in rows] == expected
+    assert 3 in decode_steps and len(set(decode_steps)) >= 2, "3 rows padded to 4, and other sizes"

@@ -32,7 +32,9 @@ def test_allocator_extends_in_place_only_into_a_free_neighbour() -> None:
 def test_rows_are_written_to_their_pages_read_back_and_moved_intact() -> None:
     geometry = KVGeometry(num_layers=2, kv_heads=3, head_dim=4)
     cache = KVCache(geometry, 70, torch.float32, torch.device("cpu"), page_slots=8)
-    assert cache.keys.shape == (2, 8, 3, 8, 4), "whole pages only: (layers, pages, kv heads, slots, head dim)"
+    assert cache.keys.shape == (2, 8 + 1, 3, 8, 4), \
+        "whole pages only, and the scratch page: (layers, pages, kv heads, slots, head dim)"
+    assert cache.scratch_page == 8
     region = cache.allocator.allocate(cache.whole_pages(10))
     assert region == Region(0, 16)
     rest = cache.allocator.allocate(48)

@@ -9,7 +9,7 @@ all rows run as one matrix multiply, and so does the rest of a step's work:
   batched computation per layer whatever their number: each page their contexts occupy is paired
   with its row's query, every page's partial attention is one slice of a batched matrix multiply
   over the cache's first pages read where they lie, and each row's pages are then combined by their
-  softmax weights (split-K attention, as flash-decoding does it; see `DecodePages`);
+  softmax weights (split-K attention, as flash-decoding does it; see `DecodeTables`);
 - a prefill chunk (many positions of one row) attends on its own with SDPA, over its own new keys
   for a prompt's first chunk and over its row's context copied out of its pages for a later one:
   a chunk is compute-bound, so that copy is small next to its arithmetic, and there are few
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,68 +51,90 @@ class RowSpan:
         return self.num_tokens == 1 and self.host_kv is None
 
 
-class DecodePages:
-    """The pages of a step's one-position rows, laid out once per step for every layer's attention.
+class DecodeTables(NamedTuple):
+    """Where a step's one-position rows find their context in one cache: built once per step on the host,
+    used by every layer's decode attention.
 
-    The cache's first `window` pages are read as one view; `owner` names the decode row whose query
-    each page meets (row 0 for pages of other rows and free pages, whose slots are all masked),
+    The cache's first `window` pages (`owner.shape[0]`) are read as one view; `owner` names the row whose
+    query each page meets (row 0 for pages of other rows and free pages, whose slots are all masked),
     `masked` which of its slots are not its row's context, and `row_pages` each row's pages in order
     (padded with its first page, whose weight `padding` zeroes).
     """
 
-    def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device):
-        # Built with numpy on the host (a row's pages are a range: no Python loop over pages, which at
-        # 7B scale number thousands a step), then copied to the device without waiting for it.
-        page = kv.page_slots
-        assert all(row.region is not None for row in rows), "a decoding row holds device KV"
-        firsts = np.array([row.region.start // page for row in rows if row.region is not None])
-        contexts = np.array([row.start + 1 for row in rows])
-        counts = -(-contexts // page)
-        self.window = int((firsts + counts).max())
-        row_of_page = np.repeat(np.arange(len(rows)), counts)
-        number_in_row = np.arange(len(row_of_page)) - np.repeat(np.cumsum(counts) - counts, counts)
-        page_index = firsts[row_of_page] + number_in_row
-        owner = np.zeros(self.window, dtype=np.int64)
-        owner[page_index] = row_of_page
-        filled = np.zeros(self.window, dtype=np.int64)
-        filled[page_index] = np.minimum(page, contexts[row_of_page] - number_in_row * page)
-        widest = int(counts.max())
-        # Padding repeats the row's first page: weighted 0, and finite (a free page may hold NaN, and 0 * NaN
-        # would reach the row).
-        table = np.repeat(firsts[:, None], widest, axis=1)
-        table[row_of_page, number_in_row] = page_index
-        self.owner = to_device(owner, device)
-        self.masked = to_device(np.arange(page) >= filled[:, None], device)[:, None, :]          # (pages, 1, slots)
-        self.row_pages = to_device(table, device)                                                # (rows, widest)
-        self.padding = to_device(np.arange(widest) >= counts[:, None], device)[:, :, None, None]  # (rows, widest, 1, 1)
-
-    def attend(self, kv: KVCache, layer: int, q: torch.Tensor, scale: float,
-               kernel: DecodeAttention | None = None) -> torch.Tensor:
-        """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages."""
-        keys, values = kv.page_view(layer, self.window)       # (window * kv_heads, slots, dim), in place
-        return (kernel or paged_decode_attention)(q, keys, values, self.owner, self.masked, self.row_pages,
-                                                  self.padding, scale)
+    owner: torch.Tensor       # (window,)
+    masked: torch.Tensor      # (window, 1, slots)
+    row_pages: torch.Tensor   # (rows, widest)
+    padding: torch.Tensor     # (rows, widest, 1, 1)
 
 
-def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
-                           masked: torch.Tensor, row_pages: torch.Tensor, padding: torch.Tensor,
+def decode_tables(first_pages: np.ndarray, contexts: np.ndarray, page_slots: int, device: torch.device,
+                  bucketed_within: int | None = None) -> DecodeTables:
+    """The tables of rows whose contexts (`contexts` slots each, the new position included) start at page
+    `first_pages`. `bucketed_within` pads every size to a power of two (`bucket`): the rows, the pages per
+    row, and the window, at most that many pages. A padding row repeats row 0's pages; the pages past the
+    rows' last are masked.
+
+    Built with numpy on the host (a row's pages are a range: no Python loop over pages, which at 7B scale
+    number thousands a step), then copied to the device without waiting for it.
+    """
+    counts = -(-contexts // page_slots)
+    rows, window, widest = len(contexts), int((first_pages + counts).max()), int(counts.max())
+    if bucketed_within is not None:
+        rows, window, widest = bucket(rows), min(bucket(window), bucketed_within), bucket(widest)
+    row_of_page = np.repeat(np.arange(len(contexts)), counts)
+    number_in_row = np.arange(len(row_of_page)) - np.repeat(np.cumsum(counts) - counts, counts)
+    page_index = first_pages[row_of_page] + number_in_row
+    owner = np.zeros(window, dtype=np.int64)
+    owner[page_index] = row_of_page
+    filled = np.zeros(window, dtype=np.int64)
+    filled[page_index] = np.minimum(page_slots, contexts[row_of_page] - number_in_row * page_slots)
+    # Padding repeats the row's first page: weighted 0, and finite (a free page may hold NaN, and 0 * NaN
+    # would reach the row).
+    table = np.repeat(first_pages[:, None], widest, axis=1)
+    table[row_of_page, number_in_row] = page_index
+    padding = np.arange(widest) >= counts[:, None]
+    if rows > len(contexts):
+        extra = rows - len(contexts)
+        table = np.concatenate([table, np.repeat(table[:1], extra, axis=0)])
+        padding = np.concatenate([padding, np.repeat(padding[:1], extra, axis=0)])
+    return DecodeTables(to_device(owner, device),
+                        to_device(np.arange(page_slots) >= filled[:, None], device)[:, None, :],
+                        to_device(table, device), to_device(padding, device)[:, :, None, None])
+
+
+def bucket(count: int) -> int:
+    """The power of two at or above `count`, at least 2: the few sizes a static decode step is padded to. Never
+    1: torch.compile specialises a size of 1, and a second compilation of a 28-layer step costs a minute."""
+    return max(2, 1 << (count - 1).bit_length())
+
+
+def attend_decoding(kv: KVCache, layer: int, q: torch.Tensor, tables: DecodeTables, scale: float,
+                    kernel: DecodeAttention | None = None) -> torch.Tensor:
+    """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages."""
+    keys, values = kv.page_view(layer, tables.owner.shape[0])       # (window * kv_heads, slots, dim), in place
+    return (kernel or paged_decode_attention)(q, keys, values, tables, scale)
+
+
+def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tables: DecodeTables,
                            scale: float) -> torch.Tensor:
-    """Decode attention of every row at once over pages (see `DecodePages` for the layout).
+    """Decode attention of every row at once over pages (see `DecodeTables` for the layout).
 
     Scores and the softmax are float32; for a bfloat16 model the scores come out of the matrix
     multiply in bfloat16 first, as in transformers' eager attention.
     """
+    owner, masked, row_pages, padding = tables
     rows, heads, dim = q.shape
     window = owner.shape[0]
     kv_heads = keys.shape[0] // window
     grouped = (q * scale)[owner].view(window * kv_heads, heads // kv_heads, dim)
-    scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(window, heads, -1))
+    slots = keys.shape[1]
+    scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(window, heads, slots))
     scores.masked_fill_(masked, float("-inf"))
     # A page with no slot of a decode row has max -inf: clamped, its weights come out 0, not NaN.
     page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
     weights = scores.sub_(page_max).exp_()                                              # (window, heads, slots)
     page_sum = weights.sum(dim=-1, keepdim=True)                                       # (window, heads, 1)
-    weights = weights.view(window * kv_heads, heads // kv_heads, -1)
+    weights = weights.view(window * kv_heads, heads // kv_heads, slots)
     page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
                                   values).view(window, heads, dim))
     # Combine each row's pages: rescale every page to the row's maximum, add, normalise (the sums ride
@@ -145,7 +168,12 @@ class StepAttention:
         self.captured: dict[int, torch.Tensor] = {}   # row index -> (heads, head_dim) rotated query
         self.scale = 0.0
         decoding = [row for row in rows if row.decodes]
-        self.decode = DecodePages(kv, decoding, device) if decoding else None
+        self.decode: DecodeTables | None = None
+        if decoding:
+            assert all(row.region is not None for row in decoding), "a decoding row holds device KV"
+            self.decode = decode_tables(np.array([row.region.start // kv.page_slots for row in decoding
+                                                  if row.region is not None]),
+                                        np.array([row.start + 1 for row in decoding]), kv.page_slots, device)
         offsets = [row.offset for row in decoding]
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))
@@ -173,7 +201,7 @@ class StepAttention:
             device_k, device_v = (k, v) if self.write_tokens is None else (k[self.write_tokens], v[self.write_tokens])
             self.kv.write_at(layer, self.write_pages, self.write_offsets, device_k, device_v)
         if self.decode is not None:
-            decoded = self.decode.attend(self.kv, layer, q[self.decode_tokens], scale, self.decode_kernel)
+            decoded = attend_decoding(self.kv, layer, q[self.decode_tokens], self.decode, scale, self.decode_kernel)
             if self.only_decodes:
                 return decoded
         out = torch.empty_like(q)

@@ -114,9 +114,13 @@ class KVCache:
     def __init__(self, geometry: KVGeometry, capacity_tokens: int, dtype: torch.dtype, device: torch.device,
                  layers: range | None = None, page_slots: int = PAGE_SLOTS):
         self.layers = layers if layers is not None else range(geometry.num_layers)
+        self.first_layer = self.layers.start   # a plain int: compiled steps trace the index arithmetic
         self.page_slots = page_slots
         pages = capacity_tokens // page_slots
-        shape = (len(self.layers), pages, geometry.kv_heads, page_slots, geometry.head_dim)
+        # One page more than ranges can use: the scratch page, where the padding rows of a decode step
+        # padded to a fixed size write their keys and values (see `engine.decode_step`).
+        self.scratch_page = pages
+        shape = (len(self.layers), pages + 1, geometry.kv_heads, page_slots, geometry.head_dim)
         # torch.empty reserves without touching: on the CPU the pages are committed as rows use them.
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
@@ -150,9 +154,12 @@ class KVCache:
                  values: torch.Tensor) -> None:
         """Store (tokens, kv_heads, head_dim) keys and values at (page, offset in page) pairs (tokens,) each:
         one indexed copy per kind, however many rows the tokens belong to."""
-        index = layer - self.layers.start
-        self.keys[index][pages, :, offsets] = keys
-        self.values[index][pages, :, offsets] = values
+        # The layer as an index tensor, not a view of the layer: compiled, a write through a view of the storage
+        # becomes a copy of the whole storage (functionalisation scatters the view back), a write through indices
+        # stays in place.
+        layers = torch.full_like(pages, layer - self.first_layer)
+        self.keys[layers, pages, :, offsets] = keys
+        self.values[layers, pages, :, offsets] = values
 
     def read(self, region: Region, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's first `length` keys and values, (1, kv_heads, length, head_dim): a copy out of its pages."""
@@ -160,8 +167,10 @@ class KVCache:
 
     def page_view(self, layer: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `pages` pages of one layer as views (pages * kv_heads, page_slots, head_dim)."""
-        index, shape = layer - self.layers.start, (-1, self.page_slots, self.geometry.head_dim)
-        return self.keys[index, :pages].view(shape), self.values[index, :pages].view(shape)
+        # narrow and a view of explicit sizes (not a slice and -1): a compiled step keeps `pages` a symbol
+        # instead of specialising on it.
+        index, shape = layer - self.first_layer, (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
+        return self.keys[index].narrow(0, 0, pages).view(shape), self.values[index].narrow(0, 0, pages).view(shape)
 
     def clear_values(self, start: int, end: int) -> None:
         """Zero the values of slots [start, end) as a range is handed out: decode attention multiplies a
@@ -177,19 +186,19 @@ class KVCache:
         self.clear_values(target.start + count * self.page_slots, target.end)
 
     def copy_from(self, region: Region, host: HostKV, length: int) -> None:
-        """Bring an offloaded row's first `length` tokens into its device range (a cache of every layer)."""
+        """Bring an offloaded row's first `length` tokens into its device range (a cache of every layer): one
+        transfer from the row's (pinned) host memory, laid out in pages on the device."""
         count = -(-length // self.page_slots)
         first = region.start // self.page_slots
         for storage, kept in ((self.keys, host.keys), (self.values, host.values)):
             layers, heads, _, dim = kept.shape
-            paged = kept.new_zeros(layers, heads, count * self.page_slots, dim)
-            paged[:, :, :length] = kept[:, :, :length]
-            pages = paged.view(layers, heads, count, self.page_slots, dim).transpose(1, 2)
-            storage[:, first:first + count].copy_(pages, non_blocking=True)
+            paged = storage.new_zeros(layers, heads, count * self.page_slots, dim)
+            paged[:, :, :length].copy_(kept[:, :, :length], non_blocking=True)
+            storage[:, first:first + count] = paged.view(layers, heads, count, self.page_slots, dim).transpose(1, 2)
 
     def _contiguous(self, storage: torch.Tensor, region: Region, layer: int, length: int) -> torch.Tensor:
         first, count = region.start // self.page_slots, -(-length // self.page_slots)
-        pages = storage[layer - self.layers.start, first:first + count]        # (count, heads, page, dim)
+        pages = storage[layer - self.first_layer, first:first + count]        # (count, heads, page, dim)
         heads, dim = pages.shape[1], pages.shape[3]
         return pages.transpose(0, 1).reshape(heads, count * self.page_slots, dim)[:, :length].unsqueeze(0)
 

@@ -11,6 +11,7 @@ import torch
 
 from ..families.base import CaptionModel
 from .attention import DecodeAttention, RowSpan, StepAttention, paged_decode_attention, to_device
+from .decode_step import DecodeStep
 from .kv_cache import KVCache, Region
 from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
@@ -29,10 +30,13 @@ class ModelRunner:
         if compile_step:
             model.compile()
             self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
+        self.decode_step = DecodeStep(model, pools, compile_step)
 
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the step; returns the rows that reached their last position and their logits."""
+        if DecodeStep.accepts(step):
+            return self.decode_step.run(step)
         self._encode_vision(step)
         if len(self.pools) > 1:
             sampled, hidden = self._run_in_two_parts(step)

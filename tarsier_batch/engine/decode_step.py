@@ -1,0 +1,143 @@
+"""Steps in which every row decodes its next token: the bulk of a run, at a few fixed shapes.
+
+A decode step is the same computation every time, only its sizes change: the rows, and the cache
+pages their contexts span. It is one function of tensors alone (token ids, positions, and the page
+tables and KV write indices of each cache, all built on the host with numpy), with no host
+synchronisation and no Python control flow that depends on values, so torch.compile traces it whole
+(`fullgraph=True` fails loudly otherwise) and on CUDA its `reduce-overhead` mode replays it as a
+CUDA graph: one launch for the whole step instead of one per kernel.
+
+A graph is recorded per distinct set of sizes, so with --compile the sizes are padded to powers of
+two (`attention.bucket`): the rows (padding rows read row 0's pages and write their keys and values
+to each cache's scratch page), the pages per row, and the window of pages read. Without --compile
+the step keeps its exact sizes: padding would only add arithmetic.
+
+Steps with prefill chunks (or rows whose prefill is offloaded) take the general path in
+`model_runner`; their decoding rows still attend in one batched call there.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..families.base import CaptionModel
+from .attention import DecodeTables, attend_decoding, bucket, decode_tables, to_device
+from .kv_cache import KVCache
+from .scheduler import ScheduledRow
+from .sequence import Sequence
+
+
+class CacheStep(NamedTuple):
+    """One cache's part of a decode step: where rows read their context and write their new keys and values."""
+
+    tables: DecodeTables
+    write_pages: torch.Tensor     # (rows,)
+    write_offsets: torch.Tensor   # (rows,)
+
+
+class DecodeStep:
+    def __init__(self, model: CaptionModel, pools: list[KVCache], compiled: bool = False,
+                 static_shapes: bool | None = None):
+        """`pools` as the model runner's; `compiled`: through torch.compile; `static_shapes`: padded to
+        power-of-two sizes (by default when compiled)."""
+        self.model = model
+        self.pools = pools
+        self.static_shapes = compiled if static_shapes is None else static_shapes
+        # Which cache each layer uses, as booleans: a compiled step may trace the caches' ints as symbols
+        # (when they differ between calls), and control flow cannot branch on a symbol.
+        self.late_layers = tuple(layer not in pools[0].layers for layer in range(model.kv_geometry.num_layers))
+        self._logits = self.logits
+        if compiled:
+            for pool in pools:   # the graphs write the cache in place: its address must stay the recorded one
+                torch._dynamo.mark_static_address(pool.keys)
+                torch._dynamo.mark_static_address(pool.values)
+            self._logits = torch.compile(self.logits, fullgraph=True, mode="reduce-overhead")
+
+    @staticmethod
+    def accepts(step: list[ScheduledRow]) -> bool:
+        """Every row computes one generated token against device KV (and then samples)."""
+        return all(row.num_tokens == 1 and row.seq.host_kv is None and row.seq.remaining == 1
+                   and _generated_index(row.seq) >= 0 for row in step)
+
+    def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
+        """The step's rows (all of them sample) and their next-token logits."""
+        device = self.model.device
+        rows = [row.seq for row in step]
+        padded = bucket(len(rows)) if self.static_shapes else len(rows)
+        token_ids = np.zeros(padded, dtype=np.int64)
+        positions = np.zeros(padded, dtype=np.int64)
+        for index, seq in enumerate(rows):
+            generated = _generated_index(seq)
+            token_ids[index] = seq.output_ids[generated]
+            positions[index] = seq.prompt.next_position + generated
+        components = rows[0].prompt.positions.shape[0]
+        parts = tuple(self._cache_step(pool, part, rows, padded) for part, pool in enumerate(self.pools))
+        inputs = (to_device(token_ids, device), to_device(positions, device).expand(components, -1), parts)
+        if self.static_shapes:
+            _sizes_vary(*inputs)
+        return rows, self._logits(*inputs)[:len(rows)]
+
+    def logits(self, token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> torch.Tensor:
+        """The whole step, as a function of tensors: (rows,) ids at (components, rows) positions -> (rows, vocab)."""
+        attention = _PagedDecode(self.pools, parts, self.late_layers)
+        return self.model.logits(self.model.forward(self.model.embed_tokens(token_ids), positions, attention))
+
+    def _cache_step(self, pool: KVCache, part: int, rows: list[Sequence], padded: int) -> CacheStep:
+        """Each row's slot for its new token in `pool` (the `part`-th cache), and the pages it reads."""
+        starts = np.array([seq.regions[part].start for seq in rows])
+        contexts = np.array([_kv_position(seq, late=part == 1) for seq in rows]) + 1   # the new position included
+        slots, page = starts + contexts - 1, pool.page_slots
+        tables = decode_tables(starts // page, contexts, page, self.model.device,
+                               pool.scratch_page if self.static_shapes else None)
+        write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
+        write_offsets = np.zeros(padded, dtype=np.int64)
+        write_pages[:len(rows)], write_offsets[:len(rows)] = slots // page, slots % page
+        return CacheStep(tables, to_device(write_pages, self.model.device), to_device(write_offsets, self.model.device))
+
+
+class _PagedDecode:
+    """The `Attention` callback of a decode step: each layer writes its cache and attends over its pages."""
+
+    def __init__(self, pools: list[KVCache], parts: tuple[CacheStep, ...], late_layers: tuple[bool, ...]):
+        self.pools = pools
+        self.parts = parts
+        self.late_layers = late_layers
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        part = 1 if self.late_layers[layer] else 0
+        pool, inputs = self.pools[part], self.parts[part]
+        pool.write_at(layer, inputs.write_pages, inputs.write_offsets, k, v)
+        return attend_decoding(pool, layer, q, inputs.tables, scale)
+
+
+def _sizes_vary(token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> None:
+    """Tell torch.compile which sizes change from step to step (the rows, the window of pages, the pages per
+    row), so that one compilation serves them all. Everything else (the model's and the cache's geometry)
+    stays a constant: marking the whole step dynamic would make those symbols too, and the compiler would
+    then specialise on the sizes after all."""
+    for tensor, dims in ((token_ids, (0,)), (positions, (1,))):
+        torch._dynamo.maybe_mark_dynamic(tensor, dims)
+    for part in parts:
+        owner, masked, row_pages, padding = part.tables
+        for tensor, dims in ((owner, (0,)), (masked, (0,)), (row_pages, (0, 1)), (padding, (0, 1)),
+                             (part.write_pages, (0,)), (part.write_offsets, (0,))):
+            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+
+
+def _generated_index(seq: Sequence) -> int:
+    """Which generated token the row computes next (negative while it is still in its prompt)."""
+    return _kv_position(seq) - seq.prompt.length
+
+
+def _kv_position(seq: Sequence, late: bool = False) -> int:
+    """The slot offset, in the row's range of the early (or only) cache or of the late one, of the position
+    the row computes next. A pruned row's survivors count as positions but hold early slots of their own
+    only in the late cache (see `engine.pruning`)."""
+    if seq.pruning is None:
+        return seq.num_computed
+    if late:
+        return seq.num_computed - seq.prompt.length
+    return seq.num_computed - seq.pruning.num_survivors
