@@ -114,7 +114,10 @@ class Captioner:
             prune=PruneConfig(settings.prune_vision, settings.prune_layer) if settings.prune_vision > 0 else None,
             compile=settings.compile_step)
         needed = self.model.processor.min_vision_positions(self.frames)
-        if needed >= kv_tokens:  # checked here: otherwise every item would decode its frames, then fail
+        page = self.engine_config.kv_page_slots
+        # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
+        # decode its frames, then fail.
+        if -(-(needed + 1) // page) * page > kv_tokens:
             raise ValueError(f"--frames {self.frames} needs at least {needed} positions per item, more than the "
                              f"KV cache holds ({int(kv_tokens)}); use fewer --frames or a larger --kv-cache-gb")
         self.workers = settings.workers or default_workers()
