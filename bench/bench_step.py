@@ -16,6 +16,8 @@ positions came from), EOS off, one torch thread, float32 on the CPU:
   count): the issue's own way of counting, an upper bound on launches.
 - `all_aten`: every aten event of the step, views included (for reference).
 - `ms`: median wall time of a decode step without the profiler.
+- `first_decode_step_s`: the first decode step at these sizes (with --compile, mostly compiling;
+  the prefill before it compiled the layers already).
 - `greedy` uses the checkpoint's settings; `sampled` adds temperature 1, top-p 0.9 and a
   repetition penalty of 1.1 (the penalty and the sampler were per-row work before).
 
@@ -84,7 +86,9 @@ def _seed_argument(engine: Engine, index: int, params: SamplingParams) -> dict:
 
 def measure(model, rows: int, context: int, steps: int, sampling: dict, compiled: bool = False) -> dict:
     engine = decoding_engine(model, rows, context, steps, sampling, compiled)
-    engine.step()   # a first decode step (with --compile: it compiles the decode shapes)
+    start = time.perf_counter()
+    engine.step()   # a first decode step (with --compile: it compiles the decode step at these sizes)
+    first_step = time.perf_counter() - start
     counts = []
     for _ in range(steps):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -98,7 +102,8 @@ def measure(model, rows: int, context: int, steps: int, sampling: dict, compiled
         times.append(time.perf_counter() - start)
     assert all(len(seq.output_ids) > 0 for seq in engine.scheduler.running) and len(engine.scheduler.running) == rows
     ops, aten, all_aten = (int(statistics.median(column)) for column in zip(*counts))
-    return {"ops": ops, "aten": aten, "all_aten": all_aten, "ms": round(statistics.median(times) * 1000, 2)}
+    return {"ops": ops, "aten": aten, "all_aten": all_aten, "ms": round(statistics.median(times) * 1000, 2),
+            "first_decode_step_s": round(first_step, 2)}
 
 
 def main() -> None:
