@@ -284,3 +284,19 @@ def test_outputs_from_before_pruning_resume_unpruned_only() -> None:
     check_settings(before, {"model": "m", "frames": 8, "prune": None})
     with pytest.raises(SettingsMismatchError, match="prune"):
         check_settings(before, {"model": "m", "frames": 8, "prune": {"vision": 0.5, "layer": 2}})
+
+
+def test_a_pruned_row_drops_its_layer_inputs_whenever_it_samples(tiny_model, prompts) -> None:
+    """Preempted after its first token, a pruned row is recomputed: its prompt, its survivors (no sample: the
+    token exists), then that token alone, a pure decode step, which samples. Its layer-K inputs (prompt x
+    hidden, ~40 MB a row at 7B, outside the KV budget) must go then too, not stay until the row finishes."""
+    engine = Engine(tiny_model, EngineConfig(max_rows=1, prefill_chunk=0, prune=PruneConfig(0.5, 1)),
+                    SamplingParams(max_new_tokens=8))
+    seq = engine.add(prompts[1])
+    while not seq.output_ids:
+        engine.step()
+    assert seq.pruning is not None and seq.pruning.layer_inputs is None
+    engine.scheduler.preempt(seq)
+    while len(seq.output_ids) < 2:
+        engine.step()
+    assert seq.pruning.layer_inputs is None

@@ -119,6 +119,9 @@ class Engine:
             row.seq.num_computed += row.num_tokens
         if logits is None:
             return []
+        for seq in sampled:   # a pruned row's prompt is done with: its layer-K inputs are no longer needed
+            if seq.pruning is not None:
+                seq.pruning.layer_inputs = None
         seen = None
         if self.sampling.repetition_penalty not in (None, 1):
             seen_rows: list[int] = []

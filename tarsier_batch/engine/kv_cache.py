@@ -187,7 +187,8 @@ class KVCache:
 
     def copy_from(self, region: Region, host: HostKV, length: int) -> None:
         """Bring an offloaded row's first `length` tokens into its device range (a cache of every layer): one
-        transfer from the row's (pinned) host memory, laid out in pages on the device."""
+        copy to the device (from a strided slice of host memory, which torch stages unpinned), then laid out in
+        pages there."""
         count = -(-length // self.page_slots)
         first = region.start // self.page_slots
         for storage, kept in ((self.keys, host.keys), (self.values, host.values)):

@@ -134,9 +134,6 @@ class ModelRunner:
                                     late_pool.layers.stop)
         if not sampled:
             return [], out
-        for seq in sampled:   # the prompt is done with: its layer-K inputs are no longer needed
-            if seq.pruning is not None:
-                seq.pruning.layer_inputs = None
         return sampled, self.model.final_norm(_rows_at(out, sampled_at))
 
     def _choose_survivors(self, seq: Sequence, query: torch.Tensor, scale: float) -> None:
