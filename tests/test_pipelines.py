@@ -178,8 +178,12 @@ def test_stdout_streams_json_lines_in_input_order(tiny_model_dir: Path, media: P
 
 
 def test_stdout_closed_early_stops_quietly_with_141(tiny_model_dir: Path, media: Path) -> None:
-    command = (f"{sys.executable} -m tarsier_batch.cli caption {media} --model {tiny_model_dir} -o - "
-               f"--max-new-tokens 3 2>err.txt | head -n 1; echo \"${{PIPESTATUS[0]}}\"")
+    # Rows of 100 kB (a kept manifest column): more than the pipe and head's read can take, so the tool is
+    # still writing when head exits, whatever the timing (with small rows it could finish first and exit 0).
+    manifest = media / "list.jsonl"
+    write_manifest(manifest, [{"path": name, "note": "x" * 100_000} for name in NAMES])
+    command = (f"{sys.executable} -m tarsier_batch.cli caption --manifest {manifest} --keep-columns note "
+               f"--model {tiny_model_dir} -o - --max-new-tokens 3 2>err.txt | head -n 1; echo \"${{PIPESTATUS[0]}}\"")
     done = subprocess.run(["bash", "-c", command], capture_output=True, cwd=media.parent, timeout=300)
     first, code = done.stdout.decode().splitlines()
     assert json.loads(first)["path"] == str(media / "clip_5f.gif") and code == "141"
