@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from .version import __version__
 
 _EXPORTS = {"Captioner": "api", "CaptionResult": "results", "CaptionSettings": "api",
             "SamplingParams": "engine", "MediaItem": "sources", "discover": "sources"}

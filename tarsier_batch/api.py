@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from . import __version__
+from .version import __version__
 from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import sys
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -20,7 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import __version__
+from .version import __version__
 from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER, FAMILIES, family_named
 from .checkpoints import DEMO_ALIAS, ModelNotFoundError, needs_building, tiny_model_dir
 from .config import ConfigError, config_defaults
@@ -94,7 +95,7 @@ Exit codes:
   0    every item of this run was captioned (or there was nothing to do)
   1    some items failed (their rows carry an error)
   2    bad usage: flag value, missing input, unusable model or output, other settings than --out's
-  3    crashed mid-run (a bug, a failed device, a full disk); saved rows are resumed by the next run
+  3    crashed (a bug, while loading too; a failed device; a full disk); saved rows are resumed by the next run
   75   another run is writing the same --out
   130  interrupted (Ctrl-C); finished rows are saved, run the same command to resume
   143  terminated (SIGTERM); finished rows are saved, run the same command to resume
@@ -269,6 +270,10 @@ def caption(
                                  (shard_spec, all_items) if shard_spec else None)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
         _fail(str(error))
+    except LoadingCrashed as error:
+        console.print(f"tarsier: crashed while loading the model ({error}); {target.path} was not changed",
+                      highlight=False, markup=False)
+        code = EXIT_CRASHED
     except KeyboardInterrupt:  # while loading the model or writing --out: --out is whole, old or new
         console.print(f"tarsier: interrupted; {target.path} was not changed; run the same command again to continue",
                       highlight=False, markup=False)
@@ -469,6 +474,10 @@ def _dry_run(discovery: Discovery, store: ResultStore | None, requested: dict[st
     return EXIT_OK
 
 
+class LoadingCrashed(Exception):
+    """Loading the model failed on a bug of this tool (its traceback is printed), not on the model given."""
+
+
 class Terminated(BaseException):
     """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
 
@@ -490,8 +499,11 @@ def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple
             captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
     except (ModelNotFoundError, ValueError):
         raise
-    except Exception as error:  # anything else that stops the model loading is also a problem of the model given
-        raise ValueError(one_line(error)) from error
+    except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:
+        raise ValueError(one_line(error)) from error   # the user's to fix (exit 2)
+    except Exception as error:   # a bug of ours while loading: show where (exit 3)
+        traceback.print_exc()
+        raise LoadingCrashed(one_line(error)) from error
     engine = captioner.engine
     config = engine.config
     offload = ", KV offloaded during prefill" if config.offload_kv \

@@ -26,18 +26,11 @@ no timeout, no memory limit and no crash protection (a native crash or hang take
 with it). That is for benchmarks comparing the two, and for callers that isolate already (a
 Ray worker).
 
-Test hook: `TARSIER_BATCH_FAULT` makes workers misbehave on chosen items, to prove the
-isolation end to end (also through the CLI). It holds comma-separated `kind:substring` entries;
-an item whose path contains the substring makes its worker `segfault` (SIGSEGV), `abort`
-(SIGABRT, as std::bad_alloc does), `hang` (blocked for ever in native code, where no Python
-signal handler runs) or `oom` (allocate until the memory limit stops it). It is read when a
-pool is created (the fork server keeps the environment it started with) and is ignored without
-isolation. Never set it outside tests.
+Faults can be injected into workers by tests to prove the isolation end to end (`faults`).
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import os
 import pickle
@@ -56,13 +49,12 @@ from pathlib import Path
 import torch
 from pebble import ProcessExpired, ProcessPool
 
+from .faults import misbehave, worker_faults
 from .families.base import ProcessedPrompt, Processor
 from .media import Media
 from .sources import MediaItem
 from .text import one_line
 
-FAULT_VARIABLE = "TARSIER_BATCH_FAULT"
-FAULT_KINDS = ("segfault", "abort", "hang", "oom")
 MAX_DEFAULT_WORKERS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 STOPPED = "stopped before it was decoded"
@@ -172,7 +164,7 @@ class DecodePool:
             # Pickled here, once: an unpicklable processor fails now, in the caller, and torch's
             # multiprocessing reducers (shared memory for tensors) never see the job.
             self._initargs = (pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), self.memory_limit_bytes,
-                              _faults_from_environment())
+                              worker_faults())
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload(_preload_modules())  # honoured when the server starts
             _start_quiet_fork_server()
@@ -424,43 +416,9 @@ def _decode_in_worker(index: int, item: MediaItem) -> bytes:
         raise WorkerNotReady(_start_error or "the decoding worker was not initialised")
     for kind, pattern in _faults:
         if pattern in item.path:
-            _misbehave(kind, item.path)
+            misbehave(kind, item.path)
     decoded = decode_item(_job, index, item)
     if decoded.error is not None and _memory_limit and any(word in decoded.error.lower()
                                                            for word in _NO_MEMORY_WORDS):
         decoded.error = f"{_out_of_memory(_memory_limit)}: {decoded.error}"
     return pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _misbehave(kind: str, path: str) -> None:
-    if kind == "segfault":
-        os.kill(os.getpid(), signal.SIGSEGV)
-    elif kind == "abort":
-        os.abort()
-    elif kind == "hang":
-        with open(path, "rb"):  # like a decoder stuck reading it (tests see the worker holds the file)
-            _hang_in_native_code()
-    elif kind == "oom":
-        hog: list[bytes] = []
-        while True:  # untouched zero pages: the limit stops it, not the machine's memory
-            hog.append(bytes(2**26))
-
-
-def _hang_in_native_code() -> None:
-    """Block for ever in C, like a stuck decoder: lock a plain mutex twice (it never returns)."""
-    libc = ctypes.CDLL(None)
-    mutex = ctypes.create_string_buffer(64)  # zeroed: a default (non error-checking) mutex in glibc
-    libc.pthread_mutex_lock(mutex)
-    libc.pthread_mutex_lock(mutex)
-    threading.Event().wait()  # where the second lock returned an error instead
-
-
-def _faults_from_environment() -> tuple[tuple[str, str], ...]:
-    faults = []
-    for entry in filter(None, (part.strip() for part in os.environ.get(FAULT_VARIABLE, "").split(","))):
-        kind, _, pattern = entry.partition(":")
-        if kind not in FAULT_KINDS or not pattern:
-            raise ValueError(f"{FAULT_VARIABLE}: {entry!r} is not kind:substring with kind one of "
-                             f"{', '.join(FAULT_KINDS)}")
-        faults.append((kind, pattern))
-    return tuple(faults)

@@ -242,6 +242,23 @@ def test_model_that_fails_to_load_is_a_usage_error_and_leaves_nothing(tiny_model
     assert list(out_dir.iterdir()) == []
 
 
+def test_a_bug_while_loading_shows_its_traceback_and_exits_3(tiny_model_dir: Path, shared_media: Path,
+                                                            tmp_path: Path, monkeypatch) -> None:
+    """Exit 2 says "your input is wrong"; a bug of the tool while loading must not hide behind it."""
+    import tarsier_batch.api
+
+    def broken_loader(*args, **kwargs):
+        raise TypeError("a bug in the loading code")
+
+    monkeypatch.setattr(tarsier_batch.api, "load_caption_model", broken_loader)
+    out_dir = tmp_path / "out"
+    result = run(str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out", str(out_dir / "r.parquet"))
+    assert result.exit_code == 3, result.output
+    assert "Traceback" in result.output and "TypeError: a bug in the loading code" in result.output
+    assert "crashed while loading the model (TypeError: a bug in the loading code)" in result.output
+    assert list(out_dir.iterdir()) == []
+
+
 def test_odd_file_names_are_stored_and_shown_safely(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     import os
 

@@ -27,8 +27,8 @@ from tarsier_batch.families import load_caption_model
 from tarsier_batch.media import MediaType
 from tarsier_batch.sources import MediaItem
 from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.faults import WORKER_FAULTS as FAULT_VARIABLE
 from tarsier_batch.workers import (
-    FAULT_VARIABLE,
     Decoded,
     DecodeJob,
     DecodePool,

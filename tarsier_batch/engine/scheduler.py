@@ -66,7 +66,6 @@ class Scheduler:
         self.offload_prefill = config.offload_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last is preempted first
-        self.preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -138,7 +137,6 @@ class Scheduler:
         if seq.pruning is not None:  # its survivors stay chosen: recomputing reproduces the same row
             seq.pruning.layer_inputs = None
         seq.preemptions += 1
-        self.preemptions += 1
         self.waiting.appendleft(seq)
 
     def lower_budget_after_oom(self) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -12,9 +11,6 @@ import torch
 from ..families.base import ProcessedPrompt
 from .kv_cache import HostKV, Region
 from .pruning import RowPruning
-
-_ids = itertools.count()
-
 
 class Status(Enum):
     WAITING = "waiting"    # queued, or preempted and waiting to be recomputed
@@ -37,7 +33,6 @@ class Sequence:
     max_new_tokens: int
     seed: int | None = None                  # its sampling stream (SamplingParams.row_seed); None: greedy
     payload: Any = None                      # the caller's handle, returned untouched
-    seq_id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -43,19 +43,27 @@ def load_weights(model: nn.Module, model_dir: Path, dtype: torch.dtype, device: 
     expected = dict(model.named_parameters())
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
-        with safe_open(str(path), framework="pt", device=str(device)) as handle:
-            for key in handle.keys():
-                name = to_module_key(key)
-                if name not in expected:
-                    if name.endswith(RECOMPUTED_BUFFERS):
-                        continue
-                    raise ValueError(f"unexpected weight {key!r} in {path.name}: not a {family} checkpoint?")
-                state[name] = handle.get_tensor(key).to(dtype)
+        try:
+            _read_tensors(path, device, dtype, expected, state, family, to_module_key)
+        except SafetensorError as error:   # a truncated or corrupt file: the checkpoint's problem, not ours
+            raise ValueError(f"cannot read {path}: {error}") from error
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(to_checkpoint_key(name) for name in missing[:3])
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} weights, e.g. {shown}")
     model.load_state_dict(state, strict=False, assign=True)
+
+
+def _read_tensors(path: Path, device: torch.device, dtype: torch.dtype, expected: dict[str, nn.Parameter],
+                  state: dict[str, torch.Tensor], family: str, to_module_key: Callable[[str], str]) -> None:
+    with safe_open(str(path), framework="pt", device=str(device)) as handle:
+        for key in handle.keys():
+            name = to_module_key(key)
+            if name not in expected:
+                if name.endswith(RECOMPUTED_BUFFERS):
+                    continue
+                raise ValueError(f"unexpected weight {key!r} in {path.name}: not a {family} checkpoint?")
+            state[name] = handle.get_tensor(key).to(dtype)
 
 
 def save_weights(model: nn.Module, model_dir: Path, to_checkpoint_key: Callable[[str], str] = str) -> None:

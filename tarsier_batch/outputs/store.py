@@ -177,10 +177,6 @@ class ResultStore:
             if stale.name not in names:
                 stale.unlink(missing_ok=True)
 
-    def discard(self) -> None:
-        """Remove the work directory (nothing left to resume)."""
-        shutil.rmtree(self.work_dir, ignore_errors=True)
-
     def _parts(self) -> list[Path]:
         return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
 

@@ -16,9 +16,7 @@ file that crashes or hangs its decoder becomes an error row, as in a single run;
 that fails anyway (a lost node, past Ray's task retries) fails the run, with the rows already
 written kept for the rerun: nothing is dropped silently.
 
-Test hook: `TARSIER_BATCH_RAY_FAULT=die-once:SUBSTRING:MARKER` makes the actor that gets an
-item whose path contains SUBSTRING exit at once (as a crash would), unless the file MARKER
-exists; it creates MARKER first, so the restarted actor carries on. Never set it outside tests.
+Tests kill actors on purpose through `faults.maybe_kill_ray_actor`.
 """
 
 from __future__ import annotations
@@ -38,13 +36,13 @@ import pyarrow.parquet as pq
 from ..api import Captioner, CaptionSettings, decode_pool
 from ..checkpoints import resolve_model
 from ..families import load_processor
+from ..faults import maybe_kill_ray_actor
 from ..outputs.formats import SHARD_PATTERN, with_metadata, write_parquet
 from ..outputs.schema import OutputColumns
 from ..outputs.store import write_atomically
 from ..sources import MediaItem
 from ..workers import DecodeJob, Decoded, DecodePool
 
-FAULT_VARIABLE = "TARSIER_BATCH_RAY_FAULT"
 CALLS_PER_ACTOR = 2
 
 
@@ -178,19 +176,8 @@ class RayCaptioner:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         decoded: list[Decoded] = [pickle.loads(one) for one in batch["decoded"]]
-        _maybe_die([one.item.path for one in decoded])
+        maybe_kill_ray_actor([one.item.path for one in decoded])
         results = self.service.caption(decoded)
         rows = [self.job.columns.row(result, one.item, self.job.model_name)
                 for result, one in zip(results, decoded)]
         return pa.Table.from_pylist(rows, schema=self.schema)
-
-
-def _maybe_die(paths: list[str]) -> None:
-    fault = os.environ.get(FAULT_VARIABLE)
-    if not fault:
-        return
-    kind, substring, marker = fault.split(":", 2)
-    assert kind == "die-once", fault
-    if any(substring in path for path in paths) and not os.path.exists(marker):
-        Path(marker).touch()
-        os._exit(1)

@@ -60,10 +60,6 @@ class Tarsier2Config:
     def from_file(cls, path: Path) -> Tarsier2Config:
         return cls.from_dict(json.loads(path.read_text()))
 
-    @property
-    def mrope_section(self) -> list[int]:
-        return list(self.text.rope_parameters["mrope_section"])
-
 
 def _without_loader_keys(raw: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in raw.items() if key not in _LOADER_KEYS}
