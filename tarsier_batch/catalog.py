@@ -1,10 +1,14 @@
-"""The model families this tool runs, how a checkpoint's config.json names its family, and defaults.
+"""The registry of model families: what each is, how a checkpoint's config.json names it, and where its code is.
 
-Kept free of torch and transformers, so that `tarsier models` and flag checks answer at once.
+A family is one package under `families/` (its processor and model), one tiny-checkpoint builder,
+and one `FamilyInfo` registered here (`register_family`). The registration names the family's
+code by import path ("module:attribute"), imported on first use: this module stays free of torch
+and transformers, so that `tarsier models` and flag checks answer at once.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,29 +23,58 @@ class FamilyInfo:
     default_instruction: str
     checkpoints: tuple[str, ...]  # known Hugging Face ids
     tiny_alias: str             # --model alias of a built-in random-weight checkpoint
+    # The family's code, "module:attribute" each:
+    loader: str                 # (model_dir, dtype, device) -> CaptionModel
+    processor_loader: str       # (model_dir) -> Processor, the CPU side alone
+    frame_sampler: str          # (frames in the file, frames wanted) -> indices, as the official code samples
+    tiny_builder: str           # a module with SIZES and build(out_dir, size, seed): random-weight checkpoints
+
+    def code(self, part: str) -> Any:
+        """One of the family's code entries (`loader`, `processor_loader`, ...), imported."""
+        module, _, name = getattr(self, part).partition(":")
+        loaded = importlib.import_module(module)
+        return getattr(loaded, name) if name else loaded
 
 
 TARSIER = FamilyInfo(
     key="tarsier", name="Tarsier v1", text_model_type="llama", vision="CLIP ViT-L/14 at 336 px, 601 vectors per frame",
     default_frames=8, default_instruction="Describe the video in detail. (images: Describe the image in detail.)",
-    checkpoints=("omni-research/Tarsier-7b", "omni-research/Tarsier-34b"), tiny_alias="tiny-random")
+    checkpoints=("omni-research/Tarsier-7b", "omni-research/Tarsier-34b"), tiny_alias="tiny-random",
+    loader="tarsier_batch.families.tarsier:TarsierCaptioner",
+    processor_loader="tarsier_batch.families.tarsier:load_processor",
+    frame_sampler="tarsier_batch.media:frame_indices", tiny_builder="tarsier_batch.tiny.tarsier")
 TARSIER2 = FamilyInfo(
     key="tarsier2", name="Tarsier2", text_model_type="qwen2_vl",
     vision="Qwen2-VL ViT, dynamic resolution (at most 460,800 px per frame)",
     default_frames=16, default_instruction="Describe the video in detail. (images too, as upstream)",
-    checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"), tiny_alias="tiny-random-tarsier2")
-FAMILIES = (TARSIER2, TARSIER)
+    checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"), tiny_alias="tiny-random-tarsier2",
+    loader="tarsier_batch.families.tarsier2:Tarsier2Captioner",
+    processor_loader="tarsier_batch.families.tarsier2:load_processor",
+    frame_sampler="tarsier_batch.media:frame_indices_without_repeats", tiny_builder="tarsier_batch.tiny.tarsier2")
+_FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER]
 DEFAULT_MODEL = TARSIER2.checkpoints[0]
 # With --prune-vision: the first layer that sees only the kept vision tokens (FastV's choice).
 DEFAULT_PRUNE_LAYER = 2
 MODEL_TYPE = "llava"  # both families' checkpoints are LLaVA-style
 
 
+def register_family(family: FamilyInfo) -> None:
+    """Make a family known to every command: detection, loading, `tarsier models`, tiny checkpoints."""
+    if any(known.key == family.key for known in _FAMILIES):
+        raise ValueError(f"a family {family.key!r} is registered already")
+    _FAMILIES.append(family)
+
+
+def families() -> tuple[FamilyInfo, ...]:
+    """The registered families, the default model's first."""
+    return tuple(_FAMILIES)
+
+
 def family_named(key: str) -> FamilyInfo:
-    for family in FAMILIES:
+    for family in _FAMILIES:
         if family.key == key:
             return family
-    raise ValueError(f"unknown family {key!r}; choose one of {', '.join(f.key for f in FAMILIES)}")
+    raise ValueError(f"unknown family {key!r}; choose one of {', '.join(f.key for f in _FAMILIES)}")
 
 
 def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
@@ -50,10 +83,10 @@ def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
     text_config = raw.get("text_config")
     text_type = text_config.get("model_type") if isinstance(text_config, dict) else None
     if model_type == MODEL_TYPE:
-        for family in FAMILIES:
+        for family in _FAMILIES:
             if text_type == family.text_model_type:
                 return family
     supported = "; ".join(f"{f.name}: model_type {MODEL_TYPE!r} with text_config.model_type {f.text_model_type!r}"
-                          for f in FAMILIES)
+                          for f in _FAMILIES)
     raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
                      f"{text_type!r}; supported: {supported}")

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import FAMILIES
+from .catalog import families
 
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -40,7 +40,7 @@ def tiny_model_dir(alias: str) -> Path:
 
 def needs_building(reference: str) -> bool:
     """Whether `reference` is a built-in random model not built yet (the first use builds it)."""
-    return any(reference == family.tiny_alias for family in FAMILIES) and \
+    return any(reference == family.tiny_alias for family in families()) and \
         not (tiny_model_dir(reference) / "model.safetensors").exists()
 
 
@@ -55,7 +55,7 @@ def resolve_model(reference: str) -> ResolvedModel:
             raise ModelNotFoundError(f"the demo model is missing from this installation ({DEMO_CHECKPOINT}); "
                                      f"train it with tools/train_demo_model.py")
         return ResolvedModel(reference, DEMO_CHECKPOINT, None)
-    for family in FAMILIES:
+    for family in families():
         if reference == family.tiny_alias:
             from .tiny import ensure_tiny_model
 

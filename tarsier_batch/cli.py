@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .version import __version__
-from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER, FAMILIES, family_named
+from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER, families, family_named
 from .checkpoints import DEMO_ALIAS, ModelNotFoundError, needs_building, tiny_model_dir
 from .config import ConfigError, config_defaults
 from .job import CaptionJob
@@ -636,7 +636,7 @@ def _write_output(job: CaptionJob, store: ResultStore | None, stored: StoredRows
 @app.command()
 def models() -> None:
     """List the model families, their known checkpoints and their defaults."""
-    for family in FAMILIES:
+    for family in families():
         default = " (the default --model)" if DEFAULT_MODEL in family.checkpoints else ""
         typer.echo(f"{family.name}{default}\n"
                    f"  config.json:  model_type 'llava', text_config.model_type '{family.text_model_type}'\n"
@@ -649,16 +649,11 @@ def models() -> None:
                "  moving shapes: it captions such clips ('A red circle moves up.'), nine in ten right; nothing else.")
 
 
-class FamilyKey(str, Enum):
-    tarsier = "tarsier"
-    tarsier2 = "tarsier2"
-
-
 @app.command("inspect", no_args_is_help=True)
 def inspect_command(
     files: Annotated[list[str], typer.Argument(metavar="FILE", hidden=True, show_default=False)],
     model: Annotated[Optional[str], typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Sample frames as this model's family does [default: the default model, Tarsier2].", show_default=False)] = None,
-    family: Annotated[Optional[FamilyKey], typer.Option(help="Or name the family directly.", show_default=False)] = None,
+    family: Annotated[Optional[str], typer.Option(metavar="NAME", help="Or name the family directly: tarsier (v1), tarsier2 (see 'tarsier models').", show_default=False)] = None,
     frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, one per line.")] = False,
 ) -> None:
@@ -673,7 +668,7 @@ def inspect_command(
     if model is not None and family is not None:
         _fail("give --model or --family, not both")
     try:
-        chosen = family_named(family.value) if family else family_for(model or DEFAULT_MODEL)
+        chosen = family_named(family) if family else family_for(model or DEFAULT_MODEL)
     except ValueError as error:
         _fail(str(error))
     failed = 0

@@ -17,13 +17,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from .catalog import FAMILIES, TARSIER, FamilyInfo, family_of_config
-from .media import (FrameSampler, MediaType, check_regular_file, decord_problem, frame_indices, frame_indices_without_repeats, load_media,
-                    media_type_of)
+from .catalog import TARSIER, FamilyInfo, families, family_named, family_of_config
+from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of
 from .text import one_line, printable
 
-# How each family samples frames; tests/test_inspect.py checks these against the families' own loaders.
-SAMPLERS: dict[str, FrameSampler] = {"tarsier": frame_indices, "tarsier2": frame_indices_without_repeats}
 DECODE_TIMEOUT_S = 120.0
 
 
@@ -89,7 +86,7 @@ def family_for(model: str) -> FamilyInfo:
     """The family of `--model`: a built-in alias, a known hub id, or a checkpoint folder's config.json."""
     if model == "demo":   # the shipped demo model is a Tarsier v1
         return TARSIER
-    for family in FAMILIES:
+    for family in families():
         if model == family.tiny_alias or model in family.checkpoints:
             return family
     config = Path(model).expanduser() / "config.json"
@@ -128,7 +125,8 @@ def _decode_facts(path: str, media_type: MediaType, family_key: str, frames: int
 
     def sampler(total: int, wanted: int) -> list[int]:
         counted.append(total)
-        return SAMPLERS[family_key](total, wanted)
+        sampler: FrameSampler = family_named(family_key).code("frame_sampler")
+        return sampler(total, wanted)
 
     try:
         media = load_media(path, media_type, frames, frame_transform=lambda frame, count: None, sampler=sampler)

@@ -12,9 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from . import tarsier, tarsier2
-
-_BUILDERS = {"tarsier": tarsier, "tarsier2": tarsier2}
+from ..catalog import family_named
 
 
 def sizes(family: str) -> list[str]:
@@ -55,6 +53,4 @@ def ensure_tiny_model(target: Path, family: str = "tarsier", size: str = "tiny",
 
 
 def _builder(family: str):  # noqa: ANN202 - a module
-    if family not in _BUILDERS:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(_BUILDERS)}")
-    return _BUILDERS[family]
+    return family_named(family).code("tiny_builder")

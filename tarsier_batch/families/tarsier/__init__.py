@@ -1,7 +1,16 @@
 """Tarsier v1 (Tarsier-7b, Tarsier-34b): LLaVA-style CLIP + Llama with frame separators."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 from .family import TarsierCaptioner, TarsierPromptProcessor, merged_layout
 from .modeling import ARCHITECTURE, TarsierConfig, TarsierModel
 
-__all__ = ["ARCHITECTURE", "TarsierCaptioner", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor",
-           "merged_layout"]
+
+def load_processor(model_dir: Path) -> TarsierPromptProcessor:
+    """The checkpoint's CPU side alone (frames and prompt), without its weights."""
+    return TarsierPromptProcessor(model_dir, TarsierConfig.from_file(model_dir / "config.json"))
+
+
+__all__ = ["ARCHITECTURE", "TarsierCaptioner", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor", "load_processor", "merged_layout"]
