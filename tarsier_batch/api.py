@@ -175,30 +175,54 @@ class Captioner:
 
     def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]],
                        on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
-        """The captioning loop over decodes that settle in any order; pulls more only as the batch needs."""
+        """Results in input order of decodes that settle in any order; pulls more only as the batch needs."""
         loads: deque[Future[Decoded]] = deque()
+        more_items = True
+
+        def take(idle: bool) -> list[Decoded] | None:
+            nonlocal more_items
+            while more_items and self._wants_more(loads):
+                load = next(loads_in_order, None)
+                if load is None:
+                    more_items = False
+                else:
+                    loads.append(load)
+            if not (loads or more_items):
+                return None
+            arrived = []
+            # Every decoded item, in order; wait for one only when the model has nothing to do.
+            while loads and (loads[0].done() or (idle and not arrived)):
+                arrived.append(loads.popleft().result())
+            return arrived
+
         ready: dict[int, CaptionResult] = {}
         next_index = 0
-        more_items = True
+        for finished in self.drive(take, on_tokens):
+            ready.update(finished)
+            while next_index in ready:
+                yield ready.pop(next_index)
+                next_index += 1
+
+    def drive(self, take: Callable[[bool], list[Decoded] | None],
+              on_tokens: Callable[[int], None] | None = None) -> Iterator[dict[int, CaptionResult]]:
+        """The loop that drives the engine, for `caption` and for `CaptionService`: admit what `take` hands in,
+        step, and yield the results finished in each round by the items' `index`.
+
+        `take(idle)` returns the decoded items available now, waiting for at least one when `idle` (the
+        engine has nothing to do), or None once no more will come. The loop ends when nothing is left;
+        rows still running when it is left early (an error, an abandoned iterator) are dropped."""
         try:
             while True:
-                while more_items and self._wants_more(loads):
-                    load = next(loads_in_order, None)
-                    if load is None:
-                        more_items = False
-                    else:
-                        loads.append(load)
-                # Take every decoded item; wait for one only when the model has nothing to do.
-                while loads and (loads[0].done() or not self.engine.has_work):
-                    self._admit(loads.popleft().result(), ready)
+                finished: dict[int, CaptionResult] = {}
+                arrived = take(not self.engine.has_work)
+                if arrived is None and not self.engine.has_work:
+                    return
+                for decoded in arrived or ():
+                    self._admit(decoded, finished)
                 if self.engine.has_work:
                     for seq in self.engine.step(on_tokens):
-                        ready[seq.payload.decoded.index] = self._result(seq)
-                while next_index in ready:
-                    yield ready.pop(next_index)
-                    next_index += 1
-                if not (self.engine.has_work or loads or more_items):
-                    break
+                        finished[seq.payload.decoded.index] = self._result(seq)
+                yield finished
         finally:
             self.engine.abort_all()
 
@@ -208,16 +232,16 @@ class Captioner:
         return queued < self.batch_size + 2 * self.workers and \
             self.engine.waiting_pixel_bytes() < LOOKAHEAD_PIXEL_BYTES
 
-    def _admit(self, decoded: Decoded, ready: dict[int, CaptionResult]) -> None:
+    def _admit(self, decoded: Decoded, finished: dict[int, CaptionResult]) -> None:
         if decoded.error is not None or decoded.prompt is None:
-            ready[decoded.index] = _error_result(decoded, decoded.error or "not processed")
+            finished[decoded.index] = _error_result(decoded, decoded.error or "not processed")
             return
         queued = _Queued(decoded, time.perf_counter())
         seq = self.engine.add(decoded.prompt, payload=queued,
                               seed=self.settings.sampling.row_seed(decoded.item.stable_key))
         decoded.prompt = None  # the sequence holds it now; freed with the sequence
         if seq.finish_reason == "error":  # can never fit the KV cache
-            ready[decoded.index] = self._result(seq)
+            finished[decoded.index] = self._result(seq)
 
     def _result(self, seq: Sequence) -> CaptionResult:
         queued: _Queued = seq.payload
@@ -281,33 +305,29 @@ class CaptionService:
         self._thread.join()
 
     def _serve(self) -> None:
-        engine = self._captioner.engine
         waiting: dict[int, Future[CaptionResult]] = {}   # by the number the service gave the item
         numbers = itertools.count()
-        try:
+
+        def take(idle: bool) -> list[Decoded]:
+            """Everything handed in; waits for a hand-in only when the engine has nothing to do."""
+            arrived = []
             while True:
-                ready: dict[int, CaptionResult] = {}
-                # Take everything handed in; wait for a hand-in only when the engine has nothing to do.
-                block = not engine.has_work
-                while True:
-                    try:
-                        handed_in = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    if handed_in is None:
-                        raise _Closed("the caption service was closed")
-                    decoded, future = handed_in
-                    block = False
-                    number = next(numbers)
-                    waiting[number] = future
-                    self._captioner._admit(replace(decoded, index=number), ready)
-                if engine.has_work:
-                    for seq in engine.step():
-                        ready[seq.payload.decoded.index] = self._captioner._result(seq)
-                for number, result in ready.items():
+                try:
+                    handed_in = self._inbox.get(block=idle and not arrived)
+                except queue.Empty:
+                    return arrived
+                if handed_in is None:
+                    raise _Closed("the caption service was closed")
+                decoded, future = handed_in
+                number = next(numbers)
+                waiting[number] = future
+                arrived.append(replace(decoded, index=number))
+
+        try:
+            for finished in self._captioner.drive(take):
+                for number, result in finished.items():
                     waiting.pop(number).set_result(result)
         except BaseException as error:  # noqa: BLE001 - every caller must hear of it, whatever it is
-            engine.abort_all()
             with self._lock:
                 self._failure = error
                 while not self._inbox.empty():
