@@ -39,6 +39,8 @@ class CacheStep(NamedTuple):
 
 
 class DecodeStep:
+    """Runs the steps in which every row decodes (`accepts`), eager at their own sizes or compiled at bucketed ones."""
+
     def __init__(self, model: CaptionModel, pools: list[KVCache], compiled: bool = False,
                  static_shapes: bool | None = None):
         """`pools` as the model runner's; `compiled`: through torch.compile; `static_shapes`: padded to
