@@ -14,19 +14,19 @@ from .base import CaptionModel, ProcessedPrompt, Processor
 
 def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
     """Load the checkpoint in `model_dir` with the family its config.json names."""
-    return family_of(model_dir).code("loader")(model_dir, dtype, device)
+    return _family_of(model_dir).code("loader")(model_dir, dtype, device)
 
 
 def load_processor(model_dir: Path) -> Processor:
     """The checkpoint's CPU side alone (frames and prompt), without its weights: what decoding takes."""
-    return family_of(model_dir).code("processor_loader")(model_dir)
+    return _family_of(model_dir).code("processor_loader")(model_dir)
 
 
-def family_of(model_dir: Path) -> FamilyInfo:
+def _family_of(model_dir: Path) -> FamilyInfo:
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")
     return family_of_config(json.loads(config_path.read_text()), str(config_path))
 
 
-__all__ = ["CaptionModel", "ProcessedPrompt", "Processor", "family_of", "load_caption_model", "load_processor"]
+__all__ = ["CaptionModel", "ProcessedPrompt", "Processor", "load_caption_model", "load_processor"]
