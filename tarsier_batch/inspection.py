@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import multiprocessing
 import os
 import signal
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .catalog import TARSIER, FamilyInfo, families, family_named, family_of_config
+from .catalog import TARSIER, FamilyInfo, families, family_of_config
+from .fork_server import quiet_fork_server
 from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of
 from .text import one_line, printable
 
@@ -110,11 +111,11 @@ def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
         found.size_bytes = os.stat(path).st_size
     except OSError:
         pass
-    found.__dict__.update(_in_child(_decode_facts, (path, media_type, family.key, found.frames_asked), timeout_s))
+    found.__dict__.update(_in_child(_decode_facts, (path, media_type, family, found.frames_asked), timeout_s))
     return found
 
 
-def _decode_facts(path: str, media_type: MediaType, family_key: str, frames: int) -> dict[str, Any]:
+def _decode_facts(path: str, media_type: MediaType, family: FamilyInfo, frames: int) -> dict[str, Any]:
     """Probe, then decode the sampled frames exactly as captioning does (the pixels are dropped)."""
     try:
         check_regular_file(path)   # before any decoder opens it: a FIFO would block for ever
@@ -125,7 +126,7 @@ def _decode_facts(path: str, media_type: MediaType, family_key: str, frames: int
 
     def sampler(total: int, wanted: int) -> list[int]:
         counted.append(total)
-        sampler: FrameSampler = family_named(family_key).code("frame_sampler")
+        sampler: FrameSampler = family.code("frame_sampler")   # the child has no registry
         return sampler(total, wanted)
 
     try:
@@ -188,18 +189,10 @@ def _probe_image(path: str) -> dict[str, Any]:
 
 
 def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[str, Any]:
-    """`function(*args)` in a forked process: a crash or a hang becomes a problem, not the end of the command."""
-    context = multiprocessing.get_context("fork")
+    """`function(*args)` in a child process: a crash or a hang becomes a problem, not the end of the command."""
+    context = quiet_fork_server(["decord", "av", __name__])
     receive, send = context.Pipe(duplex=False)
-
-    def child() -> None:
-        faulthandler.disable()   # a crash is reported by the parent, without a dump of the child's stack
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)   # decord and FFmpeg log from native code; captioning's workers silence them too
-        os.close(devnull)
-        send.send(function(*args))
-
-    process = context.Process(target=child, daemon=True)
+    process = context.Process(target=_answer, args=(send, function, args), daemon=True)
     process.start()
     send.close()
     try:
@@ -218,3 +211,9 @@ def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[st
         if process.is_alive():
             process.kill()
             process.join()
+
+
+def _answer(send: Connection, function: Any, args: tuple[Any, ...]) -> None:
+    """The child's side of `_in_child`."""
+    faulthandler.disable()   # a crash is reported by the parent, without a dump of the child's stack
+    send.send(function(*args))

@@ -50,6 +50,7 @@ import torch
 from pebble import ProcessExpired, ProcessPool
 
 from .faults import misbehave, worker_faults
+from .fork_server import quiet_fork_server
 from .families.base import ProcessedPrompt, Processor
 from .media import Media
 from .sources import MediaItem
@@ -165,9 +166,7 @@ class DecodePool:
             # multiprocessing reducers (shared memory for tensors) never see the job.
             self._initargs = (pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL), self.memory_limit_bytes,
                               worker_faults())
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(_preload_modules())  # honoured when the server starts
-            _start_quiet_fork_server()
+            quiet_fork_server(_preload_modules())
             self._processes = self._new_process_pool()
             # Start the workers now: the first start waits for the server's imports (about 3 s).
             self._live_processes()
@@ -289,6 +288,10 @@ class DecodePool:
         return Decoded(index, item, seconds, error=message)
 
 
+class DecodingOutOfMemory(MemoryError):
+    """A worker ran out of memory decoding an item (its memory is freed before the next item)."""
+
+
 class WorkerNotReady(Exception):
     """A worker could not set itself up (its message says why); every item it takes fails with it."""
 
@@ -306,42 +309,6 @@ def _preload_modules() -> list[str]:
     package = __name__.split(".")[0]
     ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
     return ["decord", "av", __name__, *ours]
-
-
-_quiet_server_pid: int | None = None
-
-
-def _start_quiet_fork_server() -> None:
-    """Start the fork server (once per process) with its stdout and stderr on /dev/null.
-
-    Workers inherit them from the server, so nothing a worker prints reaches the terminal, even
-    before its own set-up runs (a worker forked while the pool stops can fail to unpickle its
-    start-up state and print a traceback). Our descriptors 1 and 2 point to /dev/null only while
-    the server is launched (a few milliseconds; launching does not wait for its imports): a line
-    another thread prints meanwhile is lost. If the server dies, multiprocessing restarts it on
-    its own, without this; each worker still silences itself first thing.
-    """
-    global _quiet_server_pid
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver  # private, but stable: the process-wide server
-    if _quiet_server_pid is not None and getattr(server, "_forkserver_pid", None) == _quiet_server_pid:
-        return
-    saved = [os.dup(1), os.dup(2)]
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None and not stream.closed:
-                stream.flush()
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        forkserver.ensure_running()
-    finally:
-        for descriptor, original in zip((1, 2), saved):
-            os.dup2(original, descriptor)
-            os.close(original)
-        os.close(devnull)
-    _quiet_server_pid = getattr(server, "_forkserver_pid", None)
 
 
 def _decode_here(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
@@ -414,10 +381,20 @@ def _decode_in_worker(index: int, item: MediaItem) -> bytes:
     """
     if _start_error is not None or _job is None:
         raise WorkerNotReady(_start_error or "the decoding worker was not initialised")
-    for kind, pattern in _faults:
-        if pattern in item.path:
-            misbehave(kind, item.path)
-    decoded = decode_item(_job, index, item)
+    out_of_memory = False
+    try:
+        for kind, pattern in _faults:
+            if pattern in item.path:
+                misbehave(kind, item.path)
+        decoded = decode_item(_job, index, item)
+    except Exception as error:
+        if not _is_out_of_memory(error):
+            raise
+        out_of_memory = True
+    if out_of_memory:
+        # Raised here, outside the handler: the error that ran out holds the frames that hold the memory,
+        # and the worker keeps it (until a garbage collection) while it decodes its next item.
+        raise DecodingOutOfMemory()
     if decoded.error is not None and _memory_limit and any(word in decoded.error.lower()
                                                            for word in _NO_MEMORY_WORDS):
         decoded.error = f"{_out_of_memory(_memory_limit)}: {decoded.error}"

@@ -91,6 +91,11 @@ def test_a_decoder_crash_or_hang_is_reported_not_suffered() -> None:
     assert _in_child(hang, (), timeout_s=0.3) == {"problem": "decoding took longer than 0.3 s"}
 
 
+def test_the_decoding_child_is_not_forked_from_the_caller() -> None:
+    # Forking a caller that holds models failed with ENOMEM on a machine that does not overcommit
+    assert _in_child(os.getppid, (), timeout_s=30) != os.getpid()
+
+
 def test_command_exit_codes_json_and_no_torch(awkward: Path, tmp_path: Path) -> None:
     good, bad = str(SAMPLE_DATA / "ball.gif"), str(awkward / "truncated.mp4")
     both = runner.invoke(app, ["inspect", "--json", "--family", "tarsier", good, bad])

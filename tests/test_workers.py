@@ -170,6 +170,17 @@ def test_running_out_of_memory_costs_one_item(job: DecodeJob, faulty: dict[str, 
     assert after.error is None and after.prompt is not None
 
 
+def test_a_worker_that_ran_out_of_memory_holds_none_of_it_for_the_next_item(job: DecodeJob,
+                                                                           faulty: dict[str, MediaItem]) -> None:
+    """The error that ran out holds the frames that hold the memory: kept until a garbage collection, it left
+    the worker at its limit for the next item (or unable to report the error at all)."""
+    with DecodePool(job, workers=1, timeout_s=60, memory_limit_bytes=1 * GiB) as pool:
+        assert pool.submit(0, faulty["eat-me"]).result().error.startswith("decoding ran out of memory")
+        workers = pool_workers()   # the same worker goes on: running out of memory does not kill it
+        assert workers and all(worker.memory_info().data < 0.6 * GiB for worker in workers), \
+            [worker.memory_info().data / GiB for worker in workers]
+
+
 def test_a_worker_killed_from_outside_is_reported_and_the_pool_recovers(job: DecodeJob,
                                                                         faulty: dict[str, MediaItem]) -> None:
     with DecodePool(job, workers=1, timeout_s=None) as pool:

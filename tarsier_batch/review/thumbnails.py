@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import multiprocessing
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -18,6 +17,7 @@ from typing import Any
 
 from PIL import Image
 
+from ..fork_server import quiet_fork_server
 from ..media import MediaType, load_media
 from ..text import one_line
 
@@ -69,7 +69,7 @@ def make_strips(jobs: list[StripJob], workers: int, on_done: Callable[[int], Non
 
 def _map_surviving_crashes(chunks: list[list[StripJob]], workers: int) -> Iterator[list[Strip]]:
     """`_strips_of` over the chunks, in order; a broken pool fails its chunk and a new pool goes on."""
-    context = multiprocessing.get_context("forkserver")
+    context = quiet_fork_server(["decord", "av", __name__])   # FFmpeg's log lines stay off the terminal
     start = 0
     while start < len(chunks):
         with ProcessPoolExecutor(workers, mp_context=context) as pool:

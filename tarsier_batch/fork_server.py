@@ -1,0 +1,53 @@
+"""The process-wide fork server that every child process of ours starts from.
+
+Children are forked from this small server, never from the caller: forking a caller that holds
+a model (gigabytes of private memory, torch's threads) can fail with ENOMEM where memory is not
+overcommitted, and forking a threaded process is unsafe. The server is started once, quiet.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+from multiprocessing.context import BaseContext
+
+_quiet_server_pid: int | None = None
+
+
+def quiet_fork_server(preload: list[str]) -> BaseContext:
+    """The forkserver context, its server running with stdout and stderr on /dev/null.
+
+    `preload` is what the server imports once, so that a child only has to fork; it counts only
+    when the server starts (it lives as long as this process), so the first caller's list wins.
+    Children inherit the server's descriptors, so nothing a child prints reaches the terminal,
+    even before its own set-up runs (a worker forked while its pool stops can fail to unpickle
+    its start-up state and print a traceback). Our descriptors 1 and 2 point to /dev/null only
+    while the server is launched (a few milliseconds; launching does not wait for its imports):
+    a line another thread prints meanwhile is lost. If the server dies, multiprocessing restarts
+    it on its own, without this; children still silence themselves first thing.
+    """
+    global _quiet_server_pid
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    server = forkserver._forkserver  # private, but stable: the process-wide server
+    if _quiet_server_pid is not None and getattr(server, "_forkserver_pid", None) == _quiet_server_pid:
+        return context
+    context.set_forkserver_preload(preload)
+    saved = [os.dup(1), os.dup(2)]
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None and not stream.closed:
+                stream.flush()
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        forkserver.ensure_running()
+    finally:
+        for descriptor, original in zip((1, 2), saved):
+            os.dup2(original, descriptor)
+            os.close(original)
+        os.close(devnull)
+    _quiet_server_pid = getattr(server, "_forkserver_pid", None)
+    return context
