@@ -37,7 +37,8 @@ from tarsier_batch.job import CaptionJob  # noqa: E402
 from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
 from tarsier_batch.outputs.resume import plan_run  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
-from tarsier_batch.outputs.store import FLUSH_ROWS, ResultStore, StoredRows  # noqa: E402
+from tarsier_batch.outputs.store import ResultStore, StoredRows  # noqa: E402
+from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
 from tarsier_batch.sources import MediaItem, item_key  # noqa: E402
 from tarsier_batch.tiny import make_tiny_model  # noqa: E402
@@ -59,7 +60,8 @@ def run_side(captioner: Captioner, items: list[MediaItem], flush_rows: int | Non
     plan = plan_run(items, StoredRows())
     job = CaptionJob(items, plan, store, RunStats(total=len(items)), "bench", OutputColumns())
     start = time.perf_counter()
-    job.run(captioner, [])
+    for _ in job.run(captioner, []):
+        pass
     store.flush()
     store.commit(job.final_rows(), {"settings": {}}, {})
     elapsed = time.perf_counter() - start

@@ -11,13 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 from .version import __version__
 
-_EXPORTS = {"Captioner": "api", "CaptionResult": "results", "CaptionSettings": "api",
-            "SamplingParams": "engine", "MediaItem": "sources", "discover": "sources"}
+# The public names, and the module of each: what `from tarsier_batch import ...` keeps stable.
+_EXPORTS = {"CaptionRun": "run", "RunOutcome": "run", "RunReporter": "run", "LoggingReporter": "run",
+            "Status": "run", "Terminated": "run",
+            "CaptionSettings": "settings", "RunSettings": "settings", "SamplingParams": "settings",
+            "SettingsError": "settings",
+            "Captioner": "api", "CaptionResult": "results", "MediaItem": "sources", "discover": "sources",
+            "read_manifest": "manifest"}
 
 if TYPE_CHECKING:
-    from .api import Captioner, CaptionSettings
+    from .api import Captioner
+    from .manifest import read_manifest
     from .results import CaptionResult
-    from .engine import SamplingParams
+    from .run import CaptionRun, LoggingReporter, RunOutcome, RunReporter, Status, Terminated
+    from .settings import CaptionSettings, RunSettings, SamplingParams, SettingsError
     from .sources import MediaItem, discover
 
 
@@ -27,5 +34,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CaptionResult", "CaptionSettings", "Captioner", "MediaItem", "SamplingParams", "__version__",
-           "discover"]
+__all__ = ["CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "LoggingReporter", "MediaItem", "RunOutcome",
+           "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "Status", "Terminated", "__version__",
+           "discover", "read_manifest"]

@@ -19,75 +19,24 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from .version import __version__
-from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
-from .engine import Engine, EngineConfig, PruneConfig, SamplingParams, Sequence
+from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .families import CaptionModel, load_caption_model
 from .media import decoder_versions
-from .outputs.resume import prune_setting
 from .results import CaptionResult
+from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
+from .version import __version__
 from .workers import DecodeJob, Decoded, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
-
-
-@dataclass(frozen=True)
-class CaptionSettings:
-    """Everything that decides what a run produces and how it runs."""
-
-    model: str = DEFAULT_MODEL
-    prompt: str | None = None          # replaces the default instruction
-    frames: int | None = None          # None: the family's default (Tarsier2: 16, v1: 8)
-    batch_size: int | None = None      # rows running at once; None: chosen for the device
-    max_batch_tokens: int = 4096       # positions computed per engine step (decode tokens + prefill chunks)
-    prefill_chunk: int = 2048          # 0: prefill each prompt whole
-    kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
-    offload_kv: bool = False           # keep prefilling rows' KV in host memory
-    prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
-    prune_layer: int = DEFAULT_PRUNE_LAYER
-    compile_step: bool = False         # the layers and decode attention through torch.compile
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    dtype: str = "auto"
-    device: str = "auto"
-    workers: int | None = None         # processes decoding and preprocessing media; None: default_workers()
-    decode_timeout_s: float | None = 120.0  # an item decoding longer fails (its worker is killed)
-    decode_memory_gb: float | None = 8.0    # memory limit of one decoding worker
-    isolate_decoding: bool = True      # False: decode in threads (no crash or hang protection; for benchmarks
-                                       # and callers that isolate already)
-
-    def __post_init__(self) -> None:
-        if self.frames is not None and self.frames < 1:
-            raise ValueError("frames must be at least 1")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError("batch size must be at least 1")
-        if self.batch_size is not None and self.max_batch_tokens < self.batch_size:
-            raise ValueError(f"--max-batch-tokens ({self.max_batch_tokens}) must be at least --batch-size "
-                             f"({self.batch_size}): every running row decodes one token per step")
-        if self.prefill_chunk < 0:
-            raise ValueError("prefill chunk must be 0 (off) or positive")
-        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
-            raise ValueError("--kv-cache-gb must be positive")
-        if not 0 <= self.prune_vision < 1:
-            raise ValueError(f"--prune-vision {self.prune_vision}: give a share 0 <= R < 1 (0: off)")
-        if self.prune_layer < 1:
-            raise ValueError(f"--prune-layer {self.prune_layer}: give K >= 1")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError("workers must be at least 1")
-        if self.decode_timeout_s is not None and self.decode_timeout_s <= 0:
-            raise ValueError("--decode-timeout must be positive")
-        if self.decode_memory_gb is not None and self.decode_memory_gb <= 0:
-            raise ValueError("--decode-memory-gb must be positive")
-        if self.prompt is not None and not self.prompt.strip():
-            raise ValueError("prompt must not be empty")
 
 
 class Captioner:
@@ -105,21 +54,27 @@ class Captioner:
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
-            raise ValueError(f"no memory left on {self.device} for a KV cache; pass --kv-cache-gb")
+            raise SettingsError(f"no memory left on {self.device} for a KV cache; give {{kv_cache_gb}}")
+        pruning = settings.pruning
+        layers = self.model.kv_geometry.num_layers
+        if pruning is not None and pruning["layer"] >= layers:
+            raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "
+                                f"give 1 <= K < {layers}")
         self.engine_config = EngineConfig(
             max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu",
-            prune=PruneConfig(settings.prune_vision, settings.prune_layer) if settings.prune_vision > 0 else None,
+            prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
             compile=settings.compile_step)
         needed = self.model.processor.min_vision_positions(self.frames)
         page = self.engine_config.kv_page_slots
         # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
         # decode its frames, then fail.
         if -(-(needed + 1) // page) * page > kv_tokens:
-            raise ValueError(f"--frames {self.frames} needs at least {needed} positions per item, more than the "
-                             f"KV cache holds ({int(kv_tokens)}); use fewer --frames or a larger --kv-cache-gb")
+            raise SettingsError(f"{{frames}} {self.frames} needs at least {needed} positions per item, more than "
+                                f"the KV cache holds ({int(kv_tokens)}); use fewer {{frames}} or a larger "
+                                f"{{kv_cache_gb}}")
         self.workers = settings.workers or default_workers()
         # Created once: the KV cache is allocated here, not per run.
         self.engine = Engine(self.model, self.engine_config, settings.sampling)
@@ -136,7 +91,7 @@ class Captioner:
             "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
-            "prune": prune_setting(self.settings.prune_vision, self.settings.prune_layer),
+            "prune": self.settings.pruning,
             "compile": config.compile,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
@@ -144,14 +99,9 @@ class Captioner:
             "decode_memory_gb": self.settings.decode_memory_gb,
         }
 
-    def resume_settings(self) -> dict[str, Any]:
-        """What decides the captions, as the loaded model resolved it (a rerun must match them to continue)."""
-        sampling = self.engine.sampling
-        return {"model": self.settings.model, "model_revision": self.resolved.revision,
-                "prompt": self.settings.prompt, "frames": self.frames,
-                "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                "top_p": sampling.top_p, "seed": sampling.seed, "repetition_penalty": sampling.repetition_penalty,
-                "prune": prune_setting(self.settings.prune_vision, self.settings.prune_layer)}
+    def resolved_settings(self) -> Resolved:
+        """What loading settled that the settings may leave open (see `settings.resume_settings`)."""
+        return Resolved(self.resolved.revision, self.frames, self.engine.sampling.repetition_penalty)
 
     def caption(self, items: Iterable[MediaItem],
                 on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:

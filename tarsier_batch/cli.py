@@ -9,37 +9,37 @@ import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import replace
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional, TypeVar
 
 import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.traceback import Traceback
 
-from .version import __version__
-from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER, families, family_named
-from .checkpoints import DEMO_ALIAS, ModelNotFoundError, needs_building, tiny_model_dir
+from .catalog import DEFAULT_MODEL, families, family_named
+from .checkpoints import DEMO_ALIAS, ModelNotFoundError
 from .config import ConfigError, config_defaults
-from .job import CaptionJob
-from .manifest import ManifestError, check_manifest_path, read_manifest
+from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.resume import Plan, SettingsMismatchError, check_settings, describe_plan, plan_run, prune_setting
-from .outputs.schema import RESERVED_NAMES, OutputColumns
-from .outputs.store import FLUSH_ROWS, FLUSH_SECONDS, OutputWriteError, ResultStore, StoredRows
-from .outputs.stream import JsonLinesStream
-from .progress import LineLog, RunStats, make_reporters, plural, print_summary, summary_line, summary_rows
+from .outputs.resume import Plan, SettingsMismatchError
+from .outputs.schema import RESERVED_NAMES
+from .outputs.store import OutputWriteError, ResultStore, StoredRows
+from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
+from .run import CaptionRun, LoadingCrashed, RunOutcome, Status, Terminated
+from .settings import (FLUSH_ROWS, FLUSH_SECONDS, CaptionSettings, RaySettings, RunSettings, SamplingParams,
+                       SettingsError)
 from .sharding import Shard, ShardError
-from .sources import Discovery, InputNotFoundError, MediaItem, discover
-from .text import one_line
+from .sources import Discovery, InputNotFoundError, discover
+from .version import __version__
 
-if TYPE_CHECKING:
-    from .api import Captioner
+T = TypeVar("T")
 
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
@@ -108,7 +108,6 @@ class KeyMode(str, Enum):
     sha256 = "sha256"
 
 
-DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
 SHARD_ROWS = 10_000
 # Options whose relative paths in a --config file are relative to that file's folder.
 PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file"})
@@ -184,103 +183,51 @@ def caption(
     console = Console(stderr=True, soft_wrap=True)
     stream = out == "-"
     target = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
-                          null_separated, stream, prompt, device, batch_size, max_batch_tokens, top_p,
-                          overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing)
-    prune_layer = _check_prune_flags(prune_vision, prune_layer, offload_kv)
+                          null_separated, stream)
     shard_spec = _parse_shard(shard)
-    actors = _check_ray_flags(out_dir, shard_spec, ray_workers, prune_missing) if ray is not None else (1, 1)
+    settings = _settings(
+        CaptionSettings, model=model, prompt=prompt, frames=frames, batch_size=batch_size,
+        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
+        prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step, dtype=dtype.value, device=device,
+        workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
+        sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, repetition_penalty=repetition_penalty))
+    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, key=key.value, shard=shard_spec,
+                         overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing, limit=limit,
+                         fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
+    if stream:
+        _settings(settings.check_streamable)
+    ray_options = _check_ray_flags(ray, out_dir, shard_spec, ray_workers, ray_gpus_per_worker, device, prune_missing) \
+        if ray is not None else None
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
-    columns, discovery = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive,
-                                     key.value, with_token_ids, console)
-    all_items = discovery.items
-    if shard_spec:
-        discovery = replace(discovery, items=[item for item in all_items if shard_spec.holds(item)])
+    found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
     try:
-        store = None if stream else ResultStore(target, columns, flush_rows, flush_seconds)
         log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
-    except (OutputError, OSError) as error:
+    except OSError as error:
         _fail(str(error))
     log = LineLog(file=log_handle)
-    if not all_items:
-        where = f"--manifest {manifest}" if manifest else " ".join(inputs or [])
-        message = f"no supported media in {where} ({plural(discovery.skipped_count, 'other file')} skipped)"
-        if log_handle:
-            log(message)
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-        raise typer.Exit(EXIT_SOME_FAILED if fail_on_empty else EXIT_OK)
-    requested = {"model": model, "prompt": prompt, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                 "top_p": top_p, "seed": seed, "with_token_ids": with_token_ids, "key": key.value,
-                 "shard": str(shard_spec) if shard_spec else None, "prune": prune_setting(prune_vision, prune_layer),
-                 **({"frames": frames} if frames is not None else {}),
-                 **({"repetition_penalty": repetition_penalty} if repetition_penalty is not None else {})}
-    if dry_run:
-        raise typer.Exit(_dry_run(discovery, store, requested, overwrite, retry_errors, prune_missing, limit))
-    lock = OutputLock(target.path) if store else None
     try:
-        if lock:
-            target.path.parent.mkdir(parents=True, exist_ok=True)
-            lock.acquire()
+        run = CaptionRun(found, sys.stdout if stream else target, settings, _CliReporter(console, quiet, log),
+                         source=f"--manifest {manifest}" if manifest else " ".join(inputs or []))
+        if dry_run:
+            raise typer.Exit(_dry_run(run))
+        with _stop_signals():
+            outcome = run.execute(partial(_on_ray, run, ray_options) if ray_options else None)
+        code = _present(outcome, console, quiet, log)
+    except SettingsError as error:
+        _fail(error.worded(FLAGS))
+    except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
+        _fail(str(error))
     except (OutputLockedError, OSError) as error:
         typer.echo(f"Error: {error}", err=True)
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
-    try:
-        stored = StoredRows() if overwrite or store is None else store.read()
-        check_settings(stored.settings, requested)
-        plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
-        if ray is not None:
-            raise typer.Exit(_caption_on_ray(
-                ray, discovery.items, plan, store, columns, overwrite, limit, console, quiet, log,
-                actors, ray_gpus_per_worker if ray_gpus_per_worker is not None else float(device != "cpu"),
-                {"with_token_ids": with_token_ids, "key": key.value, "shard": None},
-                model=model, prompt=prompt, frames=frames, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv, dtype=dtype.value,
-                device=device, prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step,
-                sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty)))
-        later = len(plan.limit(limit)) if limit else 0
-        for problem in stored.unreadable_parts:
-            console.print(f"tarsier: warning: unreadable part file {problem}", highlight=False, markup=False)
-        stats = RunStats(total=plan.items_to_caption, skipped=discovery.skipped_count,
-                         already_done=len(plan.done), missing_kept=plan.missing_kept,
-                         missing_pruned=plan.missing_pruned, left_for_later=later)
-        sink = store or JsonLinesStream(plan.captioned_paths(discovery.items), sys.stdout)
-        job = CaptionJob(discovery.items, plan, sink, stats, model, columns)
-        if plan.todo:
-            if needs_building(model) and not quiet:
-                console.print(f"tarsier: building the random-weight model {model} (first use; cached in "
-                              f"{tiny_model_dir(model)}; its captions are noise)", highlight=False, markup=False)
-            captioner = _load_captioner(console, quiet, log, model=model, prompt=prompt, frames=frames,
-                                        batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                                        prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
-                                        prune_vision=prune_vision, prune_layer=prune_layer,
-                                        compile_step=compile_step,
-                                        dtype=dtype.value, device=device, workers=workers,
-                                        decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
-                                        sampling=(max_new_tokens, temperature, top_p, seed, repetition_penalty))
-            provenance = {**captioner.provenance(),
-                          "settings": _resume_settings(captioner, with_token_ids, key.value, requested["shard"])}
-            check_settings(stored.settings, provenance["settings"])
-            code = _run(captioner, job, console, quiet, log,
-                        start=(lambda: store.begin(provenance, fresh=overwrite)) if store else (lambda: None))
-        else:
-            # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
-            provenance, code = stored.provenance or {"settings": requested}, EXIT_OK
-        if code in (EXIT_OK, EXIT_SOME_FAILED):
-            code = _write_output(job, store, stored, provenance, console, quiet, log, discovery.skipped,
-                                 (shard_spec, all_items) if shard_spec else None)
-    except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
-        _fail(str(error))
     except LoadingCrashed as error:
+        traceback.print_exception(error.__cause__ or error)
         console.print(f"tarsier: crashed while loading the model ({error}); {target.path} was not changed",
                       highlight=False, markup=False)
-        code = EXIT_CRASHED
-    except KeyboardInterrupt:  # while loading the model or writing --out: --out is whole, old or new
-        console.print(f"tarsier: interrupted; {target.path} was not changed; run the same command again to continue",
-                      highlight=False, markup=False)
-        code = EXIT_INTERRUPTED
+        raise typer.Exit(EXIT_CRASHED) from None
     finally:
-        if lock:
-            lock.release()
         if log_handle:
             log_handle.close()
     raise typer.Exit(code)
@@ -288,18 +235,14 @@ def caption(
 
 def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard_rows: int | None,
                  manifest: Path | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
-                 stream: bool, prompt: str | None, device: str, batch_size: int | None, max_batch_tokens: int,
-                 top_p: float, **resume_flags: bool) -> OutputTarget:
-    """Answer every wrong flag or combination at once, before anything is read, loaded or imported."""
+                 stream: bool) -> OutputTarget:
+    """Answer a wrong combination of inputs and outputs at once, before anything is read, loaded or imported
+    (the settings check their own rules: `settings.py`)."""
     if (out is None) == (out_dir is None):
         _fail("give --out FILE (.parquet, .jsonl, .csv; '-' for stdout) or --out-dir DIR, one of them"
               if out is None else "give --out or --out-dir, not both")
     if shard_rows is not None and out_dir is None:
         _fail("--shard-rows needs --out-dir")
-    if stream:
-        given = [f"--{name.replace('_', '-')}" for name, on in resume_flags.items() if on]
-        if given:
-            _fail(f"{', '.join(given)} continue an output file; '-o -' streams to stdout and keeps nothing to continue")
     if manifest is None:
         if not inputs:
             _fail("give INPUTS (files, folders, globs, '-' for stdin) or --manifest FILE")
@@ -310,15 +253,6 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
         _fail("give INPUTS or --manifest, not both")
     if null_separated and "-" not in inputs:
         _fail("-0 reads NUL-separated paths from stdin; add '-' to INPUTS")
-    if prompt is not None and not prompt.strip():
-        _fail("--prompt is empty; leave it out to use the model's default instruction")
-    if not 0 < top_p <= 1:
-        _fail(f"--top-p {top_p}: give a probability mass in (0, 1]; 1 keeps every token")
-    if not DEVICE_NAMES.fullmatch(device):
-        _fail(f"--device {device!r}: use auto, cpu, cuda or cuda:N")
-    if batch_size is not None and max_batch_tokens < batch_size:
-        _fail(f"--max-batch-tokens {max_batch_tokens} is below --batch-size {batch_size}: "
-              f"every generating item needs one position per step")
     target = OutputTarget(out_dir, shard_rows or SHARD_ROWS) if out_dir is not None else OutputTarget(Path(out or "-"))
     try:
         if manifest is not None:
@@ -330,22 +264,23 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
     return target
 
 
-def _check_prune_flags(vision: float, layer: int | None, offload_kv: bool) -> int:
-    """The pruning layer to use, after checking the pruning flags (the layer's upper bound is checked once the
-    model is loaded: it depends on its depth)."""
-    if not 0 <= vision < 1:
-        _fail(f"--prune-vision {vision}: give the share of vision tokens to drop, 0 <= R < 1 (0: off)")
-    if layer is not None and vision == 0:
-        _fail("--prune-layer needs --prune-vision R > 0 (pruning is off)")
-    if layer is not None and layer < 1:
-        _fail(f"--prune-layer {layer}: the first layer can only see every token; give K >= 1")
-    if vision > 0 and offload_kv:
-        _fail("--offload-kv and --prune-vision do not work together yet; leave one out")
-    return layer if layer is not None else DEFAULT_PRUNE_LAYER
+# The settings' fields as the CLI names them (a field not listed is its flag with dashes).
+FLAGS = {field: "--" + field.replace("_", "-")
+         for settings in (CaptionSettings, SamplingParams, RunSettings) for field in settings.__dataclass_fields__}
+FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout")
 
 
-def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str, prune_missing: bool) -> tuple[int, int]:
-    """Answer wrong --ray flags at once; returns the actor pool's bounds (MIN, MAX) from --ray-workers."""
+def _settings(make: Callable[..., T], **values: Any) -> T:
+    """`make(**values)`; a setting it refuses stops the command, the message naming flags."""
+    try:
+        return make(**values)
+    except SettingsError as error:
+        _fail(error.worded(FLAGS))
+
+
+def _check_ray_flags(address: str, out_dir: Path | None, shard: Shard | None, workers: str, gpus: float | None,
+                     device: str, prune_missing: bool) -> RaySettings:
+    """Answer wrong --ray flags at once."""
     import importlib.util
 
     bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", workers.strip())
@@ -360,70 +295,13 @@ def _check_ray_flags(out_dir: Path | None, shard: Shard | None, workers: str, pr
         _fail("--ray only adds part files; to drop rows of vanished files, run once without --ray with --prune-missing")
     if importlib.util.find_spec("ray") is None:
         _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
-    return low, high
+    return RaySettings(address, (low, high), gpus if gpus is not None else float(device != "cpu"))
 
 
-def _caption_on_ray(address: str, items: list[MediaItem], plan: Plan, store: ResultStore | None,
-                    columns: OutputColumns, overwrite: bool, limit: int | None, console: Console,
-                    quiet: bool, log: LineLog, actors: tuple[int, int], gpus_per_actor: float,
-                    flag_settings: dict[str, Any],
-                    sampling: tuple[int, float, float, int, float | None], **settings: Any) -> int:
-    """Caption on a Ray cluster what --out-dir does not hold yet; returns the exit code.
+def _on_ray(run: CaptionRun, ray: RaySettings, plan: Plan, stored: StoredRows) -> RunOutcome:
+    from .runners.ray import caption_on_ray
 
-    As in a single run, items sharing content (their key) are captioned once: the cluster gets
-    `plan.todo`, and the other paths get copies of its rows in one more part file.
-    """
-    from .api import CaptionSettings
-    from .engine import SamplingParams
-    from .runners.ray import RayJob, RayResourceError, add_copies, run_on_ray
-
-    assert store is not None
-    if overwrite:
-        for part in store.target.shards():
-            part.unlink()
-    if limit:
-        plan.limit(limit)
-    by_path = {item.row_path: item for item in items}
-    reused = [(plan.done[path], by_path[path]) for path in plan.reused]
-    copies = sum(len(more) for more in plan.sharing.values()) + len(reused)
-    done = f"{plural(len(plan.done) - len(plan.reused), 'item')} done earlier"
-    if not plan.todo:
-        added = add_copies(store.out, reused, {}, [], columns)
-        message = f"nothing to caption on Ray: {done}; {store.out} holds them"
-        if added:
-            message += f"; added {plural(added, 'row')} copying captioned content"
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-        log(message)
-        return EXIT_OK
-    _quiet_library_logs()
-    job = RayJob(CaptionSettings(sampling=SamplingParams(*sampling), **settings), columns, settings["model"],
-                 flag_settings, actors, gpus_per_actor,
-                 items_per_batch=2 * (settings["batch_size"] or 16))
-    pool = plural(actors[0], "actor") if actors[0] == actors[1] else f"{actors[0]}-{actors[1]} actors"
-    message = (f"captioning {plural(len(plan.todo), 'item')} on Ray ({address}: {pool}, "
-               f"{gpus_per_actor:g} GPU each; {done})")
-    if not quiet:
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-    log(message)
-    try:
-        run = run_on_ray(job, plan.todo, store.out, address)
-        add_copies(store.out, reused, plan.sharing, run.parts, columns)
-    except RayResourceError as error:
-        _fail(str(error))
-    except Exception as error:  # a task that failed past its retries, a lost cluster: the parts written stay
-        message = (f"the Ray run failed ({one_line(error)}); the rows written so far are kept in {store.out}; "
-                   f"run the same command again to resume")
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-        log(message)
-        return EXIT_CRASHED
-    copied = f"; copied {copies} (same content)" if copies else ""
-    message = (f"done on Ray: captioned {run.rows - run.failed}; failed {run.failed}{copied}; wall time "
-               f"{run.seconds:.1f} s; {run.rows / run.seconds:.3f} items/s; "
-               f"{plural(len(run.parts) + bool(copies), 'part file')} added to {store.out}")
-    if not quiet:
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-    log(message)
-    return EXIT_SOME_FAILED if run.failed else EXIT_OK
+    return caption_on_ray(run, ray, plan)
 
 
 def _parse_shard(text: str | None) -> Shard | None:
@@ -434,36 +312,22 @@ def _parse_shard(text: str | None) -> Shard | None:
 
 
 def _find_items(inputs: list[str], manifest: Path | None, path_column: str | None, keep_columns: str | None,
-                null_separated: bool, recursive: bool, key: str, with_token_ids: bool,
-                console: Console) -> tuple[OutputColumns, Discovery]:
-    """The items of this run, from INPUTS or the manifest, and the columns their rows will have."""
-    hashed = key == "sha256"
+                null_separated: bool, recursive: bool, key: str) -> Manifest | Discovery:
+    """The items of this run, from INPUTS or the manifest."""
     try:
         if manifest is not None:
-            listed = read_manifest(manifest, key, RESERVED_NAMES, path_column, keep_columns)
-            for name, renamed in listed.renamed.items():
-                console.print(f"tarsier: manifest column {name!r} is an output column too; kept as {renamed!r}",
-                              highlight=False, markup=False)
-            return OutputColumns(with_token_ids, hashed, tuple(listed.kept_fields)), listed.discovery
-        discovery = discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
+            return read_manifest(manifest, key, RESERVED_NAMES, path_column, keep_columns)
+        return discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
     except (InputNotFoundError, ManifestError, OSError) as error:
         _fail(str(error))
-    for problem in discovery.unreadable:
-        console.print(f"tarsier: warning: cannot read folder {problem}", highlight=False, markup=False)
-    return OutputColumns(with_token_ids, hashed), discovery
 
 
-def _dry_run(discovery: Discovery, store: ResultStore | None, requested: dict[str, Any], overwrite: bool,
-             retry_errors: bool, prune_missing: bool, limit: int | None) -> int:
+def _dry_run(run: CaptionRun) -> int:
     """Print one line per input (what would happen and why) on stdout, the counts on stderr."""
     try:
-        stored = StoredRows() if overwrite or store is None else store.read()
-        check_settings(stored.settings, requested)
+        lines, counts = run.describe()
     except (OutputError, SettingsMismatchError) as error:
         _fail(str(error))
-    plan = plan_run(discovery.items, stored, retry_errors, prune_missing)
-    later = {item.row_path for item in plan.limit(limit)} if limit else set()
-    lines, counts = describe_plan(discovery, stored, plan, later)
     sys.stdout.writelines(f"{action}\t{path}\t{reason}\n" for action, path, reason in lines)
     by_action: dict[str, Counter[str]] = {}
     for (action, kind), count in counts.items():
@@ -474,57 +338,50 @@ def _dry_run(discovery: Discovery, store: ResultStore | None, requested: dict[st
     return EXIT_OK
 
 
-class LoadingCrashed(Exception):
-    """Loading the model failed on a bug of this tool (its traceback is printed), not on the model given."""
+class _CliReporter:
+    """A run's reports on stderr (a spinner and a live display on a terminal) and in the --log-file."""
+
+    def __init__(self, console: Console, quiet: bool, log: LineLog):
+        self.console, self.quiet, self.log = console, quiet, log
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            self.console.print(f"tarsier: {message}", highlight=False, markup=False)
+        self.log(message)
+
+    def warning(self, message: str) -> None:
+        self.console.print(f"tarsier: {message}", highlight=False, markup=False)
+        self.log(message)
+
+    def loading(self, model: str) -> AbstractContextManager[object]:
+        _quiet_library_logs()
+        if self.console.is_terminal and not self.quiet:
+            return self.console.status(f"loading {escape(model)}", spinner="dots")
+        return nullcontext()
+
+    def progress(self, stats: RunStats) -> list[Reporter]:
+        return make_reporters(stats, self.console, self.quiet, self.log.file)
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived (timeout, a scheduler, `docker stop`): stop like Ctrl-C."""
+EXIT_CODES = {Status.DONE: EXIT_OK, Status.NO_MEDIA: EXIT_OK, Status.SOME_FAILED: EXIT_SOME_FAILED,
+              Status.INTERRUPTED: EXIT_INTERRUPTED, Status.TERMINATED: EXIT_TERMINATED,
+              Status.STDOUT_CLOSED: EXIT_BROKEN_PIPE, Status.CRASHED: EXIT_CRASHED}
 
 
-def _resume_settings(captioner: Captioner, with_token_ids: bool, key: str, shard: str | None) -> dict[str, Any]:
-    """What decides the captions (compared when a later run continues): the model's part and the flags'."""
-    return {**captioner.resume_settings(), "with_token_ids": with_token_ids, "key": key, "shard": shard}
-
-
-def _load_captioner(console: Console, quiet: bool, log: LineLog, sampling: tuple[int, float, float, int, float | None],
-                    **settings: Any) -> Captioner:
-    from .api import Captioner, CaptionSettings
-    from .engine import SamplingParams
-
-    _quiet_library_logs()
-    loading = console.status(f"loading {escape(settings['model'])}", spinner="dots")
-    try:
-        with loading if console.is_terminal and not quiet else nullcontext():
-            captioner = Captioner(CaptionSettings(sampling=SamplingParams(*sampling), **settings))
-    except (ModelNotFoundError, ValueError):
-        raise
-    except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:
-        raise ValueError(one_line(error)) from error   # the user's to fix (exit 2)
-    except Exception as error:   # a bug of ours while loading: show where (exit 3)
-        traceback.print_exc()
-        raise LoadingCrashed(one_line(error)) from error
-    engine = captioner.engine
-    config = engine.config
-    offload = ", KV offloaded during prefill" if config.offload_kv \
-        else "; --offload-kv has no effect on the CPU" if settings["offload_kv"] else ""
-    slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}" if len(engine.pools) > 1 else "")
-                       for pool in engine.pools)
-    pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
-               f"(not the official output)" if config.prune is not None else "")
-    pruning += ", compiled step (the first steps compile)" if config.compile else ""
-    line = (f"{settings['model']} ({captioner.model.family.name}, {captioner.frames} frames) on "
-            f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
-            f"KV cache {slots} ({engine.kv_bytes / 2**30:.2f} GiB), "
-            f"{plural(captioner.workers, 'decoding worker')}{offload}{pruning}")
-    if not quiet:
-        console.print(f"tarsier: {line}", highlight=False, markup=False)
-    log(line)
-    return captioner
-
-
-def _layer_range(layers: range) -> str:
-    return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
+def _present(outcome: RunOutcome, console: Console, quiet: bool, log: LineLog) -> int:
+    """Show how the run ended; returns the exit code."""
+    if outcome.status is Status.STDOUT_CLOSED:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
+    finished = outcome.status in (Status.DONE, Status.SOME_FAILED) and outcome.stats is not None
+    if outcome.error is not None and not quiet and not isinstance(outcome.error, OutputWriteError):
+        console.print(Traceback.from_exception(type(outcome.error), outcome.error, outcome.error.__traceback__))
+    if not finished or not quiet:
+        if finished and outcome.summary and console.is_terminal:
+            print_summary(console, outcome.summary)
+        else:
+            console.print(f"tarsier: {outcome.message}", highlight=False, markup=False)
+    log(outcome.message)
+    return EXIT_CODES[outcome.status]
 
 
 @contextmanager
@@ -548,89 +405,6 @@ def _stop_signals() -> Iterator[None]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-def _run(captioner: Captioner, job: CaptionJob, console: Console, quiet: bool, log: LineLog,
-         start: Callable[[], None]) -> int:
-    """Caption the plan's items, saving rows as they finish; the exit code says how it ended.
-
-    `start` prepares the output's work directory, under the same signal handling as the run:
-    once it exists, a stop always saves rows and says how to resume.
-    """
-    reporters = make_reporters(job.stats, console, quiet, log.file)
-    try:
-        with _stop_signals(), ExitStack() as display:
-            start()
-            for reporter in reporters:
-                display.enter_context(reporter)
-            job.run(captioner, reporters)
-            job.store.flush()
-        return EXIT_SOME_FAILED if job.stats.failed else EXIT_OK
-    except (KeyboardInterrupt, Terminated) as stop:
-        reason, code = ("interrupted", EXIT_INTERRUPTED) if isinstance(stop, KeyboardInterrupt) \
-            else ("terminated", EXIT_TERMINATED)
-    except BrokenPipeError:  # `-o - | head`: the reader has all it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
-        reason, code = "stdout was closed", EXIT_BROKEN_PIPE
-    except Exception as error:  # a bug, a dead device or a full disk: keep what finished, say what happened
-        if not quiet and not isinstance(error, OutputWriteError):
-            console.print_exception()
-        reason, code = f"crashed ({error if isinstance(error, OutputWriteError) else one_line(error)})", EXIT_CRASHED
-    if not isinstance(job.store, ResultStore):
-        message = f"{reason}; {plural(job.store.saved_rows, 'row')} went to stdout"
-        console.print(f"tarsier: {message}", highlight=False, markup=False)
-        log(message)
-        return code
-    with _stop_signals():  # a second signal while saving exits at once
-        try:
-            job.store.flush()
-            lost = ""
-        except OutputWriteError as error:
-            lost = f"; {error}"
-    saved = job.store.saved_rows + job.stats.already_done
-    message = (f"{reason}{lost}; {plural(saved, 'finished row')} {'is' if saved == 1 else 'are'} saved in "
-               f"{job.store.work_dir} "
-               f"and {job.store.out} was not changed; run the same command again to resume")
-    console.print(f"tarsier: {message}", highlight=False, markup=False)
-    log(message)
-    return code
-
-
-def _write_output(job: CaptionJob, store: ResultStore | None, stored: StoredRows, provenance: dict[str, Any],
-                  console: Console, quiet: bool, log: LineLog, skipped: Counter[str],
-                  shard: tuple[Shard, list[MediaItem]] | None) -> int:
-    """Write --out with every row (unless nothing changed) and report; returns the exit code.
-
-    A shard's output also records where its rows go among all the run's items (`shard`: the
-    shard and those items), so it is written again whenever it runs: the inputs may have grown.
-    """
-    stats = job.stats
-    if store is None:
-        written = f"stdout ({plural(job.store.saved_rows, 'row')})"
-    else:
-        rows = job.final_rows()
-        unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
-            and [row["path"] for row in rows] == list(stored.rows)
-        if shard:
-            provenance = {**provenance, "shard": shard[0].provenance(shard[1], rows)}
-        if not unchanged:
-            try:
-                store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
-            except OutputWriteError as error:
-                message = (f"crashed ({error}); the finished rows are saved in {store.work_dir}; "
-                           f"free space and run the same command again to write {store.out}")
-                console.print(f"tarsier: {message}", highlight=False, markup=False)
-                log(message)
-                return EXIT_CRASHED
-        written = f"{store.out} ({plural(len(rows), 'row')}{', unchanged' if unchanged else ''})"
-    summary = summary_rows(stats, written, ", ".join(f"{count} {suffix}" for suffix, count in sorted(skipped.items())))
-    if not quiet:
-        if console.is_terminal:
-            print_summary(console, summary)
-        else:
-            console.print(f"tarsier: {summary_line(summary)}", highlight=False, markup=False)
-    log(summary_line(summary))
-    return EXIT_SOME_FAILED if stats.failed else EXIT_OK
 
 
 @app.command()
@@ -833,5 +607,7 @@ def _quiet_library_logs() -> None:
 
     transformers.logging.set_verbosity_error()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 if __name__ == "__main__":
     app()

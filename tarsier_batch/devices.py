@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import re
 
 import torch
+
+from .settings import SettingsError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Rows decoding at once when --batch-size is not given. On CUDA the KV cache decides how many
@@ -23,16 +24,14 @@ CUDA_KV_SHARE = 0.9
 
 
 def resolve_device(name: str) -> torch.device:
-    """`auto` is the first CUDA device when there is one, else the CPU."""
+    """`auto` is the first CUDA device when there is one, else the CPU (`name` is a checked setting)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise ValueError(f"--device {name}: use auto, cpu, cuda or cuda:N")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+        raise SettingsError(f"{{device}} {name}: CUDA is not available on this machine")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+        raise SettingsError(f"{{device}} {name}: this machine has {torch.cuda.device_count()} CUDA devices")
     return device
 
 
@@ -42,9 +41,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cpu":
             return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if name not in DTYPES:
-        raise ValueError(f"--dtype {name}: use auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    return DTYPES[name]   # a checked setting (settings.DTYPES)
 
 
 def default_max_rows(device: torch.device) -> int:

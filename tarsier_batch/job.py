@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -39,7 +40,8 @@ class CaptionJob:
         self.new_rows: dict[str, dict[str, Any]] = {}
         self._by_path = {item.row_path: item for item in items}
 
-    def run(self, captioner: Captioner, reporters: list[Reporter]) -> None:
+    def run(self, captioner: Captioner, reporters: list[Reporter]) -> Iterator[CaptionResult]:
+        """Caption the plan's items, yielding each row's result as it is saved (same-content copies too)."""
         def on_tokens(count: int) -> None:
             self.stats.streamed_tokens += count
             self.store.flush_if_due()  # rows waiting for a flush are saved even while nothing finishes
@@ -49,6 +51,7 @@ class CaptionJob:
         for result in captioner.caption(self.plan.todo, on_tokens):
             for copy in [result, *self._copies(result)]:
                 self._finish(copy, reporters)
+                yield copy
 
     def final_rows(self) -> list[dict[str, Any]]:
         """Every row of the output; rows of earlier runs get this run's file facts and manifest columns."""

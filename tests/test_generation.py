@@ -142,7 +142,7 @@ def test_item_too_large_for_the_kv_cache_is_an_error_row(settings: CaptionSettin
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x kv heads x head dim x float32
     # 170 slots: 168 vision positions are fewer, but a row takes whole pages of 32 slots and 6 pages are 192.
     tight = replace(settings, batch_size=2, kv_cache_gb=170 * bytes_per_token / 2**30)
-    with pytest.raises(ValueError, match="--frames 8 needs at least 168 positions per item, more than the KV cache"):
+    with pytest.raises(ValueError, match="^frames 8 needs at least 168 positions per item, more than the KV cache"):
         Captioner(tight)  # 8 frames of 21 vectors can never fit: refused before any item is decoded
     captioner = Captioner(replace(tight, frames=7))  # 147 vision positions fit, but not with the text around them
     results = list(captioner.caption(items))

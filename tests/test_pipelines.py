@@ -266,15 +266,16 @@ def test_bad_flags_are_answered_in_one_line_before_heavy_imports(tmp_path: Path,
 
 def test_config_file_then_env_then_flags_decide(monkeypatch, tmp_path: Path, media: Path) -> None:
     """Flags win over environment variables, which win over --config, which wins over built-in defaults."""
-    import tarsier_batch.cli as cli
+    import tarsier_batch.run as run
 
     seen: list[dict] = []
 
-    def record(console, quiet, log, sampling, **settings):
-        seen.append({**settings, "max_new_tokens": sampling[0]})
+    def record(settings):
+        seen.append({"model": settings.model, "batch_size": settings.batch_size, "workers": settings.workers,
+                     "max_new_tokens": settings.sampling.max_new_tokens})
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_load_captioner", record)
+    monkeypatch.setattr(run, "load_captioner", record)
     config = tmp_path / "conf" / "job.toml"
     config.parent.mkdir()
     config.write_text('model = "from-config"\nbatch-size = 3\nmax_new_tokens = 7\nout = "r.parquet"\n'

@@ -48,11 +48,9 @@ class Engine:
             self.pools = [KVCache(geometry, config.kv_cache_tokens, model.dtype, model.device,
                                   page_slots=config.kv_page_slots)]
         else:
-            if config.prune.layer >= geometry.num_layers:
-                raise ValueError(f"--prune-layer {config.prune.layer}: the model has {geometry.num_layers} "
-                                 f"layers; give 1 <= K < {geometry.num_layers}")
-            if config.offload_kv:
-                raise ValueError("--offload-kv and --prune-vision do not work together yet; leave one out")
+            # The caller's settings were checked already (settings.py, api.py); this guards the engine's own use.
+            if not 1 <= config.prune.layer < geometry.num_layers:
+                raise ValueError(f"pruning after layer {config.prune.layer} of a {geometry.num_layers}-layer model")
             # The layers from K on hold only the survivors: their own, smaller cache in the same memory.
             early, late = config.prune.split_kv_slots(config.kv_cache_tokens, geometry.num_layers)
             layer = config.prune.layer

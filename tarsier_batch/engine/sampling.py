@@ -2,46 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are chosen and when generation stops. Temperature 0 means greedy."""
-
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    repetition_penalty: float | None = None  # None: the checkpoint's generation_config.json value
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be at least 1")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ValueError("repetition penalty must be positive (1.0: none)")
-        if self.temperature < 0:
-            raise ValueError("temperature must be 0 (greedy) or positive")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top-p must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def row_seed(self, key: str) -> int | None:
-        """The seed of one item's sampling stream, from the run seed and the item's key (its path).
-
-        Each item draws from its own stream, so a sampled caption does not depend on which
-        other items share its batch, or on the batch size. None when decoding greedily.
-        """
-        if self.greedy:
-            return None
-        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1   # 63 bits: a non-negative int64
+from ..settings import SamplingParams
 
 
 def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: list[int | None], draws: list[int],

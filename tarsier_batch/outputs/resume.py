@@ -11,17 +11,8 @@ from typing import Any
 from ..sources import Discovery, MediaItem, skipped_kind
 from .store import StoredRows
 
-# The settings that decide a caption. Rows made with other values must not be mixed in one file.
-RESUME_SETTINGS = ("model", "model_revision", "prompt", "frames", "max_new_tokens", "temperature", "top_p",
-                   "seed", "repetition_penalty", "with_token_ids", "key", "shard", "prune")
 # With greedy decoding these do not change a caption.
 SAMPLING_ONLY = ("top_p", "seed")
-
-
-def prune_setting(vision: float, layer: int) -> dict[str, float | int] | None:
-    """How vision-token pruning is recorded in the settings: None when off, which is also what outputs
-    written before pruning existed read as (they were not pruned)."""
-    return {"vision": vision, "layer": layer} if vision > 0 else None
 
 
 class SettingsMismatchError(Exception):
@@ -31,15 +22,15 @@ class SettingsMismatchError(Exception):
 def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> None:
     """Refuse to mix rows made with different settings; only the settings present in `now` are compared.
 
-    The CLI calls this twice: before loading the model with what the flags say (so a
-    mismatch is answered at once), and after, with what the model resolved (frames and
-    repetition penalty defaults, the checkpoint revision).
+    `now` is `settings.resume_settings`: a run compares twice, before loading the model with what
+    its settings say (so a mismatch is answered at once), and after, with what the model resolved
+    (frames and repetition penalty defaults, the checkpoint revision).
     """
     for where, old in stored.items():
         greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
         differences = [f"{name} {_shown(old.get(name))} there, {_shown(now[name])} now"
-                       for name in RESUME_SETTINGS
-                       if name in now and old.get(name) != now[name] and not (greedy and name in SAMPLING_ONLY)]
+                       for name in now
+                       if old.get(name) != now[name] and not (greedy and name in SAMPLING_ONLY)]
         if differences:
             raise SettingsMismatchError(
                 f"{where} holds rows made with other settings ({'; '.join(differences)}); run with the same "

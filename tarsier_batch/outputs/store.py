@@ -30,13 +30,12 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from ..text import one_line
 from .formats import (OutputError, OutputTarget, meta_text, read_results, with_metadata, write_csv, write_jsonl,
                       write_parquet)
 from .schema import OutputColumns
 
-FLUSH_ROWS = 64          # rows per part file: few files on long runs, little lost to a `kill -9`
-FLUSH_SECONDS = 30.0     # and at most this long between flushes while rows wait
 SETTINGS_FILE = "settings.json"
 
 

@@ -33,14 +33,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..api import Captioner, CaptionSettings, decode_pool
+from ..api import Captioner, decode_pool
 from ..checkpoints import resolve_model
 from ..families import load_processor
 from ..faults import maybe_kill_ray_actor
 from ..outputs.formats import SHARD_PATTERN, with_metadata, write_parquet
+from ..outputs.resume import Plan
 from ..outputs.schema import OutputColumns
 from ..outputs.store import write_atomically
+from ..progress import plural
+from ..run import CaptionRun, RunOutcome, Status, run_provenance
+from ..settings import CaptionSettings, RaySettings, RunSettings
 from ..sources import MediaItem
+from ..text import one_line
 from ..workers import DecodeJob, Decoded, DecodePool
 
 CALLS_PER_ACTOR = 2
@@ -54,12 +59,9 @@ class RayResourceError(ValueError):
 class RayJob:
     """What every task and actor of a run needs; pickled to each of them."""
 
-    settings: CaptionSettings
+    settings: RunSettings
     columns: OutputColumns
-    model_name: str                  # --model as given, the rows' `model`
-    resume_settings: dict[str, Any]  # the flags' part of provenance["settings"] (with_token_ids, key, shard)
-    actors: tuple[int, int]          # the actor pool's size: (N, N), or bounds Ray scales between
-    gpus_per_actor: float
+    ray: RaySettings
     items_per_batch: int             # items in one call of an actor (it runs CALLS_PER_ACTOR at once)
 
 
@@ -73,17 +75,61 @@ class RayRun:
     seconds: float
 
 
-def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str) -> RayRun:
-    """Caption `items` on the cluster at `address` ('local' starts one here) into new part files of `out_dir`."""
+def caption_on_ray(run: CaptionRun, ray: RaySettings, plan: Plan) -> RunOutcome:
+    """Caption on a Ray cluster what the run's output folder does not hold yet (the run planned it).
+
+    As in a single run, items sharing content (their key) are captioned once: the cluster gets
+    `plan.todo`, and the other paths get copies of its rows in one more part file.
+    """
+    store, columns, report = run.store, run.columns, run.reporter
+    assert store is not None
+    if run.settings.overwrite:
+        for part in store.target.shards():
+            part.unlink()
+    if run.settings.limit:
+        plan.limit(run.settings.limit)
+    by_path = {item.row_path: item for item in run.items}
+    reused = [(plan.done[path], by_path[path]) for path in plan.reused]
+    copies = sum(len(more) for more in plan.sharing.values()) + len(reused)
+    done = f"{plural(len(plan.done) - len(plan.reused), 'item')} done earlier"
+    if not plan.todo:
+        added = add_copies(store.out, reused, {}, [], columns)
+        message = f"nothing to caption on Ray: {done}; {store.out} holds them"
+        if added:
+            message += f"; added {plural(added, 'row')} copying captioned content"
+        return RunOutcome(Status.DONE, message)
+    job = RayJob(run.settings, columns, ray, items_per_batch=2 * (run.settings.caption.batch_size or 16))
+    low, high = ray.actors
+    pool = plural(low, "actor") if low == high else f"{low}-{high} actors"
+    report.info(f"captioning {plural(len(plan.todo), 'item')} on Ray ({ray.address}: {pool}, "
+                f"{ray.gpus_per_actor:g} GPU each; {done})")
+    try:
+        written = run_on_ray(job, plan.todo, store.out)
+        add_copies(store.out, reused, plan.sharing, written.parts, columns)
+    except RayResourceError:
+        raise
+    except Exception as error:  # a task that failed past its retries, a lost cluster: the parts written stay
+        return RunOutcome(Status.CRASHED, f"the Ray run failed ({one_line(error)}); the rows written so far are "
+                                          f"kept in {store.out}; run the same command again to resume")
+    copied = f"; copied {copies} (same content)" if copies else ""
+    return RunOutcome(Status.SOME_FAILED if written.failed else Status.DONE,
+                      f"done on Ray: captioned {written.rows - written.failed}; failed {written.failed}{copied}; "
+                      f"wall time {written.seconds:.1f} s; {written.rows / written.seconds:.3f} items/s; "
+                      f"{plural(len(written.parts) + bool(copies), 'part file')} added to {store.out}")
+
+
+def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path) -> RayRun:
+    """Caption `items` on the cluster of `job.ray` ('local' starts one here) into new part files of `out_dir`."""
     import ray
 
     start = time.perf_counter()
+    address = job.ray.address
     if not ray.is_initialized():
         ray.init(address=None if address == "local" else address, log_to_driver=False,
                  runtime_env={"env_vars": {name: value for name, value in os.environ.items()
                                            if name.startswith("TARSIER")}})
     gpus = ray.cluster_resources().get("GPU", 0)
-    if job.gpus_per_actor > 0 and gpus == 0:
+    if job.ray.gpus_per_actor > 0 and gpus == 0:
         raise RayResourceError(f"the Ray cluster at {address} has no GPUs; pass --device cpu (or "
                                f"--ray-gpus-per-worker 0) to caption on its CPUs")
     context = ray.data.DataContext.get_current()
@@ -95,16 +141,16 @@ def run_on_ray(job: RayJob, items: list[MediaItem], out_dir: Path, address: str)
     # differing strategies also keep Ray from fusing decoding into the actors, which it does when
     # both ask for the same resources (--device cpu): decoding would then run in the actor's
     # process, one batch after another, instead of beside the model.
-    decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings}, batch_size=8,
+    decoded = dataset.map_batches(decode_batch, fn_kwargs={"settings": job.settings.caption}, batch_size=8,
                                   num_cpus=1, scheduling_strategy="SPREAD", batch_format="numpy")
-    low, high = job.actors
+    low, high = job.ray.actors
     # Each actor runs CALLS_PER_ACTOR calls at once (threads), so the next batch's items are in its
     # engine before the last rows of the one before finish: the engine stays full across batches.
     actors = ray.data.ActorPoolStrategy(min_size=low, max_size=high, max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
                                         enable_true_multi_threading=True)
     captioned = decoded.map_batches(
         RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
-        compute=actors, num_gpus=job.gpus_per_actor, num_cpus=1, scheduling_strategy="DEFAULT")
+        compute=actors, num_gpus=job.ray.gpus_per_actor, num_cpus=1, scheduling_strategy="DEFAULT")
     out_dir.mkdir(parents=True, exist_ok=True)
     captioned.write_parquet(str(out_dir), filename_provider=part_names(stamp), compression="zstd")
     parts = sorted(out_dir.glob(f"part-{stamp}-*.parquet"))
@@ -168,16 +214,15 @@ class RayCaptioner:
 
     def __init__(self, job: RayJob):
         self.job = job
-        self.captioner = Captioner(job.settings)
+        self.captioner = Captioner(job.settings.caption)
         self.service = self.captioner.serve()   # Ray runs CALLS_PER_ACTOR calls at once; they share its engine
-        self.provenance = {**self.captioner.provenance(), "runner": "ray",
-                           "settings": {**self.captioner.resume_settings(), **job.resume_settings}}
+        self.provenance = run_provenance(self.captioner, job.settings, runner="ray")
         self.schema = with_metadata(job.columns.schema(), self.provenance, {"complete": True})
 
     def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
         decoded: list[Decoded] = [pickle.loads(one) for one in batch["decoded"]]
         maybe_kill_ray_actor([one.item.path for one in decoded])
         results = self.service.caption(decoded)
-        rows = [self.job.columns.row(result, one.item, self.job.model_name)
+        rows = [self.job.columns.row(result, one.item, self.job.settings.caption.model)
                 for result, one in zip(results, decoded)]
         return pa.Table.from_pylist(rows, schema=self.schema)

@@ -1,0 +1,387 @@
+"""One captioning run over an output: what `tarsier caption` does, as a library object.
+
+    from tarsier_batch import CaptionRun, CaptionSettings, RunSettings
+    outcome = CaptionRun(["./videos"], "results.parquet", RunSettings(CaptionSettings(model="demo"))).execute()
+
+A run takes the output's lock, reads what earlier runs stored, refuses rows made with other
+settings, plans what is new, loads the model (only if something is), captions while saving
+finished rows in part files, and writes the output once, atomically. Running it again over the
+same output continues it. Progress goes to a `RunReporter`; how the run ended comes back as a
+`RunOutcome`, never by printing or exiting. Problems the caller can fix (a bad setting, an output
+of another kind, other settings than the stored rows', a missing model) raise before anything is
+written: `SettingsError`, `OutputError`, `SettingsMismatchError`, `ModelNotFoundError`, `ValueError`;
+another run writing the same output raises `OutputLockedError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
+
+from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
+from .job import CaptionJob
+from .manifest import Manifest
+from .outputs.formats import OutputTarget
+from .outputs.lock import OutputLock
+from .outputs.resume import Plan, check_settings, describe_plan, plan_run
+from .outputs.schema import OutputColumns
+from .outputs.store import OutputWriteError, ResultStore, StoredRows
+from .outputs.stream import JsonLinesStream
+from .progress import Reporter, RunStats, plural, summary_line, summary_rows
+from .results import CaptionResult
+from .settings import CaptionSettings, RunSettings, resume_settings
+from .sources import Discovery, MediaItem, discover
+from .text import one_line
+
+if TYPE_CHECKING:
+    from .api import Captioner
+
+LOG = logging.getLogger("tarsier_batch")
+
+
+class Status(str, Enum):
+    """How a run ended."""
+
+    DONE = "done"                      # every item of the run was captioned (or there was nothing to do)
+    SOME_FAILED = "some_failed"        # some items failed; their rows carry an error
+    NO_MEDIA = "no_media"              # the inputs hold no media
+    INTERRUPTED = "interrupted"        # KeyboardInterrupt (Ctrl-C): finished rows are saved
+    TERMINATED = "terminated"          # `Terminated` (SIGTERM): finished rows are saved
+    STDOUT_CLOSED = "stdout_closed"    # the stream's reader went away ('-o - | head')
+    CRASHED = "crashed"                # a bug, a failed device, a full disk: finished rows are saved
+
+
+@dataclass
+class RunOutcome:
+    """How a run ended, what it wrote and how to go on."""
+
+    status: Status
+    message: str                                    # one line: the summary, or why and where rows are
+    stats: RunStats | None = None
+    summary: list[tuple[str, str]] = field(default_factory=list)   # the closing summary (a finished run)
+    error: BaseException | None = None              # what crashed the run, for a traceback
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (Status.DONE, Status.NO_MEDIA)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a timeout, a scheduler, `docker stop`): the CLI raises it to stop a run like Ctrl-C."""
+
+
+class LoadingCrashed(Exception):
+    """Loading the model failed on a bug of this tool, not on the model given (its cause has the traceback)."""
+
+
+class RunReporter(Protocol):
+    """What a run tells as it goes."""
+
+    def info(self, message: str) -> None:
+        """What the run is doing (the model loaded, what it will caption)."""
+
+    def warning(self, message: str) -> None:
+        """Something the caller should know (an unreadable folder or part file)."""
+
+    def loading(self, model: str) -> AbstractContextManager[object]:
+        """Held while the model loads."""
+
+    def progress(self, stats: RunStats) -> list[Reporter]:
+        """The live displays of the captioning, updated through `stats`."""
+
+
+class LoggingReporter:
+    """Reports to the `tarsier_batch` logger: what a Python pipeline's own logging shows."""
+
+    def info(self, message: str) -> None:
+        LOG.info(message)
+
+    def warning(self, message: str) -> None:
+        LOG.warning(message)
+
+    def loading(self, model: str) -> AbstractContextManager[object]:
+        LOG.info("loading %s", model)
+        return nullcontext()
+
+    def progress(self, stats: RunStats) -> list[Reporter]:
+        return []
+
+
+def load_captioner(settings: CaptionSettings) -> Captioner:
+    """The model, loaded as `settings` say (the one place a run loads it)."""
+    from .api import Captioner
+
+    return Captioner(settings)
+
+
+class CaptionRun:
+    """Caption `inputs` into `out`, continuing what earlier runs over `out` left.
+
+    `inputs`: paths (files, folders, globs), a `Discovery` or a `Manifest` (its kept columns go
+    into the rows). `out`: a .parquet, .jsonl or .csv path, an `OutputTarget` (a folder of
+    shards), or an open text stream that gets JSON Lines in input order and keeps nothing to
+    continue. `captioner`: a model loaded earlier, to share between runs (its settings are the
+    run's caption settings). `source` names the inputs in messages.
+    """
+
+    def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest, out: str | Path | OutputTarget | TextIO,
+                 settings: RunSettings | None = None, reporter: RunReporter | None = None,
+                 captioner: Captioner | None = None, source: str | None = None):
+        settings = settings or RunSettings()
+        if captioner is not None:
+            settings = replace(settings, caption=captioner.settings)
+        self.settings, self.reporter, self._captioner = settings, reporter or LoggingReporter(), captioner
+        self.stream = out if hasattr(out, "write") else None
+        if self.stream is not None:
+            settings.check_streamable()
+            self.target = None
+        else:
+            self.target = out if isinstance(out, OutputTarget) else OutputTarget(Path(out))  # type: ignore[arg-type]
+            self.target.check()
+        kept_fields = []
+        if isinstance(inputs, Manifest):
+            for name, renamed in inputs.renamed.items():
+                self.reporter.warning(f"manifest column {name!r} is an output column too; kept as {renamed!r}")
+            inputs, kept_fields = inputs.discovery, inputs.kept_fields
+        elif not isinstance(inputs, Discovery):
+            listed = [str(path) for path in inputs]   # type: ignore[union-attr]
+            source = source or " ".join(listed)
+            inputs = discover(listed, key_mode=settings.key)
+        self.source = source or "the inputs"
+        for problem in inputs.unreadable:
+            self.reporter.warning(f"warning: cannot read folder {problem}")
+        self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields))
+        self.all_items = inputs.items
+        shard = settings.shard
+        self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
+        self.store = ResultStore(self.target, self.columns, settings.flush_rows, settings.flush_seconds) \
+            if self.target is not None else None
+        self.outcome: RunOutcome | None = None   # how the run ended, once it has
+
+    @property
+    def items(self) -> list[MediaItem]:
+        """The run's items (its shard's, with `RunSettings.shard`)."""
+        return self.discovery.items
+
+    def describe(self) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], int]]:
+        """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
+        (action, path, reason) lines, and counts by (action, kind of reason)."""
+        stored = self._stored()
+        plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
+        limit = self.settings.limit
+        later = {item.row_path for item in plan.limit(limit)} if limit else set()
+        return describe_plan(self.discovery, stored, plan, later)
+
+    def execute(self, caption_elsewhere: Callable[[Plan, StoredRows], RunOutcome] | None = None) -> RunOutcome:
+        """Run to the end; `caption_elsewhere` replaces captioning in this process (the Ray runner)."""
+        for _ in self.results(caption_elsewhere):
+            pass
+        assert self.outcome is not None
+        return self.outcome
+
+    def results(self, caption_elsewhere: Callable[[Plan, StoredRows], RunOutcome] | None = None
+                ) -> Iterator[CaptionResult]:
+        """Run, yielding each item's result as its row is saved; `outcome` says how the run ended.
+
+        Leaving the loop early stops the run as Ctrl-C does: the finished rows are saved for the
+        next run and the output is not changed.
+        """
+        self.outcome = None
+        if not self.all_items:
+            message = f"no supported media in {self.source} ({plural(self.discovery.skipped_count, 'other file')} " \
+                      f"skipped)"
+            self.outcome = RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty else Status.NO_MEDIA, message)
+            return
+        with self._locked():
+            try:
+                stored = self._stored()
+                plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
+                if caption_elsewhere is not None:
+                    self.outcome = caption_elsewhere(plan, stored)
+                else:
+                    self.outcome = yield from self._caption(plan, stored)
+            except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
+                where = self.target.path if self.target is not None else "the stream"
+                self.outcome = RunOutcome(_stop_status(stop), f"{_stop_reason(stop)}; {where} was not changed; "
+                                                              f"run the same command again to continue")
+
+    # --- the steps ------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        if self.target is None:
+            yield
+            return
+        lock = OutputLock(self.target.path)
+        self.target.path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def _stored(self) -> StoredRows:
+        """What earlier runs left (nothing when overwriting or streaming), checked against these settings."""
+        stored = StoredRows() if self.settings.overwrite or self.store is None else self.store.read()
+        check_settings(stored.settings, resume_settings(self.settings))
+        return stored
+
+    def _caption(self, plan: Plan, stored: StoredRows) -> Generator[CaptionResult, None, RunOutcome]:
+        """Caption what the plan says and write the output; returns the outcome."""
+        later = len(plan.limit(self.settings.limit)) if self.settings.limit else 0
+        for problem in stored.unreadable_parts:
+            self.reporter.warning(f"warning: unreadable part file {problem}")
+        stats = RunStats(total=plan.items_to_caption, skipped=self.discovery.skipped_count,
+                         already_done=len(plan.done), missing_kept=plan.missing_kept,
+                         missing_pruned=plan.missing_pruned, left_for_later=later)
+        sink = self.store or JsonLinesStream(plan.captioned_paths(self.items), self.stream)  # type: ignore[arg-type]
+        job = CaptionJob(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
+        if not plan.todo:
+            # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
+            return self._write_output(job, stored, stored.provenance or {"settings": resume_settings(self.settings)})
+        captioner = self._load()
+        provenance = run_provenance(captioner, self.settings)
+        check_settings(stored.settings, provenance["settings"])
+        stopped = yield from self._run_job(captioner, job, provenance)
+        return stopped or self._write_output(job, stored, provenance)
+
+    def _load(self) -> Captioner:
+        if self._captioner is not None:
+            return self._captioner
+        model = self.settings.caption.model
+        if needs_building(model):
+            self.reporter.info(f"building the random-weight model {model} (first use; cached in "
+                               f"{tiny_model_dir(model)}; its captions are noise)")
+        try:
+            with self.reporter.loading(model):
+                captioner = load_captioner(self.settings.caption)
+        except (ModelNotFoundError, ValueError):
+            raise
+        except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:
+            raise ValueError(one_line(error)) from error   # the caller's to fix
+        except Exception as error:   # a bug of ours while loading: its cause carries the traceback
+            raise LoadingCrashed(one_line(error)) from error
+        self.reporter.info(describe_captioner(captioner))
+        self._captioner = captioner
+        return captioner
+
+    def _run_job(self, captioner: Captioner, job: CaptionJob, provenance: dict[str, Any]
+                 ) -> Generator[CaptionResult, None, RunOutcome | None]:
+        """Caption the plan's items, saving rows as they finish; returns None when every item got its row,
+        else the outcome of the stop."""
+        try:
+            if self.store is not None:
+                # Under the same stop handling as the captioning: once the work directory exists, a stop
+                # saves rows and says how to resume.
+                self.store.begin(provenance, fresh=self.settings.overwrite)
+            with _entered(self.reporter.progress(job.stats)) as reporters:
+                yield from job.run(captioner, reporters)
+                job.store.flush()
+            return None
+        except GeneratorExit:   # the caller left the loop: save what finished, change nothing else
+            self.outcome = self._stopped(job, Status.INTERRUPTED, "stopped by the caller", None)
+            raise
+        except (KeyboardInterrupt, Terminated) as stop:
+            status, reason, error = _stop_status(stop), _stop_reason(stop), None
+        except BrokenPipeError:  # `-o - | head`: the reader has all it wants
+            status, reason, error = Status.STDOUT_CLOSED, "stdout was closed", None
+        except Exception as crash:  # a bug, a dead device or a full disk: keep what finished, say what happened
+            status, error = Status.CRASHED, crash
+            reason = f"crashed ({crash if isinstance(crash, OutputWriteError) else one_line(crash)})"
+        return self._stopped(job, status, reason, error)
+
+    def _stopped(self, job: CaptionJob, status: Status, reason: str, error: BaseException | None) -> RunOutcome:
+        """Save the rows that finished before a stop; the outcome says where they are."""
+        stats = job.stats
+        if self.store is None:
+            return RunOutcome(status, f"{reason}; {plural(job.store.saved_rows, 'row')} went to stdout", stats,
+                              error=error)
+        try:
+            self.store.flush()
+            lost = ""
+        except OutputWriteError as write_error:
+            lost = f"; {write_error}"
+        saved = self.store.saved_rows + stats.already_done
+        return RunOutcome(status, f"{reason}{lost}; {plural(saved, 'finished row')} {'is' if saved == 1 else 'are'} "
+                                  f"saved in {self.store.work_dir} and {self.store.out} was not changed; run the "
+                                  f"same command again to resume", stats, error=error)
+
+    def _write_output(self, job: CaptionJob, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:
+        """Write the output with every row (unless nothing changed); the outcome carries the summary.
+
+        A shard's output also records where its rows go among all the run's items, so it is written
+        again whenever it runs: the inputs may have grown.
+        """
+        stats, store, shard = job.stats, self.store, self.settings.shard
+        if store is None:
+            written = f"stdout ({plural(job.store.saved_rows, 'row')})"
+        else:
+            rows = job.final_rows()
+            unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
+                and [row["path"] for row in rows] == list(stored.rows)
+            if shard:
+                provenance = {**provenance, "shard": shard.provenance(self.all_items, rows)}
+            if not unchanged:
+                try:
+                    store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
+                except OutputWriteError as error:
+                    return RunOutcome(Status.CRASHED, f"crashed ({error}); the finished rows are saved in "
+                                      f"{store.work_dir}; free space and run the same command again to write "
+                                      f"{store.out}", stats, error=error)
+            written = f"{store.out} ({plural(len(rows), 'row')}{', unchanged' if unchanged else ''})"
+        skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
+        summary = summary_rows(stats, written, skipped)
+        return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)
+
+
+def run_provenance(captioner: Captioner, settings: RunSettings, **extra: Any) -> dict[str, Any]:
+    """How a run's captions were made, stored with its output; "settings" must match to continue it."""
+    return {**captioner.provenance(), **extra, "settings": resume_settings(settings, captioner.resolved_settings())}
+
+
+def describe_captioner(captioner: Captioner) -> str:
+    """One line: the model, its family and frames, the device, the batch and the KV cache."""
+    engine, settings = captioner.engine, captioner.settings
+    config = engine.config
+    offload = ", KV offloaded during prefill" if config.offload_kv \
+        else "; --offload-kv has no effect on the CPU" if settings.offload_kv else ""
+    slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}"
+                                                           if len(engine.pools) > 1 else "")
+                       for pool in engine.pools)
+    pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
+               f"(not the official output)" if config.prune is not None else "")
+    pruning += ", compiled step (the first steps compile)" if config.compile else ""
+    return (f"{settings.model} ({captioner.model.family.name}, {captioner.frames} frames) on "
+            f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
+            f"KV cache {slots} ({engine.kv_bytes / 2**30:.2f} GiB), "
+            f"{plural(captioner.workers, 'decoding worker')}{offload}{pruning}")
+
+
+def _layer_range(layers: range) -> str:
+    return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
+
+
+def _stop_status(stop: BaseException) -> Status:
+    return Status.INTERRUPTED if isinstance(stop, KeyboardInterrupt) else Status.TERMINATED
+
+
+def _stop_reason(stop: BaseException) -> str:
+    return "interrupted" if isinstance(stop, KeyboardInterrupt) else "terminated"
+
+
+@contextmanager
+def _entered(reporters: list[Reporter]) -> Iterator[list[Reporter]]:
+    """The reporters, each entered (their displays shown) until the block ends."""
+    with ExitStack() as displays:
+        for reporter in reporters:
+            displays.enter_context(reporter)
+        yield reporters
+
+
+__all__ = ["CaptionRun", "LoadingCrashed", "LoggingReporter", "RunOutcome", "RunReporter", "Status", "Terminated",
+           "describe_captioner", "load_captioner", "run_provenance"]

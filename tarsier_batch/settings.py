@@ -1,0 +1,250 @@
+"""Every setting of a captioning run, each rule checked once, and the records made from them.
+
+`CaptionSettings` decides what a loaded model produces and how it runs (it is what a `Captioner`
+and a Ray actor are built from); `RunSettings` adds what a run does with its output (resume,
+limits, flushing). Both check their rules when made, so a bad value is refused before any file
+is read or any model loaded. A `SettingsError` names settings by their field names; the CLI
+shows the same message in its own words, its flags (`SettingsError.worded`).
+
+`resume_settings` is the one place that says which settings decide a caption: they are stored
+with the output, and a later run must match them to continue it.
+
+No torch here: the CLI checks its flags through this module before importing anything heavy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
+
+if TYPE_CHECKING:
+    from .sharding import Shard
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
+KEY_MODES = ("path", "sha256")
+FLUSH_ROWS = 64          # rows per part file: few files on long runs, little lost to a `kill -9`
+FLUSH_SECONDS = 30.0     # and at most this long between flushes while rows wait
+
+
+class SettingsError(ValueError):
+    """A setting, or a combination of settings, that cannot work.
+
+    The message names settings by their field names (`top_p`); `worded` names them in a caller's
+    own words (`--top-p`). Its template holds each name as `{field}`.
+    """
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.worded({}))
+
+    def worded(self, words: Mapping[str, str]) -> str:
+        """The message with each setting named as `words` says (a field it lacks keeps its name)."""
+        return self.template.format_map(_Words(words))
+
+
+class _Words(dict):  # type: ignore[type-arg]
+    def __missing__(self, name: str) -> str:
+        return name
+
+
+def _shown(value: Any) -> str:
+    """`value` as it goes into a message template (its braces are not placeholders)."""
+    return str(value).replace("{", "{{").replace("}", "}}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen and when generation stops. Temperature 0 means greedy."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    repetition_penalty: float | None = None  # None: the checkpoint's generation_config.json value
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise SettingsError(f"{{max_new_tokens}} {_shown(self.max_new_tokens)}: give at least 1")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise SettingsError(f"{{repetition_penalty}} {_shown(self.repetition_penalty)}: give a positive "
+                                f"penalty (1: none)")
+        if self.temperature < 0:
+            raise SettingsError(f"{{temperature}} {_shown(self.temperature)}: give 0 (greedy) or more")
+        if not 0 < self.top_p <= 1:
+            raise SettingsError(f"{{top_p}} {_shown(self.top_p)}: give a probability mass in (0, 1]; "
+                                f"1 keeps every token")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def row_seed(self, key: str) -> int | None:
+        """The seed of one item's sampling stream, from the run seed and the item's key (its path).
+
+        Each item draws from its own stream, so a sampled caption does not depend on which
+        other items share its batch, or on the batch size. None when decoding greedily.
+        """
+        if self.greedy:
+            return None
+        digest = hashlib.blake2b(f"{self.seed}\0{key}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1   # 63 bits: a non-negative int64
+
+
+@dataclass(frozen=True)
+class CaptionSettings:
+    """Everything that decides what a loaded model produces and how it runs."""
+
+    model: str = DEFAULT_MODEL
+    prompt: str | None = None          # replaces the default instruction
+    frames: int | None = None          # None: the family's default (Tarsier2: 16, v1: 8)
+    batch_size: int | None = None      # rows running at once; None: chosen for the device
+    max_batch_tokens: int = 4096       # positions computed per engine step (decode tokens + prefill chunks)
+    prefill_chunk: int = 2048          # 0: prefill each prompt whole
+    kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
+    offload_kv: bool = False           # keep prefilling rows' KV in host memory
+    prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
+    prune_layer: int | None = None     # None: DEFAULT_PRUNE_LAYER (when pruning)
+    compile_step: bool = False         # the decode step through torch.compile
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    dtype: str = "auto"
+    device: str = "auto"
+    workers: int | None = None         # processes decoding and preprocessing media; None: default_workers()
+    decode_timeout_s: float | None = 120.0  # an item decoding longer fails (its worker is killed)
+    decode_memory_gb: float | None = 8.0    # memory limit of one decoding worker
+    isolate_decoding: bool = True      # False: decode in threads (no crash or hang protection; for benchmarks
+                                       # and callers that isolate already)
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None and not self.prompt.strip():
+            raise SettingsError("{prompt} is empty; leave it out to use the model's default instruction")
+        for name in ("frames", "batch_size", "workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
+        if self.max_batch_tokens < 1:
+            raise SettingsError(f"{{max_batch_tokens}} {_shown(self.max_batch_tokens)}: give at least 1")
+        if self.batch_size is not None and self.max_batch_tokens < self.batch_size:
+            raise SettingsError(f"{{max_batch_tokens}} {self.max_batch_tokens} is below {{batch_size}} "
+                                f"{self.batch_size}: every generating item needs one position per step")
+        if self.prefill_chunk < 0:
+            raise SettingsError(f"{{prefill_chunk}} {self.prefill_chunk}: give 0 (off) or a positive size")
+        for name in ("kv_cache_gb", "decode_timeout_s", "decode_memory_gb"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise SettingsError(f"{{{name}}} {_shown(value)}: give a positive value")
+        self._check_pruning()
+        if self.dtype not in DTYPES:
+            raise SettingsError(f"{{dtype}} {_shown(repr(self.dtype))}: use {', '.join(DTYPES)}")
+        if not DEVICE_NAMES.fullmatch(self.device):
+            raise SettingsError(f"{{device}} {_shown(repr(self.device))}: use auto, cpu, cuda or cuda:N")
+
+    def _check_pruning(self) -> None:
+        if not 0 <= self.prune_vision < 1:
+            raise SettingsError(f"{{prune_vision}} {_shown(self.prune_vision)}: give the share of vision tokens "
+                                f"to drop, 0 <= R < 1 (0: off)")
+        if self.prune_layer is not None and self.prune_vision == 0:
+            raise SettingsError("{prune_layer} needs {prune_vision} R > 0 (pruning is off)")
+        if self.prune_layer is not None and self.prune_layer < 1:
+            raise SettingsError(f"{{prune_layer}} {self.prune_layer}: the first layer can only see every token; "
+                                f"give K >= 1")
+        if self.prune_vision > 0 and self.offload_kv:
+            raise SettingsError("{offload_kv} and {prune_vision} do not work together yet; leave one out")
+
+    @property
+    def pruning(self) -> dict[str, float | int] | None:
+        """Vision-token pruning as it is recorded: None when off (also what outputs written before pruning
+        existed read as: they were not pruned), else the share dropped and the first layer without them."""
+        if self.prune_vision == 0:
+            return None
+        layer = self.prune_layer if self.prune_layer is not None else DEFAULT_PRUNE_LAYER
+        return {"vision": self.prune_vision, "layer": layer}
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """A run's settings: the captioning ones, and what the run does with its output."""
+
+    caption: CaptionSettings = field(default_factory=CaptionSettings)
+    with_token_ids: bool = False     # a generated_ids column
+    key: str = "path"                # what identifies a finished item: path (+ size, mtime) or sha256 (content)
+    shard: Shard | None = None       # caption only this shard of the items
+    overwrite: bool = False          # start from scratch: replace the output
+    retry_errors: bool = False       # caption again the items whose stored rows are errors
+    prune_missing: bool = False      # drop stored rows of files that no longer exist
+    limit: int | None = None         # caption at most this many items (the first that need it)
+    fail_on_empty: bool = False      # a run over inputs with no media fails
+    flush_rows: int = FLUSH_ROWS     # save finished rows every this many rows...
+    flush_seconds: float = FLUSH_SECONDS   # ...or once the oldest unsaved row is this old
+
+    def __post_init__(self) -> None:
+        if self.key not in KEY_MODES:
+            raise SettingsError(f"{{key}} {_shown(repr(self.key))}: use {' or '.join(KEY_MODES)}")
+        for name in ("limit", "flush_rows"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
+        if self.flush_seconds < 0:
+            raise SettingsError(f"{{flush_seconds}} {_shown(self.flush_seconds)}: give 0 or more")
+
+    def check_streamable(self) -> None:
+        """Refuse the settings that continue an output file, for a run that streams its rows instead."""
+        given = [f"{{{name}}}" for name in ("overwrite", "retry_errors", "prune_missing") if getattr(self, name)]
+        if given:
+            raise SettingsError(f"{', '.join(given)} continue an output file; '-o -' streams to stdout and "
+                                f"keeps nothing to continue")
+
+
+@dataclass(frozen=True)
+class RaySettings:
+    """Where and how wide a run captions on a Ray cluster."""
+
+    address: str                     # 'auto', ray://HOST:10001, or 'local' (start a cluster here)
+    actors: tuple[int, int] = (1, 1)   # the captioning actor pool: (N, N), or bounds Ray scales between
+    gpus_per_actor: float = 1.0
+
+    def __post_init__(self) -> None:
+        low, high = self.actors
+        if not 1 <= low <= high:
+            raise SettingsError(f"{{actors}} {low}-{high}: give 1 <= MIN <= MAX actors")
+        if self.gpus_per_actor < 0:
+            raise SettingsError(f"{{gpus_per_actor}} {_shown(self.gpus_per_actor)}: give 0 or more")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What loading the model settles that the settings may leave open."""
+
+    model_revision: str | None
+    frames: int
+    repetition_penalty: float | None
+
+
+def resume_settings(settings: RunSettings, resolved: Resolved | None = None) -> dict[str, Any]:
+    """The settings that decide a caption, as stored with the output; a later run must match them to continue.
+
+    Without `resolved` (before the model is loaded), only what the settings say: frames and the
+    repetition penalty only when given, so that a mismatch is answered before loading. With it,
+    every value as the loaded model resolved it.
+    """
+    caption, sampling = settings.caption, settings.caption.sampling
+    decided: dict[str, Any] = {"model": caption.model}
+    if resolved is not None:
+        decided["model_revision"] = resolved.model_revision
+    decided["prompt"] = caption.prompt
+    frames = resolved.frames if resolved is not None else caption.frames
+    if frames is not None:
+        decided["frames"] = frames
+    decided.update(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                   seed=sampling.seed)
+    penalty = resolved.repetition_penalty if resolved is not None else sampling.repetition_penalty
+    if resolved is not None or penalty is not None:
+        decided["repetition_penalty"] = penalty
+    decided.update(prune=caption.pruning, with_token_ids=settings.with_token_ids, key=settings.key,
+                   shard=str(settings.shard) if settings.shard else None)
+    return decided

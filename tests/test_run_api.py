@@ -1,0 +1,183 @@
+"""The captioning run as a library object: the rows the CLI writes, resume, results as they finish, a
+stream, the lock, and settings checked once with messages in the caller's words."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from conftest import SAMPLE_DATA
+from tarsier_batch import CaptionRun, CaptionSettings, RunSettings, SamplingParams, SettingsError, Status, discover
+from tarsier_batch.cli import FLAGS, app
+from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
+from tarsier_batch.outputs.schema import PROVENANCE_KEY
+from tarsier_batch.progress import RunStats
+
+runner = CliRunner()
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def settings_for(model: Path, **run: object) -> RunSettings:
+    return RunSettings(CaptionSettings(model=str(model), device="cpu", dtype="float32",
+                                       sampling=SamplingParams(max_new_tokens=4)), with_token_ids=True, **run)
+
+
+def rows_of(path: Path) -> list[dict]:
+    return pq.read_table(path).drop(["elapsed_s"]).to_pylist()
+
+
+def settings_of(path: Path) -> dict:
+    return json.loads(pq.read_schema(path).metadata[PROVENANCE_KEY.encode()])["settings"]
+
+
+class Recorder:
+    """A RunReporter keeping what the run told, and a live display that keeps every result."""
+
+    def __init__(self) -> None:
+        self.infos: list[str] = []
+        self.results: list[str] = []
+
+    def info(self, message: str) -> None:
+        self.infos.append(message)
+
+    def warning(self, message: str) -> None:
+        self.infos.append(message)
+
+    def loading(self, model: str):
+        import contextlib
+        return contextlib.nullcontext()
+
+    def progress(self, stats: RunStats) -> list:
+        recorder = self
+
+        class Display:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                pass
+
+            def on_tokens(self) -> None:
+                pass
+
+            def on_result(self, result) -> None:
+                recorder.results.append(result.path)
+
+        return [Display()]
+
+
+def test_a_python_run_writes_the_rows_the_cli_writes_and_a_rerun_resumes(tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    cli_out, python_out = tmp_path / "cli.parquet", tmp_path / "python.parquet"
+    done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "--model", str(tiny_model_dir), "-o", str(cli_out),
+                               "--device", "cpu", "--dtype", "float32", "--max-new-tokens", "4", "--with-token-ids"])
+    assert done.exit_code == 0, done.output
+    reporter = Recorder()
+    outcome = CaptionRun([SAMPLE_DATA], python_out, settings_for(tiny_model_dir), reporter).execute()
+    assert outcome.status is Status.DONE and outcome.ok and outcome.stats is not None
+    assert rows_of(python_out) == rows_of(cli_out) and settings_of(python_out) == settings_of(cli_out)
+    assert sorted(reporter.results) == sorted(row["path"] for row in rows_of(cli_out))
+    assert any(info.startswith(f"{tiny_model_dir} (Tarsier v1, 8 frames) on cpu") for info in reporter.infos)
+
+    again = CaptionRun([SAMPLE_DATA], python_out, settings_for(tiny_model_dir)).execute()
+    assert again.status is Status.DONE and again.stats is not None
+    assert (again.stats.already_done, again.stats.done) == (len(rows_of(cli_out)), 0)
+    assert again.message.endswith(f"output {python_out} ({len(rows_of(cli_out))} rows, unchanged)")
+
+    other = settings_for(tiny_model_dir, key="sha256")
+    with pytest.raises(Exception, match="holds rows made with other settings"):
+        CaptionRun([SAMPLE_DATA], python_out, other).execute()
+
+
+def test_results_come_as_they_finish_and_leaving_early_keeps_them_for_the_next_run(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    run = CaptionRun([SAMPLE_DATA], out, settings_for(tiny_model_dir, flush_rows=1))
+    taken = []
+    for result in run.results():
+        taken.append(result.path)
+        if len(taken) == 2:
+            break
+    assert run.outcome is not None and run.outcome.status is Status.INTERRUPTED
+    assert "2 finished rows are saved in" in run.outcome.message and not out.exists()
+    rest = CaptionRun([SAMPLE_DATA], out, settings_for(tiny_model_dir))
+    later = [result.path for result in rest.results()]
+    assert rest.outcome is not None and rest.outcome.stats is not None and rest.outcome.stats.already_done == 2
+    assert not set(later) & set(taken) and len(rows_of(out)) == len(taken) + len(later)
+
+
+def test_a_stream_gets_json_lines_in_input_order(tiny_model_dir: Path) -> None:
+    stream = io.StringIO()
+    outcome = CaptionRun([SAMPLE_DATA / "still.png", SAMPLE_DATA / "ball.gif"], stream,
+                         settings_for(tiny_model_dir)).execute()
+    assert outcome.status is Status.DONE
+    paths = [json.loads(line)["path"] for line in stream.getvalue().splitlines()]
+    assert paths == [str(SAMPLE_DATA / "still.png"), str(SAMPLE_DATA / "ball.gif")]
+    with pytest.raises(SettingsError, match="^overwrite continue an output file"):
+        CaptionRun([SAMPLE_DATA], io.StringIO(), settings_for(tiny_model_dir, overwrite=True))
+
+
+def test_another_run_on_the_same_output_is_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    lock = OutputLock(out)
+    lock.acquire()
+    try:
+        with pytest.raises(OutputLockedError):
+            CaptionRun([SAMPLE_DATA / "still.png"], out, settings_for(tiny_model_dir)).execute()
+    finally:
+        lock.release()
+
+
+@pytest.mark.parametrize(("make", "field", "flag"), [
+    (lambda: SamplingParams(top_p=0.0), "top_p", "--top-p"),
+    (lambda: CaptionSettings(prune_layer=2), "prune_layer", "--prune-layer"),
+    (lambda: CaptionSettings(decode_timeout_s=0), "decode_timeout_s", "--decode-timeout"),
+    (lambda: CaptionSettings(batch_size=8, max_batch_tokens=4), "max_batch_tokens", "--max-batch-tokens"),
+    (lambda: RunSettings(key="md5"), "key", "--key"),
+])
+def test_a_bad_setting_is_named_as_the_caller_knows_it(make, field: str, flag: str) -> None:
+    with pytest.raises(SettingsError) as refused:
+        make()
+    assert str(refused.value).startswith(field) and flag not in str(refused.value)
+    assert refused.value.worded(FLAGS).startswith(flag)
+
+
+def test_every_setting_has_its_flag() -> None:
+    """A field renamed without its flag (or the other way round) would show users a name they cannot type."""
+    import typer.main
+
+    caption = typer.main.get_command(app).commands["caption"]   # type: ignore[attr-defined]
+    options = {name for param in caption.params for name in param.opts}
+    library_only = {"isolate_decoding", "caption", "sampling"}   # the last two hold other settings
+    missing = {field: flag for field, flag in FLAGS.items() if field not in library_only and flag not in options}
+    assert not missing
+
+
+def test_the_readme_python_example_runs_as_written(tmp_path: Path) -> None:
+    """The README's example, run as a script (its decoding workers are processes: the `__main__` guard)."""
+    text = README.read_text(encoding="utf-8")
+    example = re.search(r"```python\n(# caption_folder\.py\n.*?)```", text, re.S)
+    assert example, "the README's Python example (starting '# caption_folder.py') is missing"
+    (tmp_path / "sample_data").symlink_to(SAMPLE_DATA)
+    (tmp_path / "caption_folder.py").write_text(example.group(1))
+    first = subprocess.run([sys.executable, "caption_folder.py"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    rows = pq.read_table(tmp_path / "captions.parquet").to_pylist()
+    assert len(rows) == len(discover([str(SAMPLE_DATA)]).items) > 0
+    assert all(row["error"] is None and row["caption"] for row in rows)
+    printed = first.stdout.splitlines()
+    assert len([line for line in printed if line.startswith(str(tmp_path / "sample_data"))]) == len(rows)
+    assert printed[-1].startswith("done")
+    second = subprocess.run([sys.executable, "caption_folder.py"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0 and second.stdout.splitlines()[-1].startswith("done") and \
+        f"done earlier {len(rows)}" in second.stdout, second.stdout
