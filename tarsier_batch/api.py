@@ -29,6 +29,7 @@ from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_d
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .families import CaptionModel, load_caption_model
 from .media import decoder_versions
+from .progress import plural
 from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
@@ -98,6 +99,22 @@ class Captioner:
             "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
             "decode_memory_gb": self.settings.decode_memory_gb,
         }
+
+    def describe(self) -> str:
+        """One line: the model, its family and frames, the device, the batch and the KV cache."""
+        engine, settings = self.engine, self.settings
+        config = engine.config
+        offload = ", KV offloaded during prefill" if config.offload_kv \
+            else "; --offload-kv has no effect on the CPU" if settings.offload_kv else ""
+        slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}"
+                                                               if len(engine.pools) > 1 else "")
+                           for pool in engine.pools)
+        pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
+                   f"(not the official output)" if config.prune is not None else "")
+        pruning += ", compiled step (the first steps compile)" if config.compile else ""
+        return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
+                f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
+                f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}{offload}{pruning}")
 
     def resolved_settings(self) -> Resolved:
         """What loading settled that the settings may leave open (see `settings.resume_settings`)."""
@@ -305,6 +322,10 @@ class _Queued:
 
     decoded: Decoded
     since: float
+
+
+def _layer_range(layers: range) -> str:
+    return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
 
 
 def _error_result(decoded: Decoded, message: str) -> CaptionResult:

@@ -11,7 +11,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from enum import Enum
-from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional, TypeVar
 
@@ -28,11 +27,11 @@ from .config import ConfigError, config_defaults
 from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.resume import Plan, SettingsMismatchError
+from .outputs.resume import SettingsMismatchError
 from .outputs.schema import RESERVED_NAMES
-from .outputs.store import OutputWriteError, ResultStore, StoredRows
+from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
-from .run import CaptionRun, LoadingCrashed, RunOutcome, Status, Terminated
+from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
 from .settings import (FLUSH_ROWS, FLUSH_SECONDS, CaptionSettings, RaySettings, RunSettings, SamplingParams,
                        SettingsError)
 from .sharding import Shard, ShardError
@@ -171,7 +170,7 @@ def caption(
     flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
     log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
-    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Run on a Ray cluster into --out-dir: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
+    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Caption on a Ray cluster: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
     ray_workers: Annotated[str, typer.Option(metavar="N|MIN-MAX", help="Captioning actors on the Ray cluster, each loading the model once: N, or MIN-MAX to let Ray scale between them.")] = "1",
     ray_gpus_per_worker: Annotated[Optional[float], typer.Option(min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].", show_default=False)] = None,
 ) -> None:
@@ -197,7 +196,7 @@ def caption(
                          fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
     if stream:
         _settings(settings.check_streamable)
-    ray_options = _check_ray_flags(ray, out_dir, shard_spec, ray_workers, ray_gpus_per_worker, device, prune_missing) \
+    ray_settings = _check_ray_flags(ray, shard_spec, ray_workers, ray_gpus_per_worker, device) \
         if ray is not None else None
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
@@ -207,13 +206,15 @@ def caption(
     except OSError as error:
         _fail(str(error))
     log = LineLog(file=log_handle)
+    reporter = _CliReporter(console, quiet, log)
     try:
-        run = CaptionRun(found, sys.stdout if stream else target, settings, _CliReporter(console, quiet, log),
+        run = CaptionRun(found, sys.stdout if stream else target, settings, reporter,
+                         load=_on_ray(ray_settings, reporter) if ray_settings else None,
                          source=f"--manifest {manifest}" if manifest else " ".join(inputs or []))
         if dry_run:
             raise typer.Exit(_dry_run(run))
         with _stop_signals():
-            outcome = run.execute(partial(_on_ray, run, ray_options) if ray_options else None)
+            outcome = run.execute()
         code = _present(outcome, console, quiet, log)
     except SettingsError as error:
         _fail(error.worded(FLAGS))
@@ -278,8 +279,8 @@ def _settings(make: Callable[..., T], **values: Any) -> T:
         _fail(error.worded(FLAGS))
 
 
-def _check_ray_flags(address: str, out_dir: Path | None, shard: Shard | None, workers: str, gpus: float | None,
-                     device: str, prune_missing: bool) -> RaySettings:
+def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: float | None,
+                     device: str) -> RaySettings:
     """Answer wrong --ray flags at once."""
     import importlib.util
 
@@ -287,21 +288,20 @@ def _check_ray_flags(address: str, out_dir: Path | None, shard: Shard | None, wo
     low, high = (int(bounds.group(1)), int(bounds.group(2) or bounds.group(1))) if bounds else (0, 0)
     if not 1 <= low <= high:
         _fail(f"--ray-workers {workers!r}: give a number of actors N >= 1, or MIN-MAX with 1 <= MIN <= MAX")
-    if out_dir is None:
-        _fail("--ray writes a folder of Parquet part files: give --out-dir DIR instead of --out")
     if shard is not None:
         _fail("--ray spreads the items over the cluster itself; leave out --shard")
-    if prune_missing:
-        _fail("--ray only adds part files; to drop rows of vanished files, run once without --ray with --prune-missing")
     if importlib.util.find_spec("ray") is None:
         _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
     return RaySettings(address, (low, high), gpus if gpus is not None else float(device != "cpu"))
 
 
-def _on_ray(run: CaptionRun, ray: RaySettings, plan: Plan, stored: StoredRows) -> RunOutcome:
-    from .runners.ray import caption_on_ray
+def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Captioning]:
+    """A run's loader that captions on the cluster (Ray is imported only when there is something to caption)."""
+    def load(settings: CaptionSettings) -> Captioning:
+        from .runners.ray import connect
 
-    return caption_on_ray(run, ray, plan)
+        return connect(ray, reporter)(settings)
+    return load
 
 
 def _parse_shard(text: str | None) -> Shard | None:

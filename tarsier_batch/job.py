@@ -13,7 +13,7 @@ from .results import CaptionResult
 from .sources import MediaItem
 
 if TYPE_CHECKING:
-    from .api import Captioner
+    from .run import Captioning
 
 
 class RowSink(Protocol):
@@ -40,7 +40,7 @@ class CaptionJob:
         self.new_rows: dict[str, dict[str, Any]] = {}
         self._by_path = {item.row_path: item for item in items}
 
-    def run(self, captioner: Captioner, reporters: list[Reporter]) -> Iterator[CaptionResult]:
+    def run(self, captioning: Captioning, reporters: list[Reporter]) -> Iterator[CaptionResult]:
         """Caption the plan's items, yielding each row's result as it is saved (same-content copies too)."""
         def on_tokens(count: int) -> None:
             self.stats.streamed_tokens += count
@@ -48,7 +48,7 @@ class CaptionJob:
             for reporter in reporters:
                 reporter.on_tokens()
 
-        for result in captioner.caption(self.plan.todo, on_tokens):
+        for result in captioning.caption(self.plan.todo, on_tokens):
             for copy in [result, *self._copies(result)]:
                 self._finish(copy, reporters)
                 yield copy

@@ -34,7 +34,7 @@ from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import Reporter, RunStats, plural, summary_line, summary_rows
 from .results import CaptionResult
-from .settings import CaptionSettings, RunSettings, resume_settings
+from .settings import CaptionSettings, Resolved, RunSettings, resume_settings
 from .sources import Discovery, MediaItem, discover
 from .text import one_line
 
@@ -112,7 +112,24 @@ class LoggingReporter:
         return []
 
 
-def load_captioner(settings: CaptionSettings) -> Captioner:
+class Captioning(Protocol):
+    """What captions a run's items: a `Captioner` in this process, or a cluster (`runners.ray.RayCaptioning`)."""
+
+    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None
+                ) -> Iterator[CaptionResult]:
+        """One result per item, in input order."""
+
+    def provenance(self) -> dict[str, Any]:
+        """How the captions are made, stored with the output."""
+
+    def resolved_settings(self) -> Resolved:
+        """What loading settled that the settings may leave open."""
+
+    def describe(self) -> str:
+        """One line for the user: the model and where it runs."""
+
+
+def load_captioner(settings: CaptionSettings) -> Captioning:
     """The model, loaded as `settings` say (the one place a run loads it)."""
     from .api import Captioner
 
@@ -126,16 +143,21 @@ class CaptionRun:
     into the rows). `out`: a .parquet, .jsonl or .csv path, an `OutputTarget` (a folder of
     shards), or an open text stream that gets JSON Lines in input order and keeps nothing to
     continue. `captioner`: a model loaded earlier, to share between runs (its settings are the
-    run's caption settings). `source` names the inputs in messages.
+    run's caption settings). `load`: what makes the `Captioning` from the caption settings, when
+    there is something to caption (default: load the model here; `runners.ray.connect`: a Ray
+    cluster). `source` names the inputs in messages.
     """
 
     def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest, out: str | Path | OutputTarget | TextIO,
                  settings: RunSettings | None = None, reporter: RunReporter | None = None,
-                 captioner: Captioner | None = None, source: str | None = None):
+                 captioner: Captioner | None = None, load: Callable[[CaptionSettings], Captioning] | None = None,
+                 source: str | None = None):
         settings = settings or RunSettings()
         if captioner is not None:
             settings = replace(settings, caption=captioner.settings)
-        self.settings, self.reporter, self._captioner = settings, reporter or LoggingReporter(), captioner
+        self.settings, self.reporter = settings, reporter or LoggingReporter()
+        self._captioning: Captioning | None = captioner
+        self._load_captioning = load
         self.stream = out if hasattr(out, "write") else None
         if self.stream is not None:
             settings.check_streamable()
@@ -177,15 +199,14 @@ class CaptionRun:
         later = {item.row_path for item in plan.limit(limit)} if limit else set()
         return describe_plan(self.discovery, stored, plan, later)
 
-    def execute(self, caption_elsewhere: Callable[[Plan, StoredRows], RunOutcome] | None = None) -> RunOutcome:
-        """Run to the end; `caption_elsewhere` replaces captioning in this process (the Ray runner)."""
-        for _ in self.results(caption_elsewhere):
+    def execute(self) -> RunOutcome:
+        """Run to the end."""
+        for _ in self.results():
             pass
         assert self.outcome is not None
         return self.outcome
 
-    def results(self, caption_elsewhere: Callable[[Plan, StoredRows], RunOutcome] | None = None
-                ) -> Iterator[CaptionResult]:
+    def results(self) -> Iterator[CaptionResult]:
         """Run, yielding each item's result as its row is saved; `outcome` says how the run ended.
 
         Leaving the loop early stops the run as Ctrl-C does: the finished rows are saved for the
@@ -201,10 +222,7 @@ class CaptionRun:
             try:
                 stored = self._stored()
                 plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
-                if caption_elsewhere is not None:
-                    self.outcome = caption_elsewhere(plan, stored)
-                else:
-                    self.outcome = yield from self._caption(plan, stored)
+                self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
                 where = self.target.path if self.target is not None else "the stream"
                 self.outcome = RunOutcome(_stop_status(stop), f"{_stop_reason(stop)}; {where} was not changed; "
@@ -244,33 +262,34 @@ class CaptionRun:
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
             return self._write_output(job, stored, stored.provenance or {"settings": resume_settings(self.settings)})
-        captioner = self._load()
-        provenance = run_provenance(captioner, self.settings)
+        captioning = self._load()
+        provenance = run_provenance(captioning, self.settings)
         check_settings(stored.settings, provenance["settings"])
-        stopped = yield from self._run_job(captioner, job, provenance)
-        return stopped or self._write_output(job, stored, provenance)
+        stopped = yield from self._run_job(captioning, job, provenance)
+        # Again: a cluster's actors tell how they captioned once they have
+        return stopped or self._write_output(job, stored, run_provenance(captioning, self.settings))
 
-    def _load(self) -> Captioner:
-        if self._captioner is not None:
-            return self._captioner
+    def _load(self) -> Captioning:
+        if self._captioning is not None:
+            return self._captioning
         model = self.settings.caption.model
         if needs_building(model):
             self.reporter.info(f"building the random-weight model {model} (first use; cached in "
                                f"{tiny_model_dir(model)}; its captions are noise)")
         try:
             with self.reporter.loading(model):
-                captioner = load_captioner(self.settings.caption)
+                captioning = (self._load_captioning or load_captioner)(self.settings.caption)
         except (ModelNotFoundError, ValueError):
             raise
         except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:
             raise ValueError(one_line(error)) from error   # the caller's to fix
         except Exception as error:   # a bug of ours while loading: its cause carries the traceback
             raise LoadingCrashed(one_line(error)) from error
-        self.reporter.info(describe_captioner(captioner))
-        self._captioner = captioner
-        return captioner
+        self.reporter.info(captioning.describe())
+        self._captioning = captioning
+        return captioning
 
-    def _run_job(self, captioner: Captioner, job: CaptionJob, provenance: dict[str, Any]
+    def _run_job(self, captioning: Captioning, job: CaptionJob, provenance: dict[str, Any]
                  ) -> Generator[CaptionResult, None, RunOutcome | None]:
         """Caption the plan's items, saving rows as they finish; returns None when every item got its row,
         else the outcome of the stop."""
@@ -280,7 +299,7 @@ class CaptionRun:
                 # saves rows and says how to resume.
                 self.store.begin(provenance, fresh=self.settings.overwrite)
             with _entered(self.reporter.progress(job.stats)) as reporters:
-                yield from job.run(captioner, reporters)
+                yield from job.run(captioning, reporters)
                 job.store.flush()
             return None
         except GeneratorExit:   # the caller left the loop: save what finished, change nothing else
@@ -339,31 +358,9 @@ class CaptionRun:
         return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)
 
 
-def run_provenance(captioner: Captioner, settings: RunSettings, **extra: Any) -> dict[str, Any]:
+def run_provenance(captioning: Captioning, settings: RunSettings) -> dict[str, Any]:
     """How a run's captions were made, stored with its output; "settings" must match to continue it."""
-    return {**captioner.provenance(), **extra, "settings": resume_settings(settings, captioner.resolved_settings())}
-
-
-def describe_captioner(captioner: Captioner) -> str:
-    """One line: the model, its family and frames, the device, the batch and the KV cache."""
-    engine, settings = captioner.engine, captioner.settings
-    config = engine.config
-    offload = ", KV offloaded during prefill" if config.offload_kv \
-        else "; --offload-kv has no effect on the CPU" if settings.offload_kv else ""
-    slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}"
-                                                           if len(engine.pools) > 1 else "")
-                       for pool in engine.pools)
-    pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
-               f"(not the official output)" if config.prune is not None else "")
-    pruning += ", compiled step (the first steps compile)" if config.compile else ""
-    return (f"{settings.model} ({captioner.model.family.name}, {captioner.frames} frames) on "
-            f"{captioner.device} ({str(captioner.dtype).removeprefix('torch.')}), batch size {captioner.batch_size}, "
-            f"KV cache {slots} ({engine.kv_bytes / 2**30:.2f} GiB), "
-            f"{plural(captioner.workers, 'decoding worker')}{offload}{pruning}")
-
-
-def _layer_range(layers: range) -> str:
-    return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
+    return {**captioning.provenance(), "settings": resume_settings(settings, captioning.resolved_settings())}
 
 
 def _stop_status(stop: BaseException) -> Status:
@@ -384,4 +381,4 @@ def _entered(reporters: list[Reporter]) -> Iterator[list[Reporter]]:
 
 
 __all__ = ["CaptionRun", "LoadingCrashed", "LoggingReporter", "RunOutcome", "RunReporter", "Status", "Terminated",
-           "describe_captioner", "load_captioner", "run_provenance"]
+           "Captioning", "load_captioner", "run_provenance"]

@@ -67,13 +67,14 @@ def test_ray_rows_equal_the_single_process_rows_and_a_rerun_resumes(cluster: Pat
     assert provenance["settings"] == single_provenance["settings"] and provenance["runner"] == "ray"
     parts = sorted(out.glob("part-*.parquet"))
     again = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
-    assert again.exit_code == 0 and f"nothing to caption on Ray: {len(expected)} items done earlier" in again.output
+    assert again.exit_code == 0 and f"captioned 0; failed 0; done earlier {len(expected)}" in again.output
+    assert "on Ray" not in again.output   # nothing to caption: no cluster is joined
     assert sorted(out.glob("part-*.parquet")) == parts
     shutil.copy(SAMPLE_DATA / "still.png", broken / "new.png")
     grown = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out), "--retry-errors")
     assert "captioning 2 items on Ray" in grown.output, grown.output   # the new file and the error row
     rows = ray_rows(out)
-    assert len(rows) == len(expected) + 2 and {row["path"] for row in rows} == {row["path"] for row in expected} | \
+    assert len(rows) == len(expected) + 1 and {row["path"] for row in rows} == {row["path"] for row in expected} | \
         {str((broken / "new.png").resolve())}
 
 
@@ -97,7 +98,7 @@ def test_a_manifest_on_ray_keeps_its_columns_and_prompts_and_captions_each_conte
     out = tmp_path / "ray-out"
     done = caption(tiny_model_dir, *flags, "--ray", "local", "--out-dir", str(out))
     assert done.exit_code == 0, done.output
-    assert "captioning 3 items on Ray" in done.output and "captioned 3; failed 0; copied 1 (same content)" in done.output
+    assert "captioning 3 items on Ray" in done.output and "captioned 4; failed 0" in done.output   # one a copy
 
     def by_path(rows: list[dict]) -> list[dict]:
         return sorted(rows, key=lambda row: row["path"])
@@ -111,8 +112,8 @@ def test_a_manifest_on_ray_keeps_its_columns_and_prompts_and_captions_each_conte
     shutil.copy(SAMPLE_DATA / "still.png", clips / "c-copy.png")
     manifest.write_text("\n".join([*lines, "clips/c-copy.png,5,"]) + "\n")
     again = caption(tiny_model_dir, *flags, "--ray", "local", "--out-dir", str(out))
-    assert again.exit_code == 0 and "nothing to caption on Ray: 4 items done earlier" in again.output, again.output
-    assert "added 1 row copying captioned content" in again.output
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 5" in again.output, again.output
+    assert "on Ray" not in again.output   # the copy's row is the captioned file's: nothing to caption
     added = {Path(row["path"]).name: row for row in ray_rows(out)}["c-copy.png"]
     assert added["caption"] == rows["c.png"]["caption"] and added["id"] == "5" and added["error"] is None
 
@@ -139,7 +140,6 @@ def test_a_dying_actor_is_restarted_and_a_crashing_decoder_is_an_error_row(clust
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-o", "r.parquet"], "--ray writes a folder of Parquet part files: give --out-dir DIR"),
     (["--out-dir", "d", "--shard", "0/2"], "--ray spreads the items over the cluster itself; leave out --shard"),
     (["--out-dir", "d", "--ray-workers", "4-2"], "--ray-workers '4-2': give a number of actors N >= 1, or MIN-MAX"),
     (["--out-dir", "d", "--ray-workers", "0"], "--ray-workers '0': give a number of actors N >= 1, or MIN-MAX"),
@@ -251,7 +251,26 @@ def test_a_failed_engine_fails_every_caller_of_the_service(tiny_model_dir: Path)
         service.caption(decoded[2:3])
 
 
-def test_ray_refuses_prune_missing_at_once(tmp_path: Path) -> None:
-    done = runner.invoke(app, ["caption", "no-such-input", "--ray", "local", "--out-dir", str(tmp_path / "d"),
-                               "--prune-missing"])
-    assert done.exit_code == 2 and "--ray only adds part files" in done.output, done.output
+@pytest.mark.ray
+def test_ray_writes_any_output_a_single_run_writes(cluster: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The run writes what the cluster captions: a JSON Lines file (and its provenance) as a single run does;
+    --prune-missing drops the row of a file that went away."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name in ("still.png", "ball.gif"):
+        shutil.copy(SAMPLE_DATA / name, folder / name)
+    single, on_ray = tmp_path / "single.jsonl", tmp_path / "ray.jsonl"
+    assert caption(tiny_model_dir, str(folder), "-o", str(single), "--quiet").exit_code == 0
+    done = caption(tiny_model_dir, str(folder), "--ray", "local", "-o", str(on_ray))
+    assert done.exit_code == 0, done.output
+
+    def rows(path: Path) -> list[dict]:
+        return [{**row, "elapsed_s": None} for row in map(json.loads, path.read_text().splitlines())]
+
+    assert rows(on_ray) == rows(single) and len(rows(single)) == 2
+    meta = json.loads((tmp_path / "ray.jsonl.meta.json").read_text())[PROVENANCE_KEY]
+    assert meta["runner"] == "ray" and meta["settings"] == json.loads(
+        (tmp_path / "single.jsonl.meta.json").read_text())[PROVENANCE_KEY]["settings"]
+    (folder / "ball.gif").unlink()
+    pruned = caption(tiny_model_dir, str(folder), "--ray", "local", "-o", str(on_ray), "--prune-missing")
+    assert pruned.exit_code == 0 and [Path(row["path"]).name for row in rows(on_ray)] == ["still.png"], pruned.output

@@ -27,7 +27,17 @@ def read_generation_defaults(model_dir: Path, tokenizer_eos: int | None) -> Gene
         ids.add(tokenizer_eos)
     if not ids:
         raise ValueError(f"{model_dir} names no end-of-sequence token")
+    return GenerationDefaults(frozenset(int(token) for token in ids), _penalty(raw, path))
+
+
+def read_repetition_penalty(model_dir: Path) -> float:
+    """The checkpoint's repetition penalty alone (1.0: none), without its tokenizer."""
+    path = model_dir / "generation_config.json"
+    return _penalty(json.loads(path.read_text()) if path.exists() else {}, path)
+
+
+def _penalty(raw: dict, path: Path) -> float:
     penalty = float(raw.get("repetition_penalty") or 1.0)
     if penalty <= 0:
         raise ValueError(f"{path}: repetition_penalty must be positive, found {penalty}")
-    return GenerationDefaults(frozenset(int(token) for token in ids), penalty)
+    return penalty
