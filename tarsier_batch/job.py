@@ -4,26 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .outputs.resume import Plan
 from .outputs.schema import OutputColumns
+from .outputs.writer import RowWriter
 from .progress import Reporter, RunStats
 from .results import CaptionResult
 from .sources import MediaItem
 
 if TYPE_CHECKING:
     from .run import Captioning
-
-
-class RowSink(Protocol):
-    """Where finished rows go: the crash-safe store of an output file, or a stream on stdout."""
-
-    saved_rows: int
-
-    def add(self, row: dict[str, Any]) -> None: ...
-    def flush_if_due(self) -> None: ...
-    def flush(self) -> None: ...
 
 
 class CaptionJob:
@@ -33,7 +24,7 @@ class CaptionJob:
     copies with `--key sha256`) is captioned once; each path still gets its own row.
     """
 
-    def __init__(self, items: list[MediaItem], plan: Plan, store: RowSink, stats: RunStats, model_name: str,
+    def __init__(self, items: list[MediaItem], plan: Plan, store: RowWriter, stats: RunStats, model_name: str,
                  columns: OutputColumns):
         self.items, self.plan, self.store, self.stats = items, plan, store, stats
         self.model_name, self.columns = model_name, columns

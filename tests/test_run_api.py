@@ -181,3 +181,36 @@ def test_the_readme_python_example_runs_as_written(tmp_path: Path) -> None:
                             timeout=300)
     assert second.returncode == 0 and second.stdout.splitlines()[-1].startswith("done") and \
         f"done earlier {len(rows)}" in second.stdout, second.stdout
+
+
+def test_a_new_output_format_is_one_class(tiny_model_dir: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tab-separated values, registered from the tests alone: written by a run, read back to resume it."""
+    import csv
+
+    import pyarrow as pa
+
+    from tarsier_batch.outputs import formats
+
+    class TsvFile(formats.TextWithMeta):
+        name = "tsv"
+
+        def write_rows(self, handle, table: pa.Table) -> None:
+            writer = csv.writer(handle, delimiter="\t", lineterminator="\n")
+            writer.writerow(["path", "key", "caption", "error"])
+            writer.writerows([row["path"], row["key"], row["caption"], row["error"] or ""]
+                             for row in table.to_pylist())
+
+        def read_rows(self, path: Path, schema: pa.Schema) -> pa.Table:
+            with open(path, encoding="utf-8", newline="") as handle:
+                rows = [{**row, "error": row["error"] or None}
+                        for row in csv.DictReader(handle, delimiter="\t")]
+            return pa.Table.from_pylist(rows, schema=pa.schema([schema.field(name) for name in rows[0]]))
+
+    monkeypatch.setitem(formats.FORMATS, ".tsv", TsvFile())
+    out = tmp_path / "captions.tsv"
+    inputs = [SAMPLE_DATA / "still.png", SAMPLE_DATA / "ball.gif"]
+    first = CaptionRun(inputs, out, settings_for(tiny_model_dir)).execute()
+    assert first.status is Status.DONE and len(out.read_text().splitlines()) == 3
+    again = CaptionRun(inputs, out, settings_for(tiny_model_dir)).execute()
+    assert again.stats is not None and (again.stats.already_done, again.stats.done) == (2, 0)

@@ -1,26 +1,27 @@
 """Result files on disk: Parquet, JSON Lines, CSV, or a folder of Parquet shards, written and read back.
 
-Parquet carries the provenance in its Arrow schema metadata, so `pyarrow.parquet.read_table`,
-pandas, DuckDB and `datasets` all see it. JSON Lines and CSV have no place for it: a small
-`<out>.meta.json` beside the file holds it instead. Every format can be read back, so any of
-them can be continued by a later run.
+Each kind of output is one `OutputFormat`: how a whole output is written and how it is read
+back, so that any of them can be continued by a later run. A new format is one subclass, named
+by its suffixes in `FORMATS`. Parquet carries the provenance in its Arrow schema metadata, so
+`pyarrow.parquet.read_table`, pandas, DuckDB and `datasets` all see it. JSON Lines and CSV have
+no place for it: a small `<out>.meta.json` beside the file holds it instead.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .schema import PROVENANCE_KEY, SUMMARY_KEY
 
-FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 ROWS_PER_GROUP = 4096          # a few MB per row group: big enough to scan fast, small enough for viewers
 PARQUET_COMPRESSION = "zstd"
 SHARD_PATTERN = "part-*.parquet"
@@ -44,8 +45,13 @@ class OutputTarget:
         return cls(path, shard_rows=1) if path.is_dir() else cls(path)
 
     @property
+    def kind(self) -> OutputFormat:
+        """How this output is written and read back."""
+        return PARQUET_SHARDS if self.shard_rows else FORMATS[self.path.suffix.lower()]
+
+    @property
     def format(self) -> str:
-        return "parquet" if self.shard_rows else FORMATS[self.path.suffix.lower()]
+        return self.kind.name
 
     def check(self) -> None:
         """Answer a wrong --out or --out-dir before any work."""
@@ -87,11 +93,6 @@ def write_parquet(path: Path, table: pa.Table) -> None:
     pq.write_table(table, path, row_group_size=ROWS_PER_GROUP, compression=PARQUET_COMPRESSION)
 
 
-def write_jsonl(handle: TextIO, rows: list[dict[str, Any]]) -> None:
-    for row in rows:
-        handle.write(json_line(row))
-
-
 def json_line(row: dict[str, Any]) -> str:
     """One row as a line of JSON (times as ISO 8601, text as UTF-8)."""
     return json.dumps(row, ensure_ascii=False, default=_json_value) + "\n"
@@ -110,18 +111,7 @@ def read_results(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
 
     Raises ValueError (or an Arrow/OS error) when the file is not results of this tool.
     """
-    if target.shard_rows:
-        tables = [pq.read_table(shard) for shard in target.shards()]
-        return (pa.concat_tables(tables, promote_options="permissive"), *parquet_metadata(tables[-1].schema))
-    kind = target.format
-    if kind == "parquet":
-        table = pq.read_table(target.path)
-        return (table, *parquet_metadata(table.schema))
-    if not target.meta_path.exists():
-        raise ValueError(f"{target.meta_path.name} is missing beside it")
-    meta = json.loads(target.meta_path.read_text(encoding="utf-8"))
-    table = _read_jsonl(target.path, schema) if kind == "jsonl" else _read_csv(target.path, schema)
-    return table, meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
+    return target.kind.read(target, schema)
 
 
 def meta_text(provenance: dict[str, Any], summary: dict[str, Any]) -> str:
@@ -133,6 +123,112 @@ def parquet_metadata(schema: pa.Schema) -> tuple[dict[str, Any], dict[str, Any]]
     metadata = schema.metadata or {}
     return (json.loads(metadata.get(PROVENANCE_KEY.encode(), b"{}")),
             json.loads(metadata.get(SUMMARY_KEY.encode(), b"{}")))
+
+
+# Writes one file: through a temporary name, then renamed over it (`store.write_atomically`).
+Replace = Callable[[Path, Callable[[Path], None]], None]
+
+
+class OutputFormat:
+    """One kind of output: how a whole output is written, and read back to be continued."""
+
+    name: ClassVar[str]
+
+    def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
+              replace: Replace) -> None:
+        """Write `table` (its schema carries `provenance` and `summary`) as the whole output, each file whole."""
+        raise NotImplementedError
+
+    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        """The rows, provenance and summary; `schema` types formats that do not carry types."""
+        raise NotImplementedError
+
+
+class ParquetFile(OutputFormat):
+    name = "parquet"
+
+    def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
+              replace: Replace) -> None:
+        replace(target.path, lambda path: write_parquet(path, table))
+
+    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        table = pq.read_table(target.path)
+        return (table, *parquet_metadata(table.schema))
+
+
+class ParquetShards(OutputFormat):
+    """A folder of `shard_rows`-row Parquet files, `part-00000.parquet` on, each carrying the provenance."""
+
+    name = "parquet"
+
+    def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
+              replace: Replace) -> None:
+        target.path.mkdir(parents=True, exist_ok=True)
+        size = target.shard_rows or 1
+        names = [f"part-{index:05d}.parquet" for index in range(max(1, -(-table.num_rows // size)))]
+        for index, name in enumerate(names):
+            shard = table.slice(index * size, size)
+            replace(target.path / name, lambda path: write_parquet(path, shard))
+        for stale in target.shards():   # beyond the new count
+            if stale.name not in names:
+                stale.unlink(missing_ok=True)
+
+    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        tables = [pq.read_table(shard) for shard in target.shards()]
+        return (pa.concat_tables(tables, promote_options="permissive"), *parquet_metadata(tables[-1].schema))
+
+
+class TextWithMeta(OutputFormat):
+    """A text format with no place for the provenance: it goes into `<out>.meta.json` beside the file."""
+
+    def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
+              replace: Replace) -> None:
+        # The provenance first: a crash between the two leaves the old rows with the new settings,
+        # which the next run refuses to mix (never the other way round).
+        replace(target.meta_path, lambda path: path.write_text(meta_text(provenance, summary), encoding="utf-8"))
+
+        def write_rows(path: Path) -> None:
+            with open(path, "w", encoding="utf-8", newline="") as handle:
+                self.write_rows(handle, table)
+        replace(target.path, write_rows)
+
+    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        if not target.meta_path.exists():
+            raise ValueError(f"{target.meta_path.name} is missing beside it")
+        meta = json.loads(target.meta_path.read_text(encoding="utf-8"))
+        return self.read_rows(target.path, schema), meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
+
+    def write_rows(self, handle: TextIO, table: pa.Table) -> None:
+        raise NotImplementedError
+
+    def read_rows(self, path: Path, schema: pa.Schema) -> pa.Table:
+        raise NotImplementedError
+
+
+class JsonLinesFile(TextWithMeta):
+    name = "jsonl"
+
+    def write_rows(self, handle: TextIO, table: pa.Table) -> None:
+        for row in table.to_pylist():
+            handle.write(json_line(row))
+
+    def read_rows(self, path: Path, schema: pa.Schema) -> pa.Table:
+        return _read_jsonl(path, schema)
+
+
+class CsvFile(TextWithMeta):
+    name = "csv"
+
+    def write_rows(self, handle: TextIO, table: pa.Table) -> None:
+        write_csv(handle, table)
+
+    def read_rows(self, path: Path, schema: pa.Schema) -> pa.Table:
+        return _read_csv(path, schema)
+
+
+PARQUET_SHARDS = ParquetShards()
+FORMATS: dict[str, OutputFormat] = {".parquet": ParquetFile(), ".jsonl": JsonLinesFile(), ".ndjson": JsonLinesFile(),
+                                    ".csv": CsvFile()}
 
 
 def _read_jsonl(path: Path, schema: pa.Schema) -> pa.Table:

@@ -32,8 +32,7 @@ import pyarrow.parquet as pq
 
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from ..text import one_line
-from .formats import (OutputError, OutputTarget, meta_text, read_results, with_metadata, write_csv, write_jsonl,
-                      write_parquet)
+from .formats import OutputError, OutputTarget, read_results, with_metadata
 from .schema import OutputColumns
 
 SETTINGS_FILE = "settings.json"
@@ -136,45 +135,16 @@ class ResultStore:
         return len(self._pending)
 
     def commit(self, rows: list[dict[str, Any]], provenance: dict[str, Any], summary: dict[str, Any]) -> None:
-        """Write `rows` as `--out` (atomically replacing it), then remove the work directory."""
+        """Write `rows` as `--out` (atomically replacing it, in its format), then remove the work directory."""
         table = pa.Table.from_pylist(rows, schema=with_metadata(self.schema, provenance, summary))
         try:
-            if self.target.shard_rows:
-                self._write_shards(table)
-            elif self.target.format == "parquet":
-                self._replace(self.out, lambda path: write_parquet(path, table))
-            else:
-                # The provenance first: a crash between the two leaves the old rows with the new
-                # settings, which the next run refuses to mix (never the other way round).
-                self._replace(self.target.meta_path,
-                              lambda path: path.write_text(meta_text(provenance, summary), encoding="utf-8"))
-                self._replace(self.out, lambda path: self._write_text(path, table))
+            self.target.kind.write(self.target, table, provenance, summary, self._replace)
         except OSError as error:
             raise OutputWriteError(f"cannot write {self.out}: {error.strerror or error}") from error
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def _replace(self, path: Path, write: Callable[[Path], None]) -> None:
         write_atomically(path, write, temporary=path.parent / f".{path.name}.{os.getpid()}.tmp")
-
-    def _write_text(self, path: Path, table: pa.Table) -> None:
-        with open(path, "w", encoding="utf-8", newline="") as handle:
-            if self.target.format == "jsonl":
-                write_jsonl(handle, table.to_pylist())
-            else:
-                write_csv(handle, table)
-
-    def _write_shards(self, table: pa.Table) -> None:
-        """`shard_rows` rows per shard, `part-00000.parquet` on; shards beyond the new count are removed."""
-        self.out.mkdir(parents=True, exist_ok=True)
-        size = self.target.shard_rows or 1
-        count = max(1, -(-table.num_rows // size))
-        names = [f"part-{index:05d}.parquet" for index in range(count)]
-        for index, name in enumerate(names):
-            shard = table.slice(index * size, size)
-            self._replace(self.out / name, lambda path: write_parquet(path, shard))
-        for stale in self.target.shards():
-            if stale.name not in names:
-                stale.unlink(missing_ok=True)
 
     def _parts(self) -> list[Path]:
         return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
