@@ -5,7 +5,8 @@
     for result in captioner.caption(discover(["./videos"]).items):
         print(result.path, result.caption)
 
-This is what the CLI and a Ray worker call. Item-level problems (a corrupt file, an item that
+This is what a run (`run.CaptionRun`, behind `tarsier caption`) and a Ray actor caption with;
+a run adds the output, resume and progress around it. Item-level problems (a corrupt file, an item that
 does not fit in memory even alone) come back as results with an error; run-level problems (no
 such model, bad settings) raise.
 """
