@@ -17,15 +17,22 @@ _EXPORTS = {"CaptionRun": "run", "RunOutcome": "run", "RunReporter": "run", "Log
             "CaptionSettings": "settings", "RunSettings": "settings", "SamplingParams": "settings",
             "SettingsError": "settings",
             "Captioner": "api", "CaptionResult": "results", "MediaItem": "sources", "discover": "sources",
-            "read_manifest": "manifest"}
+            "read_manifest": "manifest", "OutputTarget": "outputs.formats",
+            # what a run raises for the caller to fix
+            "OutputError": "outputs.formats", "SettingsMismatchError": "outputs.resume",
+            "OutputLockedError": "outputs.lock", "ModelNotFoundError": "checkpoints", "InputNotFoundError": "sources"}
 
 if TYPE_CHECKING:
     from .api import Captioner
+    from .checkpoints import ModelNotFoundError
     from .manifest import read_manifest
+    from .outputs.formats import OutputError, OutputTarget
+    from .outputs.lock import OutputLockedError
+    from .outputs.resume import SettingsMismatchError
     from .results import CaptionResult
     from .run import CaptionRun, LoggingReporter, RunOutcome, RunReporter, Status, Terminated
     from .settings import CaptionSettings, RunSettings, SamplingParams, SettingsError
-    from .sources import MediaItem, discover
+    from .sources import InputNotFoundError, MediaItem, discover
 
 
 def __getattr__(name: str) -> Any:
@@ -34,6 +41,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "LoggingReporter", "MediaItem", "RunOutcome",
-           "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "Status", "Terminated", "__version__",
-           "discover", "read_manifest"]
+__all__ = ["CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError", "LoggingReporter",
+           "MediaItem", "ModelNotFoundError", "OutputError", "OutputLockedError", "OutputTarget", "RunOutcome",
+           "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError", "Status",
+           "Terminated", "__version__", "discover", "read_manifest"]

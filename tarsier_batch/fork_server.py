@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sys
 from multiprocessing.context import BaseContext
 
 _quiet_server_pid: int | None = None
+_MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
+
+
+class UnguardedScriptError(RuntimeError):
+    """The script running this process does its work when imported, which every child process does again."""
 
 
 def quiet_fork_server(preload: list[str]) -> BaseContext:
@@ -30,6 +36,7 @@ def quiet_fork_server(preload: list[str]) -> BaseContext:
     global _quiet_server_pid
     from multiprocessing import forkserver
 
+    check_main_is_guarded()
     context = multiprocessing.get_context("forkserver")
     server = forkserver._forkserver  # private, but stable: the process-wide server
     if _quiet_server_pid is not None and getattr(server, "_forkserver_pid", None) == _quiet_server_pid:
@@ -51,3 +58,26 @@ def quiet_fork_server(preload: list[str]) -> BaseContext:
         os.close(devnull)
     _quiet_server_pid = getattr(server, "_forkserver_pid", None)
     return context
+
+
+def check_main_is_guarded() -> None:
+    """Refuse to start children for a script without an `if __name__ == "__main__":` guard.
+
+    A child imports the parent's main script again (multiprocessing's rule for a fork server or
+    spawn); unguarded, the script's work starts again in the child, which dies while starting, and
+    every item would fail with "the workers failed" and nothing to say why.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)   # none: python -c, a notebook, an interactive session
+    if path is None:
+        return
+    try:
+        with open(path, encoding="utf-8", errors="replace") as script:
+            source = script.read()
+    except OSError:
+        return
+    if not _MAIN_GUARD.search(source):
+        raise UnguardedScriptError(
+            f"{path} runs its work when imported, and the processes that decode media import it again: put "
+            f"that work under 'if __name__ == \"__main__\":' (or decode in threads: "
+            f"CaptionSettings(isolate_decoding=False))")

@@ -122,7 +122,7 @@ def make_reporters(stats: RunStats, console: Console, quiet: bool, log_file: Tex
 class LogReporter:
     """A start line, one line per failure and a progress line at most every `interval` seconds."""
 
-    def __init__(self, stats: RunStats, log: LineLog, interval: float = LOG_INTERVAL_S,
+    def __init__(self, stats: RunStats, log: Callable[[str], None], interval: float = LOG_INTERVAL_S,
                  clock: Callable[[], float] = time.perf_counter):
         self.stats, self.log, self.interval, self._clock = stats, log, interval, clock
         self._last_line = clock()

@@ -9,8 +9,9 @@ finished rows in part files, and writes the output once, atomically. Running it 
 same output continues it. Progress goes to a `RunReporter`; how the run ended comes back as a
 `RunOutcome`, never by printing or exiting. Problems the caller can fix (a bad setting, an output
 of another kind, other settings than the stored rows', a missing model) raise before anything is
-written: `SettingsError`, `OutputError`, `SettingsMismatchError`, `ModelNotFoundError`, `ValueError`;
-another run writing the same output raises `OutputLockedError`.
+written: `SettingsError`, `OutputError`, `SettingsMismatchError`, `ModelNotFoundError`, `ValueError`,
+`fork_server.UnguardedScriptError` (a script without its `__main__` guard); another run writing
+the same output raises `OutputLockedError`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
+from .fork_server import check_main_is_guarded
 from .job import CaptionJob
 from .manifest import Manifest
 from .outputs.formats import OutputTarget
@@ -32,7 +34,7 @@ from .outputs.resume import Plan, check_settings, describe_plan, plan_run
 from .outputs.schema import OutputColumns
 from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
-from .progress import Reporter, RunStats, plural, summary_line, summary_rows
+from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, RunSettings, resume_settings
 from .sources import Discovery, MediaItem, discover
@@ -96,7 +98,8 @@ class RunReporter(Protocol):
 
 
 class LoggingReporter:
-    """Reports to the `tarsier_batch` logger: what a Python pipeline's own logging shows."""
+    """Reports to the `tarsier_batch` logger (what a pipeline's logging set-up shows; with none, Python shows
+    only warnings): what the run does, failures, and a progress line at most every 30 s."""
 
     def info(self, message: str) -> None:
         LOG.info(message)
@@ -109,7 +112,7 @@ class LoggingReporter:
         return nullcontext()
 
     def progress(self, stats: RunStats) -> list[Reporter]:
-        return []
+        return [LogReporter(stats, LOG.info)]
 
 
 class Captioning(Protocol):
@@ -158,6 +161,8 @@ class CaptionRun:
         self.settings, self.reporter = settings, reporter or LoggingReporter()
         self._captioning: Captioning | None = captioner
         self._load_captioning = load
+        if load is None and settings.caption.isolate_decoding:
+            check_main_is_guarded()   # now, not once the model is loaded
         self.stream = out if hasattr(out, "write") else None
         if self.stream is not None:
             settings.check_streamable()

@@ -214,3 +214,15 @@ def test_a_new_output_format_is_one_class(tiny_model_dir: Path, tmp_path: Path,
     assert first.status is Status.DONE and len(out.read_text().splitlines()) == 3
     again = CaptionRun(inputs, out, settings_for(tiny_model_dir)).execute()
     assert again.stats is not None and (again.stats.already_done, again.stats.done) == (2, 0)
+
+
+def test_a_script_without_its_main_guard_is_told_why_before_any_work(tmp_path: Path) -> None:
+    """Decoding workers import the script again: unguarded, each died while starting and every item failed with
+    'the decoding workers failed (All workers expired)', rows a rerun then took for finished work."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from tarsier_batch import CaptionRun\n"
+                      f"CaptionRun([{str(SAMPLE_DATA / 'still.png')!r}], 'r.parquet').execute()\n")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "UnguardedScriptError" in done.stderr
+    assert f"{script} runs its work when imported" in done.stderr and "if __name__ == \"__main__\":" in done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["unguarded.py"]   # nothing written
