@@ -56,7 +56,7 @@ class Captioner:
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
-            raise SettingsError(f"no memory left on {self.device} for a KV cache; give {{kv_cache_gb}}")
+            raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
         pruning = settings.pruning
         layers = self.model.kv_geometry.num_layers
         if pruning is not None and pruning["layer"] >= layers:

@@ -10,6 +10,7 @@ from .catalog import families
 
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+_PROCESSOR_PATTERNS = [pattern for pattern in _CHECKPOINT_PATTERNS if pattern != "*.safetensors"]
 
 
 class ModelNotFoundError(Exception):
@@ -48,8 +49,9 @@ DEMO_ALIAS = "demo"
 DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo" / "checkpoint"
 
 
-def resolve_model(reference: str) -> ResolvedModel:
-    """A local directory, `demo`, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded)."""
+def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
+    """A local directory, `demo`, a built-in `tiny-random*` alias, or a Hugging Face id (downloaded;
+    without `weights`, only its configuration and tokenizer: what frames and prompts need)."""
     if reference == DEMO_ALIAS:
         if not (DEMO_CHECKPOINT / "model.safetensors").exists():
             raise ModelNotFoundError(f"the demo model is missing from this installation ({DEMO_CHECKPOINT}); "
@@ -65,14 +67,14 @@ def resolve_model(reference: str) -> ResolvedModel:
         return ResolvedModel(reference, local.resolve(), None)
     if local.exists() or reference.count("/") != 1 or reference.startswith((".", "/", "~")):
         raise ModelNotFoundError(f"--model {reference!r} is not a checkpoint directory or a Hugging Face id")
-    return _download(reference)
+    return _download(reference, _CHECKPOINT_PATTERNS if weights else _PROCESSOR_PATTERNS)
 
 
-def _download(repo_id: str) -> ResolvedModel:
+def _download(repo_id: str, patterns: list[str]) -> ResolvedModel:
     from huggingface_hub import snapshot_download
 
     try:
-        path = Path(snapshot_download(repo_id, allow_patterns=_CHECKPOINT_PATTERNS))
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # offline, unknown repository, gated, interrupted: all end here
         raise ModelNotFoundError(download_problem(repo_id, error)) from error
     return ResolvedModel(repo_id, path, path.name)

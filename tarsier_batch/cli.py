@@ -32,7 +32,7 @@ from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
 from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
-from .settings import (FLUSH_ROWS, FLUSH_SECONDS, CaptionSettings, RaySettings, RunSettings, SamplingParams,
+from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, CaptionSettings, RaySettings, RunSettings, SamplingParams,
                        SettingsError)
 from .sharding import Shard, ShardError
 from .sources import Discovery, InputNotFoundError, discover
@@ -56,11 +56,7 @@ dev_app = typer.Typer(help="Developer tools.", rich_markup_mode=None, no_args_is
 app.add_typer(dev_app, name="dev")
 
 
-class DType(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
+DType = Enum("DType", {name: name for name in DTYPES}, type=str)   # typer shows the choices
 
 
 def _version(value: bool) -> None:
@@ -154,7 +150,7 @@ def caption(
     top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
     repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, metavar="X", help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
     seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
-    dtype: Annotated[DType, typer.Option(envvar="TARSIER_DTYPE", show_envvar=True, help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,
+    dtype: Annotated[DType, typer.Option(envvar="TARSIER_DTYPE", show_envvar=True, help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,  # type: ignore[attr-defined]
     device: Annotated[str, typer.Option(metavar="DEVICE", envvar="TARSIER_DEVICE", show_envvar=True, help="auto, cpu, cuda or cuda:N.")] = "auto",
     workers: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
     decode_timeout: Annotated[float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
@@ -211,8 +207,9 @@ def caption(
         run = CaptionRun(found, sys.stdout if stream else target, settings, reporter,
                          load=_on_ray(ray_settings, reporter) if ray_settings else None,
                          source=f"--manifest {manifest}" if manifest else " ".join(inputs or []))
+        nothing = run.no_media()
         if dry_run:
-            raise typer.Exit(_dry_run(run))
+            raise typer.Exit(_dry_run(run) if nothing is None else _present(nothing, console, quiet, log))
         with _stop_signals():
             outcome = run.execute()
         code = _present(outcome, console, quiet, log)
@@ -298,9 +295,9 @@ def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: floa
 def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Captioning]:
     """A run's loader that captions on the cluster (Ray is imported only when there is something to caption)."""
     def load(settings: CaptionSettings) -> Captioning:
-        from .runners.ray import connect
+        from .runners.ray import RayCaptioning
 
-        return connect(ray, reporter)(settings)
+        return RayCaptioning(settings, ray, reporter)
     return load
 
 
@@ -593,8 +590,6 @@ def _stdin_paths(inputs: list[str], null_separated: bool = False) -> list[str]:
     if null_separated:
         return [os.fsdecode(path) for path in data.split(b"\0") if path]
     return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
-
-
 
 
 def _fail(message: str) -> NoReturn:

@@ -216,4 +216,7 @@ def _in_child(function: Any, args: tuple[Any, ...], timeout_s: float) -> dict[st
 def _answer(send: Connection, function: Any, args: tuple[Any, ...]) -> None:
     """The child's side of `_in_child`."""
     faulthandler.disable()   # a crash is reported by the parent, without a dump of the child's stack
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)   # decord and FFmpeg log from native code (the server's stderr may not be quiet)
+    os.close(devnull)
     send.send(function(*args))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
@@ -195,6 +195,13 @@ class CaptionRun:
         """The run's items (its shard's, with `RunSettings.shard`)."""
         return self.discovery.items
 
+    def no_media(self) -> RunOutcome | None:
+        """The outcome of a run whose inputs hold no media (None when they hold some)."""
+        if self.all_items:
+            return None
+        message = f"no supported media in {self.source} ({plural(self.discovery.skipped_count, 'other file')} skipped)"
+        return RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty else Status.NO_MEDIA, message)
+
     def describe(self) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], int]]:
         """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
         (action, path, reason) lines, and counts by (action, kind of reason)."""
@@ -206,22 +213,27 @@ class CaptionRun:
 
     def execute(self) -> RunOutcome:
         """Run to the end."""
-        for _ in self.results():
-            pass
+        results = self.results()
+        try:
+            for _ in results:
+                pass
+        except (KeyboardInterrupt, Terminated) as stop:
+            if results.gi_frame is None:   # raised by the run before it could handle stops (taking the lock)
+                raise
+            # It arrived here, between two results: the run handles it where it stands.
+            for _ in _thrown(results, stop):
+                pass
         assert self.outcome is not None
         return self.outcome
 
-    def results(self) -> Iterator[CaptionResult]:
+    def results(self) -> Generator[CaptionResult, None, None]:
         """Run, yielding each item's result as its row is saved; `outcome` says how the run ended.
 
         Leaving the loop early stops the run as Ctrl-C does: the finished rows are saved for the
         next run and the output is not changed.
         """
-        self.outcome = None
-        if not self.all_items:
-            message = f"no supported media in {self.source} ({plural(self.discovery.skipped_count, 'other file')} " \
-                      f"skipped)"
-            self.outcome = RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty else Status.NO_MEDIA, message)
+        self.outcome = self.no_media()
+        if self.outcome is not None:
             return
         with self._locked():
             try:
@@ -229,9 +241,10 @@ class CaptionRun:
                 plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
                 self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
+                status, reason = _stopped_by(stop)
                 where = self.target.path if self.target is not None else "the stream"
-                self.outcome = RunOutcome(_stop_status(stop), f"{_stop_reason(stop)}; {where} was not changed; "
-                                                              f"run the same command again to continue")
+                self.outcome = RunOutcome(status, f"{reason}; {where} was not changed; run the same command again "
+                                                  f"to continue")
 
     # --- the steps ------------------------------------------------------------------------
 
@@ -311,12 +324,16 @@ class CaptionRun:
             self.outcome = self._stopped(job, Status.INTERRUPTED, "stopped by the caller", None)
             raise
         except (KeyboardInterrupt, Terminated) as stop:
-            status, reason, error = _stop_status(stop), _stop_reason(stop), None
+            (status, reason), error = _stopped_by(stop), None
         except BrokenPipeError:  # `-o - | head`: the reader has all it wants
             status, reason, error = Status.STDOUT_CLOSED, "stdout was closed", None
         except Exception as crash:  # a bug, a dead device or a full disk: keep what finished, say what happened
             status, error = Status.CRASHED, crash
             reason = f"crashed ({crash if isinstance(crash, OutputWriteError) else one_line(crash)})"
+        if self.store is not None:
+            # What the next run reads if it has nothing left to caption: a cluster's actors may have told more by now.
+            with suppress(OSError):
+                self.store.record_provenance(run_provenance(captioning, self.settings))
         return self._stopped(job, status, reason, error)
 
     def _stopped(self, job: CaptionJob, status: Status, reason: str, error: BaseException | None) -> RunOutcome:
@@ -368,12 +385,18 @@ def run_provenance(captioning: Captioning, settings: RunSettings) -> dict[str, A
     return {**captioning.provenance(), "settings": resume_settings(settings, captioning.resolved_settings())}
 
 
-def _stop_status(stop: BaseException) -> Status:
-    return Status.INTERRUPTED if isinstance(stop, KeyboardInterrupt) else Status.TERMINATED
+def _stopped_by(stop: BaseException) -> tuple[Status, str]:
+    return (Status.INTERRUPTED, "interrupted") if isinstance(stop, KeyboardInterrupt) \
+        else (Status.TERMINATED, "terminated")
 
 
-def _stop_reason(stop: BaseException) -> str:
-    return "interrupted" if isinstance(stop, KeyboardInterrupt) else "terminated"
+def _thrown(results: Generator[Any, None, None], stop: BaseException) -> Iterator[Any]:
+    """`stop` raised in `results` where it is suspended, then what it yields after handling it."""
+    try:
+        yield results.throw(stop)
+    except StopIteration:
+        return
+    yield from results
 
 
 @contextmanager

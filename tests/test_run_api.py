@@ -226,3 +226,26 @@ def test_a_script_without_its_main_guard_is_told_why_before_any_work(tmp_path: P
     assert done.returncode == 1 and "UnguardedScriptError" in done.stderr
     assert f"{script} runs its work when imported" in done.stderr and "if __name__ == \"__main__\":" in done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["unguarded.py"]   # nothing written
+
+
+def test_a_dry_run_over_inputs_without_media_says_so(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("no media here")
+    args = ["caption", str(tmp_path), "-o", str(tmp_path / "r.parquet"), "--dry-run"]
+    for extra, code in (([], 0), (["--fail-on-empty"], 1)):
+        done = runner.invoke(app, [*args, *extra])
+        assert done.exit_code == code and f"no supported media in {tmp_path} (1 other file skipped)" in done.output
+
+
+def test_a_stop_between_two_results_saves_them_and_ends_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """SIGTERM's Terminated raised in the caller's frame, between two results: execute() throws it into the run
+    where it stands (a stop there used to escape with a traceback, the run closed as 'stopped by the caller')."""
+    from tarsier_batch.run import Terminated
+
+    out = tmp_path / "r.parquet"
+    run = CaptionRun([SAMPLE_DATA], out, settings_for(tiny_model_dir, flush_rows=1))
+    results = run.results()
+    next(results), next(results)
+    with pytest.raises(StopIteration):
+        results.throw(Terminated())   # what execute() does with a stop that arrives in its own loop
+    assert run.outcome is not None and run.outcome.status is Status.TERMINATED
+    assert run.outcome.message.startswith("terminated; 2 finished rows are saved in") and not out.exists()

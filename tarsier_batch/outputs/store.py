@@ -98,10 +98,14 @@ class ResultStore:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
             leftover.unlink(missing_ok=True)
-        write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
+        self.record_provenance(provenance)
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
+
+    def record_provenance(self, provenance: dict[str, Any]) -> None:
+        """Keep `provenance` in the work directory: the output's, when a later run resumes it."""
+        write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
 
     def add(self, row: dict[str, Any]) -> None:
         """Queue a finished row; it is saved with the next part."""

@@ -1,7 +1,8 @@
 """Caption on a Ray cluster: `tarsier caption INPUTS --ray ADDRESS --out ...`.
 
 A run (`run.CaptionRun`) plans, resumes and writes as it does in one process; `RayCaptioning`
-only captions its items elsewhere. They become a Ray Dataset (one row each: its place among the
+only captions its items elsewhere (`CaptionRun(..., load=lambda settings: RayCaptioning(settings,
+RaySettings("auto"), reporter))`). They become a Ray Dataset (one row each: its place among the
 inputs and the pickled `MediaItem`). Decoding and preprocessing run as Ray CPU tasks (each Ray
 worker keeps an isolated decoding process with the checkpoint's processor, no weights:
 `workers.DecodePool`). Captioning runs in an actor pool of `RayCaptioner`s, each a `Captioner`
@@ -56,13 +57,7 @@ class RayJob:
 
     settings: CaptionSettings
     resolved: Resolved               # as this process resolved the model: every actor must agree
-    ray: RaySettings
     items_per_batch: int             # items in one call of an actor (it runs CALLS_PER_ACTOR at once)
-
-
-def connect(ray_settings: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], RayCaptioning]:
-    """A run's loader (`CaptionRun(load=...)`) that captions on the cluster instead of loading the model here."""
-    return lambda settings: RayCaptioning(settings, ray_settings, reporter)
 
 
 class RayCaptioning:
@@ -85,7 +80,7 @@ class RayCaptioning:
         if ray_settings.gpus_per_actor > 0 and ray.cluster_resources().get("GPU", 0) == 0:
             raise RayResourceError(f"the Ray cluster at {address} has no GPUs; pass --device cpu (or "
                                    f"--ray-gpus-per-worker 0) to caption on its CPUs")
-        self.model = resolve_model(settings.model)
+        self.model = resolve_model(settings.model, weights=False)   # the actors load the weights, not this process
         frames = settings.frames or load_processor(self.model.path).default_frames
         penalty = settings.sampling.repetition_penalty
         self.resolved = Resolved(self.model.revision, frames,
@@ -115,7 +110,7 @@ class RayCaptioning:
 
         items = list(items)
         self.reporter.info(f"captioning {plural(len(items), 'item')} on Ray")
-        job = RayJob(self.settings, self.resolved, self.ray, items_per_batch=2 * (self.settings.batch_size or 16))
+        job = RayJob(self.settings, self.resolved, items_per_batch=2 * (self.settings.batch_size or 16))
         context = ray.data.DataContext.get_current()
         context.execution_options.preserve_order = True   # results in input order, like a single run's
         dataset = ray.data.from_items([{"position": position, "item": pickle.dumps(item)}
