@@ -29,6 +29,7 @@ from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .families import CaptionModel, load_caption_model
+from .families.base import Processor
 from .media import decoder_versions
 from .progress import plural
 from .results import CaptionResult
@@ -121,19 +122,19 @@ class Captioner:
         """What loading settled that the settings may leave open (see `settings.resume_settings`)."""
         return Resolved(self.resolved.revision, self.frames, self.engine.sampling.repetition_penalty)
 
-    def caption(self, items: Iterable[MediaItem],
-                on_tokens: Callable[[int], None] | None = None) -> Iterator[CaptionResult]:
-        """Caption `items`, yielding one result per item in input order.
+    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None,
+                in_order: bool = True) -> Iterator[CaptionResult]:
+        """Caption `items`, yielding one result per item: in input order, or as each finishes.
 
         Media are decoded in worker processes while the model works (a worker that crashes,
         hangs past the timeout or runs out of memory costs only its item, which comes back as
-        an error); a decoded item joins the running batch as soon as a row frees up, and
-        finished rows are held back until every earlier item has been yielded.
+        an error); a decoded item joins the running batch as soon as a row frees up. In input
+        order, finished rows are held back until every earlier item has been yielded.
         """
-        pool = decode_pool(DecodeJob(self.model.processor, self.frames, self.settings.prompt), self.settings,
-                           self.workers)
+        pool = decode_pool(self.model.processor, self.frames, self.settings, self.workers)
         try:
-            yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens)
+            yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens,
+                                           in_order)
         finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
             pool.shutdown()
 
@@ -141,9 +142,10 @@ class Captioner:
         """Caption items decoded elsewhere, handed in by any number of threads at once; see `CaptionService`."""
         return CaptionService(self)
 
-    def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]],
-                       on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
-        """Results in input order of decodes that settle in any order; pulls more only as the batch needs."""
+    def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]], on_tokens: Callable[[int], None] | None,
+                       in_order: bool) -> Iterator[CaptionResult]:
+        """Results (in input order, or as they finish) of decodes that settle in any order; pulls more only as
+        the batch needs."""
         loads: deque[Future[Decoded]] = deque()
         more_items = True
 
@@ -166,6 +168,9 @@ class Captioner:
         ready: dict[int, CaptionResult] = {}
         next_index = 0
         for finished in self.drive(take, on_tokens):
+            if not in_order:
+                yield from finished.values()
+                continue
             ready.update(finished)
             while next_index in ready:
                 yield ready.pop(next_index)
@@ -310,9 +315,11 @@ class _Closed(RuntimeError):
     """Raised to callers of a closed CaptionService."""
 
 
-def decode_pool(job: DecodeJob, settings: CaptionSettings, workers: int) -> DecodePool:
-    """Workers decoding items as `settings` say: isolated (or not), with their timeout and memory limit."""
+def decode_pool(processor: Processor, frames: int, settings: CaptionSettings, workers: int) -> DecodePool:
+    """Workers decoding items with `processor` as `settings` say: isolated (or not), with their timeout and
+    memory limit, refusing images above the pixel limit."""
     memory = settings.decode_memory_gb
+    job = DecodeJob(processor, frames, settings.prompt, settings.max_image_pixels)
     return DecodePool(job, workers, settings.decode_timeout_s, int(memory * 2**30) if memory else None,
                       isolate=settings.isolate_decoding)
 

@@ -25,6 +25,7 @@ from .catalog import DEFAULT_MODEL, families, family_named
 from .checkpoints import DEMO_ALIAS, ModelNotFoundError
 from .config import ConfigError, config_defaults
 from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest
+from .media import MAX_IMAGE_PIXELS
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
 from .outputs.resume import SettingsMismatchError
@@ -155,6 +156,7 @@ def caption(
     workers: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
     decode_timeout: Annotated[float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
     decode_memory_gb: Annotated[float, typer.Option(min=0.5, metavar="GIB", help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
+    max_image_pixels: Annotated[int, typer.Option(min=1, metavar="N", help="Images (and GIFs) of more pixels fail undecoded: decompression bombs. A JPEG above 89 Mpx is read reduced as it decodes.")] = MAX_IMAGE_PIXELS,
     recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
     with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
     key: Annotated[KeyMode, typer.Option(help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' (content; reads each file; adds a sha256 column).")] = KeyMode.path,
@@ -163,7 +165,7 @@ def caption(
     prune_missing: Annotated[bool, typer.Option("--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
     fail_on_empty: Annotated[bool, typer.Option("--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
     flush_rows: Annotated[int, typer.Option(min=1, metavar="N", help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
-    flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once the oldest unsaved row is this many seconds old.")] = FLUSH_SECONDS,
+    flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once this many seconds passed since the last save (a row finishing later than that is saved at once).")] = FLUSH_SECONDS,
     log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
     ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Caption on a Ray cluster: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
@@ -185,6 +187,7 @@ def caption(
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
         prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
+        max_image_pixels=max_image_pixels,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, repetition_penalty=repetition_penalty))
     settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, key=key.value, shard=shard_spec,

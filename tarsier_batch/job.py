@@ -32,14 +32,17 @@ class CaptionJob:
         self._by_path = {item.row_path: item for item in items}
 
     def run(self, captioning: Captioning, reporters: list[Reporter]) -> Iterator[CaptionResult]:
-        """Caption the plan's items, yielding each row's result as it is saved (same-content copies too)."""
+        """Caption the plan's items, yielding each row's result as it is saved (same-content copies too), in the
+        order they finish."""
         def on_tokens(count: int) -> None:
             self.stats.streamed_tokens += count
             self.store.flush_if_due()  # rows waiting for a flush are saved even while nothing finishes
             for reporter in reporters:
                 reporter.on_tokens()
 
-        for result in captioning.caption(self.plan.todo, on_tokens):
+        # As each finishes, not in input order: a finished row is saved even while an earlier item still
+        # generates (the output is put in order at the end; a stream keeps its own order).
+        for result in captioning.caption(self.plan.todo, on_tokens, in_order=False):
             for copy in [result, *self._copies(result)]:
                 self._finish(copy, reporters)
                 yield copy

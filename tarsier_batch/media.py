@@ -9,7 +9,7 @@ import functools
 import os
 import re
 import stat
-import warnings
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -18,6 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from PIL import Image, ImageOps, ImageSequence
+
+# Pillow's own limit (89 Mpx: a warning, twice that: an error) is set aside while opening: the
+# caller's `max_image_pixels` decides, and its message names the option.
+MAX_IMAGE_PIXELS = 250_000_000
+# A JPEG above Pillow's limit is read reduced by 1/2, 1/4 or 1/8 as it is decoded (Pillow's draft
+# mode: the full image is never allocated), to this many pixels or fewer: still several times what
+# any model of ours takes per frame. Below the limit an image is read whole, as the official
+# loaders read it.
+DRAFT_ABOVE_PIXELS = int(1024 * 1024 * 1024 // 4 // 3)   # Pillow's default MAX_IMAGE_PIXELS (89,478,485)
+DRAFT_TO_PIXELS = 16_000_000
+_EXIF_ORIENTATION = 0x0112
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+_PILLOW_LIMIT = threading.Lock()
 
 
 class MediaType(str, Enum):
@@ -99,21 +112,23 @@ class Media:
 
 
 def load_media(path: str, media_type: MediaType, num_frames: int,
-               frame_transform: FrameTransform | None = None, sampler: FrameSampler = frame_indices) -> Media:
+               frame_transform: FrameTransform | None = None, sampler: FrameSampler = frame_indices,
+               max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
     """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame).
 
     With `frame_transform`, each sampled frame is transformed soon after it is decoded and only
     the result is kept. Full-resolution frames are released before decoding goes on, except
     that video frames decord must decode in one pass (sampled frames between the same two
     keyframes) are decoded together first. A frame sampled twice (a video shorter than
-    `num_frames`) is decoded and transformed once; its result appears at both places.
+    `num_frames`) is decoded and transformed once; its result appears at both places. An image or
+    GIF of more than `max_image_pixels` pixels (None: any) fails without being decoded.
     """
     check_regular_file(path)
     if media_type is MediaType.VIDEO:
         return _load_video(path, num_frames, frame_transform, sampler)
     if media_type is MediaType.GIF:
-        return _load_gif(path, num_frames, frame_transform, sampler)
-    return _load_image(path, num_frames, frame_transform, sampler)
+        return _load_gif(path, num_frames, frame_transform, sampler, max_image_pixels)
+    return _load_image(path, num_frames, frame_transform, sampler, max_image_pixels)
 
 
 def check_regular_file(path: str) -> None:
@@ -472,10 +487,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return None
 
 
-def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+              max_pixels: int | None) -> Media:
     # Like the official loader, walk the frames once and keep those whose index was sampled:
     # repeated indices collapse, so a short GIF yields fewer frames than requested.
-    with _open_image(path) as gif:
+    with _open_image(path, max_pixels) as gif:
         return _sample_animation(path, gif, num_frames, transform, sampler, lambda frame: frame.convert("RGB"))
 
 
@@ -499,22 +515,31 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
                  duration_ms / 1000 if duration_ms else None, "pillow")
 
 
-# Pillow warns between MAX_IMAGE_PIXELS and twice that; _open_image refuses those images itself.
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def _open_image(path: str) -> Image.Image:
-    """Open an image (lazily), refusing decompression bombs with a clear reason instead of Pillow's warning."""
-    try:
-        image = Image.open(path)
-    except Image.DecompressionBombError as error:
-        raise ValueError(f"image too large: {error}") from None
+def _open_image(path: str, max_pixels: int | None) -> Image.Image:
+    """Open an image (lazily: its size is known, no pixel is decoded), refusing one above `max_pixels`."""
+    with _PILLOW_LIMIT:   # Pillow's limit is a module global: set it aside for this open only
+        pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            image = Image.open(path)
+        finally:
+            Image.MAX_IMAGE_PIXELS = pillows
     width, height = image.size
-    if Image.MAX_IMAGE_PIXELS and width * height > Image.MAX_IMAGE_PIXELS:
+    if max_pixels is not None and width * height > max_pixels:
         image.close()
-        raise ValueError(f"image too large: {width}x{height} = {width * height / 1e6:.0f} Mpx, above the "
-                         f"{Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx decompression-bomb limit")
+        raise ValueError(f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above the "
+                         f"{max_pixels / 1e6:.3g} Mpx limit (--max-image-pixels)")
     return image
+
+
+def _read_reduced_if_huge(image: Image.Image) -> None:
+    """Have a huge JPEG decoded at the smallest reduction (1/2, 1/4, 1/8) that brings it to DRAFT_TO_PIXELS."""
+    width, height = image.size
+    if image.format != "JPEG" or width * height <= DRAFT_ABOVE_PIXELS:
+        return
+    scale = next((scale for scale in (2, 4, 8) if width * height / scale**2 <= DRAFT_TO_PIXELS), 8)
+    image.draft(image.mode, (-(-width // scale), -(-height // scale)))
 
 
 # Formats whose extra frames are an animation. A JPEG holding more pictures (MPO: a camera's
@@ -522,14 +547,18 @@ def _open_image(path: str) -> Image.Image:
 _ANIMATED_FORMATS = frozenset({"GIF", "PNG", "WEBP"})
 
 
-def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+                max_pixels: int | None) -> Media:
     """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
-    with _open_image(path) as image:
+    with _open_image(path, max_pixels) as image:
         if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
             return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
+        stored = image.size
+        _read_reduced_if_huge(image)
+        swapped = image.getexif().get(_EXIF_ORIENTATION) in _SWAPPING_ORIENTATIONS
         ImageOps.exif_transpose(image, in_place=True)  # in place: a large photo is not held twice
         frame = _to_rgb(image)
-    width, height = frame.size
+    width, height = reversed(stored) if swapped else stored   # as displayed, at full size
     return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None, "pillow")
 
 

@@ -118,9 +118,9 @@ class LoggingReporter:
 class Captioning(Protocol):
     """What captions a run's items: a `Captioner` in this process, or a cluster (`runners.ray.RayCaptioning`)."""
 
-    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None
-                ) -> Iterator[CaptionResult]:
-        """One result per item, in input order."""
+    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None,
+                in_order: bool = True) -> Iterator[CaptionResult]:
+        """One result per item: in input order, or (`in_order=False`) as each finishes."""
 
     def provenance(self) -> dict[str, Any]:
         """How the captions are made, stored with the output."""
@@ -227,7 +227,8 @@ class CaptionRun:
         return self.outcome
 
     def results(self) -> Generator[CaptionResult, None, None]:
-        """Run, yielding each item's result as its row is saved; `outcome` says how the run ended.
+        """Run, yielding each item's result as its row is saved (in the order items finish); `outcome` says
+        how the run ended.
 
         Leaving the loop early stops the run as Ctrl-C does: the finished rows are saved for the
         next run and the output is not changed.

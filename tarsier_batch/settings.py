@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
+from .media import MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
     from .sharding import Shard
@@ -28,8 +29,10 @@ if TYPE_CHECKING:
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
 KEY_MODES = ("path", "sha256")
-FLUSH_ROWS = 64          # rows per part file: few files on long runs, little lost to a `kill -9`
-FLUSH_SECONDS = 30.0     # and at most this long between flushes while rows wait
+# Finished rows reach a part file within about a second (at once when they come slower than that), and
+# fast rows share one: a part per second at most, so a `kill -9` loses about a second of work.
+FLUSH_SECONDS = 1.0
+FLUSH_ROWS = 4096        # and at most this many rows per part (one Parquet row group)
 
 
 class SettingsError(ValueError):
@@ -117,13 +120,14 @@ class CaptionSettings:
     workers: int | None = None         # processes decoding and preprocessing media; None: default_workers()
     decode_timeout_s: float | None = 120.0  # an item decoding longer fails (its worker is killed)
     decode_memory_gb: float | None = 8.0    # memory limit of one decoding worker
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded (None: no limit)
     isolate_decoding: bool = True      # False: decode in threads (no crash or hang protection; for benchmarks
                                        # and callers that isolate already)
 
     def __post_init__(self) -> None:
         if self.prompt is not None and not self.prompt.strip():
             raise SettingsError("{prompt} is empty; leave it out to use the model's default instruction")
-        for name in ("frames", "batch_size", "workers"):
+        for name in ("frames", "batch_size", "workers", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
@@ -180,7 +184,7 @@ class RunSettings:
     limit: int | None = None         # caption at most this many items (the first that need it)
     fail_on_empty: bool = False      # a run over inputs with no media fails
     flush_rows: int = FLUSH_ROWS     # save finished rows every this many rows...
-    flush_seconds: float = FLUSH_SECONDS   # ...or once the oldest unsaved row is this old
+    flush_seconds: float = FLUSH_SECONDS   # ...or this long after the last save
 
     def __post_init__(self) -> None:
         if self.key not in KEY_MODES:

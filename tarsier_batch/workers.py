@@ -52,7 +52,7 @@ from pebble import ProcessExpired, ProcessPool
 from .faults import misbehave, worker_faults
 from .fork_server import quiet_fork_server
 from .families.base import ProcessedPrompt, Processor
-from .media import Media
+from .media import MAX_IMAGE_PIXELS, Media
 from .sources import MediaItem
 from .text import one_line
 
@@ -70,6 +70,7 @@ class DecodeJob:
     processor: Processor
     frames: int
     instruction: str | None  # the run's prompt; an item's own prompt replaces it
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
 
 
 @dataclass
@@ -120,7 +121,7 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     start = time.perf_counter()
     try:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
-        media = job.processor.load_media(item.path, item.media_type, job.frames)
+        media = job.processor.load_media(item.path, item.media_type, job.frames, job.max_image_pixels)
         prompt = job.processor.process(media, item.prompt or job.instruction)
     except Exception as error:  # any decoder failure is this item's problem only
         if _is_out_of_memory(error):

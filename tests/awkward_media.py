@@ -176,8 +176,9 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     add(folder / "multi_picture.jpg", Ok("image", (W, H), "pillow", 1))
     Image.new("RGB", (20000, 10), (10, 200, 30)).save(folder / "strip_20000x10.png")
     add(folder / "strip_20000x10.png", Ok("image", (20000, 10), "pillow", 1))
-    Image.new("1", (12000, 8000)).save(folder / "bomb.png")  # 96 Mpx of zeros: a few KB on disk
-    add(folder / "bomb.png", Fails("image too large: 12000x8000"))
+    Image.new("1", (20000, 15000)).save(folder / "bomb.png")  # 300 Mpx of zeros: a few KB on disk
+    add(folder / "bomb.png", Fails("image too large: 20000x15000 = 300 Mpx, above the 250 Mpx limit "
+                                   "(--max-image-pixels)"))
 
     for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4", "pipe:0.mp4"]:
         shutil.copy(good_mp4, folder / name)

@@ -29,8 +29,8 @@ def stop_captioning_at(monkeypatch, index: int, stop) -> None:
 
     real_caption = Captioner.caption
 
-    def caption_then_stop(self, items, on_tokens=None):
-        for position, result in enumerate(real_caption(self, items, on_tokens)):
+    def caption_then_stop(self, items, on_tokens=None, in_order=True):
+        for position, result in enumerate(real_caption(self, items, on_tokens, in_order)):
             if position == index:
                 stop()
             yield result

@@ -215,3 +215,23 @@ def test_every_format_reads_back_what_it_wrote(tmp_path: Path, suffix: str) -> N
     stored = ResultStore(OutputTarget(out), OutputColumns(with_token_ids=True, hashed=True)).read()
     assert list(stored.rows.values()) == [tricky, failed]
     assert stored.settings == {str(out): SETTINGS}
+
+
+def test_a_slow_row_is_saved_at_once_and_fast_rows_share_a_part(tmp_path: Path) -> None:
+    """The default cadence: a row waits at most flush_seconds after the last save, and at most one part is
+    written per flush_seconds however fast rows come."""
+    clock = Clock()
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=4096, flush_seconds=1.0,
+                        clock=clock)
+    store.begin({"settings": SETTINGS}, fresh=False)   # at 0 s
+    clock.now = 5.0
+    store.add(row("/slow"))   # the first row, 5 s after the start: saved at once
+    assert (store.saved_rows, store.pending_rows) == (1, 0)
+    for number, now in enumerate([5.1, 5.4, 5.9]):
+        clock.now = now
+        store.add(row(f"/fast{number}"))
+    assert (store.saved_rows, store.pending_rows) == (1, 3)   # within a second of the last save
+    clock.now = 6.0
+    store.flush_if_due()   # a second after the last save
+    assert (store.saved_rows, store.pending_rows) == (4, 0)
+    assert len(list(store.work_dir.glob("part-*.parquet"))) == 2

@@ -311,7 +311,7 @@ def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path,
     out = tmp_path / "r.parquet"
     flush_rows = "3" if fails == "part" else "1"
     args = [str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
-            "--batch-size", "2", "--flush-rows", flush_rows]
+            "--batch-size", "2", "--flush-rows", flush_rows, "--flush-seconds", "1000"]   # parts by rows alone
     # Measured: a part of 1 to 3 rows takes about 5.5 KB, the final file of 12 rows with its metadata 7.2 KB.
     limit = 4_000 if fails == "part" else 6_300
     run = start(args, file_size_limit=limit)

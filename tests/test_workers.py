@@ -259,7 +259,7 @@ def test_threads_turn_failures_into_errors_too(job: DecodeJob, faulty: dict[str,
     class OutOfMemory:
         default_frames = 8
 
-        def load_media(self, path: str, media_type: MediaType, num_frames: int):
+        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None):
             raise MemoryError
 
     starving = DecodeJob(OutOfMemory(), 8, None)  # type: ignore[arg-type]
@@ -291,7 +291,7 @@ def test_allocation_failures_inside_decoders_name_the_limit(monkeypatch: pytest.
                                                             faulty: dict[str, MediaItem]) -> None:
     """What a worker returns when FFmpeg reports ENOMEM (run here, in-process, on the worker's code path)."""
     class NoMemory:
-        def load_media(self, path: str, media_type: MediaType, num_frames: int):
+        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None):
             raise ValueError(f"cannot decode video: pyav: {os.strerror(errno.ENOMEM)}")
 
     monkeypatch.setattr(workers, "_job", DecodeJob(NoMemory(), 8, None))  # type: ignore[arg-type]

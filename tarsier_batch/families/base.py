@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from ..catalog import FamilyInfo
-from ..media import Media, MediaType
+from ..media import MAX_IMAGE_PIXELS, Media, MediaType
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,8 @@ class Processor(Protocol):
 
     default_frames: int  # frames sampled from a video when the user does not say
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int) -> Media:
+    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+                   max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
         """Decode and sample a file the family's way; each frame is preprocessed as soon as it is decoded."""
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:

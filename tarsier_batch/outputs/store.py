@@ -65,7 +65,7 @@ class ResultStore:
         self.schema = columns.schema()
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
         self._pending: list[dict[str, Any]] = []
-        self._oldest_pending = 0.0
+        self._last_save = clock()   # the last part written, or the start: rows wait at most flush_seconds after it
         self.saved_rows = 0    # rows of this run that are safely in part files
 
     def read(self) -> StoredRows:
@@ -99,6 +99,7 @@ class ResultStore:
         for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
             leftover.unlink(missing_ok=True)
         self.record_provenance(provenance)
+        self._last_save = self._clock()
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
@@ -108,16 +109,18 @@ class ResultStore:
         write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
 
     def add(self, row: dict[str, Any]) -> None:
-        """Queue a finished row; it is saved with the next part."""
-        if not self._pending:
-            self._oldest_pending = self._clock()
+        """Queue a finished row: saved at once if no part was written for `flush_seconds`, else with the next."""
         self._pending.append(row)
         self.flush_if_due()
 
     def flush_if_due(self) -> None:
-        """Save the queued rows if there are enough of them, or the oldest has waited long enough."""
-        if len(self._pending) >= self.flush_rows or \
-                (self._pending and self._clock() - self._oldest_pending >= self.flush_seconds):
+        """Save the queued rows if there are `flush_rows` of them or `flush_seconds` passed since the last part.
+
+        So a row waits at most about `flush_seconds` (rows slower than that are saved one by one, at
+        once), and fast rows share a part: at most one part per `flush_seconds`, whatever the rate.
+        """
+        if self._pending and (len(self._pending) >= self.flush_rows
+                              or self._clock() - self._last_save >= self.flush_seconds):
             self.flush()
 
     def flush(self) -> None:
@@ -133,6 +136,7 @@ class ResultStore:
             raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_dir}: "
                                    f"{error.strerror or error}") from error
         self.saved_rows += len(rows)
+        self._last_save = self._clock()
 
     @property
     def pending_rows(self) -> int:

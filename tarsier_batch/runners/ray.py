@@ -42,7 +42,7 @@ from ..run import RunReporter
 from ..settings import CaptionSettings, RaySettings, Resolved
 from ..sources import MediaItem
 from ..version import __version__
-from ..workers import DecodeJob, Decoded, DecodePool
+from ..workers import Decoded, DecodePool
 
 CALLS_PER_ACTOR = 2
 
@@ -103,16 +103,17 @@ class RayCaptioning:
         return (f"{self.settings.model} on Ray ({self.ray.address}: {pool}, {self.ray.gpus_per_actor:g} GPU each, "
                 f"{self.resolved.frames} frames)")
 
-    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None
-                ) -> Iterator[CaptionResult]:
-        """Caption `items` on the cluster, yielding their results in input order as they come back."""
+    def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None,
+                in_order: bool = True) -> Iterator[CaptionResult]:
+        """Caption `items` on the cluster, yielding their results as they come back (in input order, or in the
+        order Ray's batches finish)."""
         import ray
 
         items = list(items)
         self.reporter.info(f"captioning {plural(len(items), 'item')} on Ray")
         job = RayJob(self.settings, self.resolved, items_per_batch=2 * (self.settings.batch_size or 16))
         context = ray.data.DataContext.get_current()
-        context.execution_options.preserve_order = True   # results in input order, like a single run's
+        context.execution_options.preserve_order = in_order
         dataset = ray.data.from_items([{"position": position, "item": pickle.dumps(item)}
                                        for position, item in enumerate(items)])
         # Decoding tasks spread over the cluster's nodes; the actors are placed by Ray's default. The
@@ -145,7 +146,7 @@ def _decode_pool(settings: CaptionSettings) -> DecodePool:
     (without weights) in one isolated decoding process, as in a single run (a crash, a hang past
     the timeout or the memory limit costs only its item, which becomes an error row)."""
     processor = load_processor(resolve_model(settings.model).path)
-    return decode_pool(DecodeJob(processor, settings.frames or processor.default_frames, settings.prompt), settings, 1)
+    return decode_pool(processor, settings.frames or processor.default_frames, settings, 1)
 
 
 def decode_batch(batch: dict[str, np.ndarray], settings: CaptionSettings) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ...catalog import TARSIER
-from ...media import Media, MediaType, load_media
+from ...media import MAX_IMAGE_PIXELS, Media, MediaType, load_media
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
@@ -43,9 +43,11 @@ class TarsierPromptProcessor(TarsierProcessor):
         super().__init__(model_dir)
         self.config = config
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int) -> Media:
+    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+                   max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
         """v1 sampling (short videos repeat frames, GIFs do not), each frame preprocessed once decoded."""
-        return load_media(path, media_type, num_frames, frame_transform=self.frame_pixels)
+        return load_media(path, media_type, num_frames, frame_transform=self.frame_pixels,
+                          max_image_pixels=max_image_pixels)
 
     def min_vision_positions(self, num_frames: int) -> int:
         """Every v1 frame takes the same number of positions."""

@@ -9,7 +9,7 @@ import torch
 from transformers.initialization import no_init_weights
 
 from ...catalog import TARSIER2
-from ...media import Media, MediaType, frame_indices_without_repeats, load_media
+from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_repeats, load_media
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
@@ -29,11 +29,12 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
         self.config = config
         self.image_token_id = config.image_token_id
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int) -> Media:
+    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+                   max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
         """Tarsier2 sampling (a clip of at most `num_frames` frames gives all of them, no repeats)."""
         transform = functools.partial(self.frame_patches, media_type=media_type)
         return load_media(path, media_type, num_frames, frame_transform=transform,
-                          sampler=frame_indices_without_repeats)
+                          sampler=frame_indices_without_repeats, max_image_pixels=max_image_pixels)
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_patches` results, all of one size (one clip)."""
