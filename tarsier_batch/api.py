@@ -19,6 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -40,6 +41,8 @@ from .workers import DecodeJob, Decoded, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
+# While the model waits for a decode, the caller hears (`on_tokens(0)`) at least this often.
+WAIT_TICK_S = 0.25
 
 
 class Captioner:
@@ -162,6 +165,11 @@ class Captioner:
             arrived = []
             # Every decoded item, in order; wait for one only when the model has nothing to do.
             while loads and (loads[0].done() or (idle and not arrived)):
+                if not loads[0].done():
+                    futures.wait([loads[0]], timeout=WAIT_TICK_S)
+                    if on_tokens is not None:
+                        on_tokens(0)   # a tick while the model waits: rows waiting to be saved are saved
+                    continue
                 arrived.append(loads.popleft().result())
             return arrived
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from .catalog import TARSIER, FamilyInfo, families, family_of_config
 from .fork_server import quiet_fork_server
-from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of
+from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
 from .text import one_line, printable
 
 DECODE_TIMEOUT_S = 120.0
@@ -179,9 +179,7 @@ def _probe_video(path: str) -> dict[str, Any]:
 
 
 def _probe_image(path: str) -> dict[str, Any]:
-    from PIL import Image
-
-    with Image.open(path) as image:
+    with open_image(path, None) as image:   # facts only: no pixel is decoded, no size limit applies
         # A colour key or transparent palette entry is composited over white like an alpha band (media._to_rgb)
         transparency = " with transparency" if "transparency" in image.info else ""
         return {"container": image.format, "image_mode": image.mode + transparency,

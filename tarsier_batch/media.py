@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -31,6 +32,8 @@ DRAFT_TO_PIXELS = 16_000_000
 _EXIF_ORIENTATION = 0x0112
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 _PILLOW_LIMIT = threading.Lock()
+# Pillow also warns from its own checks elsewhere (a GIF frame growing while seeking); the limit above decides.
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 class MediaType(str, Enum):
@@ -491,7 +494,7 @@ def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, samp
               max_pixels: int | None) -> Media:
     # Like the official loader, walk the frames once and keep those whose index was sampled:
     # repeated indices collapse, so a short GIF yields fewer frames than requested.
-    with _open_image(path, max_pixels) as gif:
+    with open_image(path, max_pixels) as gif:
         return _sample_animation(path, gif, num_frames, transform, sampler, lambda frame: frame.convert("RGB"))
 
 
@@ -517,7 +520,7 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
 
 
 
-def _open_image(path: str, max_pixels: int | None) -> Image.Image:
+def open_image(path: str, max_pixels: int | None) -> Image.Image:
     """Open an image (lazily: its size is known, no pixel is decoded), refusing one above `max_pixels`."""
     with _PILLOW_LIMIT:   # Pillow's limit is a module global: set it aside for this open only
         pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
@@ -536,10 +539,10 @@ def _open_image(path: str, max_pixels: int | None) -> Image.Image:
 def _read_reduced_if_huge(image: Image.Image) -> None:
     """Have a huge JPEG decoded at the smallest reduction (1/2, 1/4, 1/8) that brings it to DRAFT_TO_PIXELS."""
     width, height = image.size
-    if image.format != "JPEG" or width * height <= DRAFT_ABOVE_PIXELS:
+    if image.format not in ("JPEG", "MPO") or width * height <= DRAFT_ABOVE_PIXELS:   # MPO: a JPEG with more pictures
         return
     scale = next((scale for scale in (2, 4, 8) if width * height / scale**2 <= DRAFT_TO_PIXELS), 8)
-    image.draft(image.mode, (-(-width // scale), -(-height // scale)))
+    image.draft(image.mode, (width // scale, height // scale))   # Pillow reduces by size // requested
 
 
 # Formats whose extra frames are an animation. A JPEG holding more pictures (MPO: a camera's
@@ -550,7 +553,7 @@ _ANIMATED_FORMATS = frozenset({"GIF", "PNG", "WEBP"})
 def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
                 max_pixels: int | None) -> Media:
     """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
-    with _open_image(path, max_pixels) as image:
+    with open_image(path, max_pixels) as image:
         if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
             return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
         stored = image.size

@@ -153,3 +153,35 @@ def test_item_too_large_for_the_kv_cache_is_an_error_row(settings: CaptionSettin
     assert [result.ok for result in results] == [True, True, False], [result.error for result in results]
     assert "more than the cache holds (170 tokens)" in (results[2].error or "")
     assert results[0].generated_ids == caption_ids(replace(settings, batch_size=1, frames=7), items[:1])[0]
+
+
+def test_the_caller_hears_ticks_while_the_model_waits_for_a_decode(settings: CaptionSettings, shared_media: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run saves waiting rows on each `on_tokens` call: while the model waits on a slow decode (up to
+    --decode-timeout), calls with 0 tokens keep coming. Here the second decode waits for such a call."""
+    import threading
+
+    from conftest import SAMPLE_DATA
+
+    from tarsier_batch import workers
+
+    items = mixed_items(shared_media, SAMPLE_DATA)[:2]
+    captioner = Captioner(replace(settings, batch_size=1, workers=1, isolate_decoding=False))
+    first_done, ticked = threading.Event(), threading.Event()
+    real_decode = workers.decode_item
+
+    def second_waits_for_a_tick(job, index, item):
+        if index == 1:
+            ticked.wait(60)   # without ticks: held 60 s, and the assertion below fails
+        return real_decode(job, index, item)
+
+    def on_tokens(count: int) -> None:
+        if count == 0 and first_done.is_set():   # the engine has nothing to do: only the wait calls now
+            ticked.set()
+
+    monkeypatch.setattr(workers, "decode_item", second_waits_for_a_tick)
+    results = []
+    for result in captioner.caption(items, on_tokens):
+        results.append(result)
+        first_done.set()
+    assert ticked.is_set() and [result.ok for result in results] == [True, True]

@@ -225,13 +225,30 @@ def test_a_slow_row_is_saved_at_once_and_fast_rows_share_a_part(tmp_path: Path) 
                         clock=clock)
     store.begin({"settings": SETTINGS}, fresh=False)   # at 0 s
     clock.now = 5.0
-    store.add(row("/slow"))   # the first row, 5 s after the start: saved at once
+    store.add(row("/slow"))   # the first row, 5 s after the start: saved at the caller's next check
+    store.flush_if_due()
     assert (store.saved_rows, store.pending_rows) == (1, 0)
     for number, now in enumerate([5.1, 5.4, 5.9]):
         clock.now = now
         store.add(row(f"/fast{number}"))
+        store.flush_if_due()
     assert (store.saved_rows, store.pending_rows) == (1, 3)   # within a second of the last save
     clock.now = 6.0
     store.flush_if_due()   # a second after the last save
     assert (store.saved_rows, store.pending_rows) == (4, 0)
     assert len(list(store.work_dir.glob("part-*.parquet"))) == 2
+
+
+def test_many_parts_are_merged_into_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slow rows saved one by one would leave a part per row; every COMPACT_EVERY parts they become one."""
+    from tarsier_batch.outputs import store as store_module
+
+    monkeypatch.setattr(store_module, "COMPACT_EVERY", 3)
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=1)
+    store.begin({"settings": SETTINGS}, fresh=False)
+    for name in ("/a", "/b", "/c", "/d"):
+        store.add(row(name))   # a part each
+    parts = sorted(store.work_dir.glob("part-*.parquet"))
+    assert len(parts) == 2 and pq.read_table(parts[0]).num_rows == 3   # /a-/c merged, then /d
+    stored = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns()).read()
+    assert list(stored.rows) == ["/a", "/b", "/c", "/d"]

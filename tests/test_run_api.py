@@ -249,3 +249,47 @@ def test_a_stop_between_two_results_saves_them_and_ends_the_run(tiny_model_dir: 
         results.throw(Terminated())   # what execute() does with a stop that arrives in its own loop
     assert run.outcome is not None and run.outcome.status is Status.TERMINATED
     assert run.outcome.message.startswith("terminated; 2 finished rows are saved in") and not out.exists()
+
+
+class Reversed:
+    """A Captioning that finishes the items last to first, as a run's rows can finish out of order."""
+
+    def __init__(self, settings: CaptionSettings) -> None:
+        self.settings = settings
+        self.asked_in_order: list[bool] = []
+
+    def caption(self, items, on_tokens=None, in_order=True):
+        from tarsier_batch.results import CaptionResult
+
+        self.asked_in_order.append(in_order)
+        for item in reversed(list(items)):
+            yield CaptionResult(path=item.row_path, media_type=item.media_type.value, key=item.stable_key,
+                                caption=f"caption of {Path(item.path).name}", generated_tokens=1,
+                                finish_reason="length")
+
+    def provenance(self) -> dict:
+        return {"tool": "test"}
+
+    def resolved_settings(self):
+        from tarsier_batch.settings import Resolved
+
+        return Resolved(None, 8, 1.0)
+
+    def describe(self) -> str:
+        return "reversed"
+
+
+def test_rows_are_saved_as_they_finish_and_outputs_keep_input_order(tmp_path: Path) -> None:
+    inputs = [SAMPLE_DATA / "still.png", SAMPLE_DATA / "ball.gif", SAMPLE_DATA / "portrait.JPG"]
+    settings = RunSettings(CaptionSettings(model="x"))
+    captioning = Reversed(settings.caption)
+    run = CaptionRun(inputs, tmp_path / "r.parquet", settings, captioner=captioning)  # type: ignore[arg-type]
+    finished = [Path(result.path).name for result in run.results()]
+    assert captioning.asked_in_order == [False]   # the run takes each row as it finishes...
+    assert finished == ["portrait.JPG", "ball.gif", "still.png"]
+    assert [Path(path).name for path in pq.read_table(tmp_path / "r.parquet").column("path").to_pylist()] == \
+        ["still.png", "ball.gif", "portrait.JPG"]   # ...and the output is in input order
+    stream = io.StringIO()
+    CaptionRun(inputs, stream, settings, captioner=Reversed(settings.caption)).execute()  # type: ignore[arg-type]
+    assert [Path(json.loads(line)["path"]).name for line in stream.getvalue().splitlines()] == \
+        ["still.png", "ball.gif", "portrait.JPG"]   # a stream keeps input order itself

@@ -36,6 +36,7 @@ from .formats import OutputError, OutputTarget, read_results, with_metadata
 from .schema import OutputColumns
 
 SETTINGS_FILE = "settings.json"
+COMPACT_EVERY = 256   # parts written, after which the work directory's parts are merged into one
 
 
 class OutputWriteError(Exception):
@@ -66,6 +67,7 @@ class ResultStore:
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
         self._pending: list[dict[str, Any]] = []
         self._last_save = clock()   # the last part written, or the start: rows wait at most flush_seconds after it
+        self._parts_written = 0
         self.saved_rows = 0    # rows of this run that are safely in part files
 
     def read(self) -> StoredRows:
@@ -109,9 +111,13 @@ class ResultStore:
         write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
 
     def add(self, row: dict[str, Any]) -> None:
-        """Queue a finished row: saved at once if no part was written for `flush_seconds`, else with the next."""
+        """Queue a finished row: saved with the next part (`flush_if_due`; at once if it fills one).
+
+        Only the count is checked here: rows that finish together (one engine step, one Ray batch)
+        are added one by one, then share a part at the caller's next `flush_if_due`."""
         self._pending.append(row)
-        self.flush_if_due()
+        if len(self._pending) >= self.flush_rows:
+            self.flush()
 
     def flush_if_due(self) -> None:
         """Save the queued rows if there are `flush_rows` of them or `flush_seconds` passed since the last part.
@@ -137,6 +143,23 @@ class ResultStore:
                                    f"{error.strerror or error}") from error
         self.saved_rows += len(rows)
         self._last_save = self._clock()
+        self._parts_written += 1
+        if self._parts_written % COMPACT_EVERY == 0:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Merge the work directory's parts into one: slow rows, each saved at once, would leave a part per row
+        (100,000 files on a long run, each read again on resume). The merged part is written before the
+        others are removed: a crash in between leaves rows twice, and the newest row of a path wins."""
+        parts = self._parts()
+        try:
+            table = pa.concat_tables(pq.read_table(part) for part in parts)
+            write_atomically(self.work_dir / f"part-{time.time_ns():020d}-{os.getpid()}.parquet",
+                             lambda path: pq.write_table(table, path))
+        except (OSError, pa.ArrowException):
+            return   # compacting is an economy: the parts stay as they are
+        for part in parts:
+            part.unlink(missing_ok=True)
 
     @property
     def pending_rows(self) -> int:

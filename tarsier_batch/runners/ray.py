@@ -112,8 +112,6 @@ class RayCaptioning:
         items = list(items)
         self.reporter.info(f"captioning {plural(len(items), 'item')} on Ray")
         job = RayJob(self.settings, self.resolved, items_per_batch=2 * (self.settings.batch_size or 16))
-        context = ray.data.DataContext.get_current()
-        context.execution_options.preserve_order = in_order
         dataset = ray.data.from_items([{"position": position, "item": pickle.dumps(item)}
                                        for position, item in enumerate(items)])
         # Decoding tasks spread over the cluster's nodes; the actors are placed by Ray's default. The
@@ -131,6 +129,14 @@ class RayCaptioning:
         captioned = decoded.map_batches(
             RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
             compute=actors, num_gpus=self.ray.gpus_per_actor, num_cpus=1, scheduling_strategy="DEFAULT")
+        context = ray.data.DataContext.get_current()
+        preserved, context.execution_options.preserve_order = context.execution_options.preserve_order, in_order
+        try:
+            yield from self._results(captioned, on_tokens)
+        finally:   # a process-wide setting: as it was for the caller's own datasets
+            context.execution_options.preserve_order = preserved
+
+    def _results(self, captioned: Any, on_tokens: Callable[[int], None] | None) -> Iterator[CaptionResult]:
         for batch in captioned.iter_batches(batch_size=None, batch_format="numpy"):
             self._actor_provenance = self._actor_provenance or pickle.loads(batch["provenance"][0])
             for one in batch["result"]:
@@ -138,6 +144,8 @@ class RayCaptioning:
                 if on_tokens is not None:
                     on_tokens(result.generated_tokens or 0)
                 yield result
+            if on_tokens is not None:
+                on_tokens(0)   # the batch's rows are in: save them before waiting for the next batch
 
 
 @cache
