@@ -169,7 +169,6 @@ class CaptionRun:
             self.target = None
         else:
             self.target = out if isinstance(out, OutputTarget) else OutputTarget(Path(out))  # type: ignore[arg-type]
-            self.target.check()
         kept_fields = []
         if isinstance(inputs, Manifest):
             for name, renamed in inputs.renamed.items():
