@@ -20,7 +20,8 @@ _EXPORTS = {"CaptionRun": "run", "RunOutcome": "run", "RunReporter": "run", "Log
             "read_manifest": "manifest", "OutputTarget": "outputs.formats",
             # what a run raises for the caller to fix
             "OutputError": "outputs.formats", "SettingsMismatchError": "outputs.resume",
-            "OutputLockedError": "outputs.lock", "ModelNotFoundError": "checkpoints", "InputNotFoundError": "sources"}
+            "OutputLockedError": "outputs.lock", "ModelNotFoundError": "checkpoints", "InputNotFoundError": "sources",
+            "NotEnoughMemory": "preflight"}
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from .outputs.formats import OutputError, OutputTarget
     from .outputs.lock import OutputLockedError
     from .outputs.resume import SettingsMismatchError
+    from .preflight import NotEnoughMemory
     from .results import CaptionResult
     from .run import CaptionRun, LoggingReporter, RunOutcome, RunReporter, Status, Terminated
     from .settings import CaptionSettings, RunSettings, SamplingParams, SettingsError
@@ -42,6 +44,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError", "LoggingReporter",
-           "MediaItem", "ModelNotFoundError", "OutputError", "OutputLockedError", "OutputTarget", "RunOutcome",
-           "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError", "Status",
-           "Terminated", "__version__", "discover", "read_manifest"]
+           "MediaItem", "ModelNotFoundError", "NotEnoughMemory", "OutputError", "OutputLockedError", "OutputTarget",
+           "RunOutcome", "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError",
+           "Status", "Terminated", "__version__", "discover", "read_manifest"]

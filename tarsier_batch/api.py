@@ -29,9 +29,11 @@ import torch
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
-from .families import CaptionModel, load_caption_model
+from . import preflight
+from .families import CaptionModel, load_caption_model, load_processor
 from .families.base import Processor
 from .media import decoder_versions
+from .preflight import MemoryEstimate
 from .progress import plural
 from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
@@ -41,6 +43,8 @@ from .workers import DecodeJob, Decoded, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
+# The chat template and the default instruction around the vision positions, at most (a --prompt adds its length).
+PROMPT_TEXT_POSITIONS = 128
 # While the model waits for a decode, the caller hears (`on_tokens(0)`) at least this often.
 WAIT_TICK_S = 0.25
 
@@ -48,15 +52,19 @@ WAIT_TICK_S = 0.25
 class Captioner:
     """A checkpoint loaded on a device, ready to caption media."""
 
-    def __init__(self, settings: CaptionSettings):
+    def __init__(self, settings: CaptionSettings, items: int | None = None):
+        """`items`: how many items this Captioner will caption, when known (the memory check then counts only the
+        rows they can fill)."""
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.resolved = resolve_model(settings.model)
-        self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
-        self.frames = settings.frames or self.model.processor.default_frames
         # Every running row decodes one position per step, so the step budget also caps the rows.
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
+        self.workers = settings.workers or default_workers()
+        self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
+        self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
+        self.frames = settings.frames or self.model.processor.default_frames
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
@@ -81,9 +89,29 @@ class Captioner:
             raise SettingsError(f"{{frames}} {self.frames} needs at least {needed} positions per item, more than "
                                 f"the KV cache holds ({int(kv_tokens)}); use fewer {{frames}} or a larger "
                                 f"{{kv_cache_gb}}")
-        self.workers = settings.workers or default_workers()
         # Created once: the KV cache is allocated here, not per run.
         self.engine = Engine(self.model, self.engine_config, settings.sampling)
+
+    def _check_memory(self, items: int | None) -> MemoryEstimate | None:
+        """Refuse (`NotEnoughMemory`) a model and settings that will not fit, before a weight is read. None when the
+        checkpoint's files cannot be read here as this expects (a family keeping its weights elsewhere, a broken
+        checkpoint): loading it then does what that family does, or says what is wrong."""
+        path = self.resolved.path
+        rows = min(self.batch_size, items) if items else self.batch_size
+        try:
+            processor = load_processor(path)
+            largest = processor.largest_item(self.settings.frames or processor.default_frames)
+            # Items decoded ahead wait with their pixels (`_wants_more`), besides the running rows' own.
+            held = min(items or self.batch_size + 2 * self.workers, self.batch_size + 2 * self.workers)
+            waiting_bytes = min(held * largest.pixel_bytes, LOOKAHEAD_PIXEL_BYTES + largest.pixel_bytes)
+            prompt_positions = largest.vision_positions + PROMPT_TEXT_POSITIONS + len(self.settings.prompt or "")
+            needed = preflight.estimate(path, self.settings, self.dtype, self.device, rows, prompt_positions,
+                                        waiting_bytes + rows * largest.pixel_bytes)
+        except (OSError, ValueError, KeyError):
+            return None
+        preflight.check_fits(needed, preflight.available_bytes(self.device), self.device, self.dtype, self.settings,
+                             path, rows)
+        return needed
 
     def provenance(self) -> dict[str, Any]:
         """How this run's captions were made, stored with the output."""
@@ -117,6 +145,8 @@ class Captioner:
         pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
                    f"(not the official output)" if config.prune is not None else "")
         pruning += ", compiled step (the first steps compile)" if config.compile else ""
+        if self.memory is not None:
+            pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
         return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
                 f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
                 f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}{offload}{pruning}")

@@ -143,6 +143,7 @@ def caption(
     prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
     kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
+    preflight: Annotated[bool, typer.Option("--preflight/--no-preflight", help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
     compile_step: Annotated[bool, typer.Option("--compile", help="Compile the step with torch.compile: fused kernels, and each decode step one graph at power-of-two sizes (a CUDA graph on GPUs), after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in float32.")] = False,
     prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
     prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="The first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
@@ -187,7 +188,7 @@ def caption(
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
         prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
-        max_image_pixels=max_image_pixels,
+        max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, repetition_penalty=repetition_penalty))
     settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, key=key.value, shard=shard_spec,
@@ -268,7 +269,7 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
 # The settings' fields as the CLI names them (a field not listed is its flag with dashes).
 FLAGS = {field: "--" + field.replace("_", "-")
          for settings in (CaptionSettings, SamplingParams, RunSettings) for field in settings.__dataclass_fields__}
-FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout")
+FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout", preflight="--no-preflight")
 
 
 def _settings(make: Callable[..., T], **values: Any) -> T:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field, replace
 from enum import Enum
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
@@ -132,11 +133,11 @@ class Captioning(Protocol):
         """One line for the user: the model and where it runs."""
 
 
-def load_captioner(settings: CaptionSettings) -> Captioning:
-    """The model, loaded as `settings` say (the one place a run loads it)."""
+def load_captioner(settings: CaptionSettings, items: int | None = None) -> Captioning:
+    """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
     from .api import Captioner
 
-    return Captioner(settings)
+    return Captioner(settings, items)
 
 
 class CaptionRun:
@@ -280,14 +281,14 @@ class CaptionRun:
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
             return self._write_output(job, stored, stored.provenance or {"settings": resume_settings(self.settings)})
-        captioning = self._load()
+        captioning = self._load(len(plan.todo))
         provenance = run_provenance(captioning, self.settings)
         check_settings(stored.settings, provenance["settings"])
         stopped = yield from self._run_job(captioning, job, provenance)
         # Again: a cluster's actors tell how they captioned once they have
         return stopped or self._write_output(job, stored, run_provenance(captioning, self.settings))
 
-    def _load(self) -> Captioning:
+    def _load(self, items: int) -> Captioning:
         if self._captioning is not None:
             return self._captioning
         model = self.settings.caption.model
@@ -296,7 +297,7 @@ class CaptionRun:
                                f"{tiny_model_dir(model)}; its captions are noise)")
         try:
             with self.reporter.loading(model):
-                captioning = (self._load_captioning or load_captioner)(self.settings.caption)
+                captioning = (self._load_captioning or partial(load_captioner, items=items))(self.settings.caption)
         except (ModelNotFoundError, ValueError):
             raise
         except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:

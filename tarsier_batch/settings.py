@@ -121,6 +121,7 @@ class CaptionSettings:
     decode_timeout_s: float | None = 120.0  # an item decoding longer fails (its worker is killed)
     decode_memory_gb: float | None = 8.0    # memory limit of one decoding worker
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded (None: no limit)
+    preflight: bool = True             # check the model and the run fit in memory before loading (preflight.py)
     isolate_decoding: bool = True      # False: decode in threads (no crash or hang protection; for benchmarks
                                        # and callers that isolate already)
 

@@ -270,7 +270,7 @@ def test_config_file_then_env_then_flags_decide(monkeypatch, tmp_path: Path, med
 
     seen: list[dict] = []
 
-    def record(settings):
+    def record(settings, items=None):
         seen.append({"model": settings.model, "batch_size": settings.batch_size, "workers": settings.workers,
                      "max_new_tokens": settings.sampling.max_new_tokens})
         raise KeyboardInterrupt

@@ -73,6 +73,14 @@ class Attention(Protocol):
 
 
 @dataclass(frozen=True)
+class LargestItem:
+    """Bounds on one item's prompt: its vision positions, and its preprocessed pixels' bytes."""
+
+    vision_positions: int
+    pixel_bytes: int
+
+
+@dataclass(frozen=True)
 class KVGeometry:
     """The shape of one token's keys and values, to size the engine's cache."""
 
@@ -98,6 +106,9 @@ class Processor(Protocol):
 
     def min_vision_positions(self, num_frames: int) -> int:
         """The fewest vision positions an item of `num_frames` frames can take (to reject impossible --frames)."""
+
+    def largest_item(self, num_frames: int) -> LargestItem:
+        """The most an item of `num_frames` frames can take (to estimate a run's memory before loading)."""
 
 
 class CaptionModel(Protocol):

@@ -8,7 +8,7 @@ import torch
 
 from ...catalog import TARSIER
 from ...media import MAX_IMAGE_PIXELS, Media, MediaType, load_media
-from ..base import KVGeometry, ProcessedPrompt, VisionBlock
+from ..base import KVGeometry, LargestItem, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
 from .modeling import TarsierConfig
@@ -52,6 +52,11 @@ class TarsierPromptProcessor(TarsierProcessor):
     def min_vision_positions(self, num_frames: int) -> int:
         """Every v1 frame takes the same number of positions."""
         return num_frames * self.config.tokens_per_frame
+
+    def largest_item(self, num_frames: int) -> LargestItem:
+        """Every frame is the same size: (3, size, size) float32 pixels."""
+        size = self.config.vision.image_size
+        return LargestItem(self.min_vision_positions(num_frames), num_frames * 3 * size * size * 4)
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_pixels` results (one (3, size, size) tensor each)."""

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from ...media import MediaType
+from ..base import LargestItem
 
 # The official quick start passes its --instruction default for every media type, images included.
 DEFAULT_INSTRUCTION = "Describe the video in detail."
@@ -80,6 +81,15 @@ class Tarsier2Processor:
         """The fewest vision positions `num_frames` frames can take: each is at least `min_pixels` big."""
         merged_patch = self.image_processor.patch_size * self.merge_size
         return num_frames * max(1, self.image_processor.size.shortest_edge // merged_patch**2)
+
+    def largest_item(self, num_frames: int) -> LargestItem:
+        """A video's frames at the most pixels each may keep, or one image at its own cap, whichever is more:
+        one vision position per merged patch, one float32 copy of each patch kept."""
+        patch, most = self.image_processor.patch_size, self.image_processor.size.longest_edge   # longest: max_pixels
+        video = num_frames * -(-min(pixel_cap(MediaType.VIDEO, num_frames, self.temporal_patch_size), most) // patch**2)
+        image = -(-min(pixel_cap(MediaType.IMAGE, 1, self.temporal_patch_size), most) // patch**2)
+        patches = max(video, image)
+        return LargestItem(-(-patches // self.merge_size**2), patches * 3 * patch**2 * 4)
 
     def frame_patches(self, frame: Image.Image, frame_count: int, media_type: MediaType) -> FramePatches:
         """One RGB frame, shrunk to its budget and cut into patches, as the official processor does.

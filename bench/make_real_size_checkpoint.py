@@ -1,0 +1,122 @@
+"""A random-weight Tarsier2 checkpoint at the real Tarsier2-7B size, written one tensor at a time.
+
+    python bench/make_real_size_checkpoint.py OUT_DIR [--dtype bfloat16] [--shard-gb 4]
+
+The memory preflight's estimate has to hold for the model users run, which cannot be downloaded
+here. This writes one with the same geometry (8.29 B parameters: a 32-block 1280-wide vision
+tower, a 28-layer 3584-wide language model with 4 KV heads and a 152,064-token vocabulary), in
+the official layout (config.json, sharded safetensors with an index, the tiny checkpoint's
+tokenizer and processor files). The model is built on the meta device to learn its tensors' names
+and shapes, and each tensor is drawn and written straight to its shard: the builder itself holds
+one tensor at a time (the largest is the 1.1 GB embedding), never the model.
+
+Prints one JSON object: parameters, bytes written, seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tarsier_batch.families.tarsier2 import Tarsier2Config, Tarsier2Model  # noqa: E402
+from tarsier_batch.tiny import tarsier2 as tiny  # noqa: E402
+
+# Tarsier2-Recap-7b's geometry (its config.json), in the tiny builder's terms.
+REAL = dict(embed_dim=1280, depth=32, vision_heads=16, text_hidden=3584, text_intermediate=18944, text_layers=28,
+            text_heads=28, text_kv_heads=4, mrope_section=[16, 24, 24], max_pixels=tiny.QWEN2_VL_MAX_PIXELS)
+REAL_VOCAB = 152_064
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--shard-gb", type=float, default=4.0)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    start = time.perf_counter()
+    tiny.build(args.out_dir, "tiny", seed=0)           # tokenizer, processor and generation files
+    ids = json.loads((args.out_dir / "config.json").read_text())
+    special = {token: ids["text_config"][key] for token, key in
+               (("<|image_pad|>", "image_token_id"), ("<|video_pad|>", "video_token_id"),
+                ("<|vision_start|>", "vision_start_token_id"), ("<|vision_end|>", "vision_end_token_id"))}
+    special.update({"<|endoftext|>": ids["text_config"]["bos_token_id"],
+                    "<|im_end|>": ids["text_config"]["eos_token_id"]})
+    raw = tiny._config_dict(REAL, special, vocab=REAL_VOCAB)
+    raw["torch_dtype"] = args.dtype
+    (args.out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (args.out_dir / "preprocessor_config.json").write_text(json.dumps(tiny._preprocessor_dict(REAL["max_pixels"]),
+                                                                      indent=2) + "\n")
+    (args.out_dir / "model.safetensors").unlink()
+    with torch.device("meta"):
+        skeleton = Tarsier2Model(Tarsier2Config.from_dict(raw))
+    shapes = [(name, tuple(parameter.shape)) for name, parameter in skeleton.named_parameters()]
+    shards = _split(shapes, int(args.shard_gb * 1e9), dtype.itemsize)
+    weight_map, written = {}, 0
+    generator = torch.Generator().manual_seed(0)
+    for number, shard in enumerate(shards, 1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        written += _write_shard(args.out_dir / name, shard, dtype, generator)
+        weight_map.update({tensor: name for tensor, _ in shard})
+    (args.out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map}, indent=2) + "\n")
+    parameters = sum(_count(shape) for _, shape in shapes)
+    print(json.dumps({"parameters": parameters, "bytes": written, "shards": len(shards), "dtype": args.dtype,
+                      "seconds": round(time.perf_counter() - start, 1)}))
+
+
+def _count(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _split(shapes: list[tuple[str, tuple[int, ...]]], shard_bytes: int, itemsize: int
+           ) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        tensor_bytes = _count(shape) * itemsize
+        if shards[-1] and size + tensor_bytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += tensor_bytes
+    return shards
+
+
+def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                 generator: torch.Generator) -> int:
+    """The safetensors format by hand (8-byte header length, JSON header, data), so that tensors can be written as
+    they are drawn. Norm weights are ones, the rest small normal values, so that the model runs without overflow."""
+    header, offset = {}, 0
+    for name, shape in tensors:
+        size = _count(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name, shape in tensors:
+            if name.endswith("norm.weight") or name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+                tensor = torch.ones(shape, dtype=dtype)
+            else:
+                tensor = torch.empty(shape, dtype=torch.float32).normal_(0, 0.02, generator=generator).to(dtype)
+            out.write(tensor.reshape(-1).view(torch.uint8).numpy())
+    return offset
+
+
+if __name__ == "__main__":
+    main()

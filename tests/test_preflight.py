@@ -1,0 +1,106 @@
+"""The memory preflight: a model that does not fit stops at once with the numbers and a fix, and the estimate is
+close to the peak a real run reaches."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import SAMPLE_DATA
+from tarsier_batch.preflight import available_bytes, weight_bytes
+from tarsier_batch.tiny import make_tiny_model
+
+
+def test_weights_from_the_headers(tiny_model_dir: Path) -> None:
+    """Loaded in their stored dtype, tensors stay mapped from the file and the embedding is read a row per token;
+    converted, every tensor is a copy and the file is mapped while it is read."""
+    with safe_open(str(tiny_model_dir / "model.safetensors"), framework="pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    assert {tensor.dtype for tensor in tensors.values()} == {torch.float32}
+    stored = sum(tensor.numel() * 4 for tensor in tensors.values())
+    embedding = next(tensor for key, tensor in tensors.items() if key.endswith("embed_tokens.weight"))
+    assert weight_bytes(tiny_model_dir, torch.float32) == stored - embedding.numel() * 4
+    assert weight_bytes(tiny_model_dir, torch.bfloat16) == stored // 2 + stored
+
+
+def _too_big_checkpoint(tiny_model_dir: Path, folder: Path) -> Path:
+    """The tiny checkpoint with one more float32 tensor of 1.5x this machine's available memory, in a sparse file
+    (the preflight reads headers only; nothing reads the tensor's data)."""
+    shutil.copytree(tiny_model_dir, folder)
+    path = folder / "model.safetensors"
+    with path.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        data = handle.read()
+    extra = int(1.5 * available_bytes(torch.device("cpu"))) // 4
+    header["zz_padding.weight"] = {"dtype": "F32", "shape": [extra], "data_offsets": [len(data), len(data) + extra * 4]}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded + data)
+        handle.truncate(8 + len(encoded) + len(data) + extra * 4)
+    return folder
+
+
+def _caption(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "caption", *args], capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
+
+
+def test_a_model_that_does_not_fit_stops_before_loading_with_the_numbers_and_a_fix(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    checkpoint = _too_big_checkpoint(tiny_model_dir, tmp_path / "big")
+    started = time.perf_counter()
+    done = _caption(str(SAMPLE_DATA), "--model", str(checkpoint), "-o", "r.parquet", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert time.perf_counter() - started < 60
+    message = done.stderr.strip().splitlines()[-1]
+    needed, available = (float(value) for value in re.search(r"need ~([\d.]+) GB in float32 .* ([\d.]+) GB available",
+                                                             message).groups())
+    assert needed > available
+    assert "--dtype bfloat16" in message and "--no-preflight" in message
+    assert not (tmp_path / "r.parquet").exists() and not list(tmp_path.glob(".r.parquet*"))
+    # Skipped, the run goes on to load the checkpoint: its file cannot be mapped, or its loader finds the tensor the
+    # model lacks (whichever comes first on this machine).
+    skipped = _caption(str(SAMPLE_DATA), "--model", str(checkpoint), "-o", "r.parquet", "--no-preflight", cwd=tmp_path)
+    assert skipped.returncode == 2 and "model.safetensors" in skipped.stderr, skipped.stderr
+    assert "GB available" not in skipped.stderr
+
+
+PEAK_PROBE = """
+import sys
+from tarsier_batch.cli import app
+
+if __name__ == "__main__":
+    try:
+        app(sys.argv[1:])
+    finally:   # VmHWM: this process's own peak (ru_maxrss would keep the parent's from before exec)
+        print(next(line for line in open("/proc/self/status") if line.startswith("VmHWM")), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "demo"])
+def test_the_estimate_is_within_15_percent_of_the_measured_peak(model: str, tmp_path: Path, shared_media: Path
+                                                                ) -> None:
+    checkpoint = "demo" if model == "demo" else str(make_tiny_model(
+        tmp_path / model, "tiny", seed=0, family="tarsier2" if model == "tiny-tarsier2" else "tarsier"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(PEAK_PROBE)
+    inputs = [str(SAMPLE_DATA), str(shared_media / "demo_test.mp4")]
+    done = subprocess.run([sys.executable, str(probe), "caption", *inputs, "--model", checkpoint, "-o", "r.parquet",
+                           "--max-new-tokens", "16"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    estimated = float(re.search(r"~([\d.]+) GB at the peak \(estimated\)", done.stderr).group(1)) * 1e9
+    measured = int(re.search(r"VmHWM:\s+(\d+) kB", done.stderr).group(1)) * 1024
+    print(f"{model}: estimated {estimated / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB")
+    assert abs(estimated - measured) <= 0.15 * measured, (estimated / 1e6, measured / 1e6)
