@@ -69,7 +69,7 @@ class Captioner:
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
             raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
-        pruning = settings.pruning
+        pruning = settings.pruning if settings.prune_method == "fastv" else None   # temporal: the workers prune
         layers = self.model.kv_geometry.num_layers
         if pruning is not None and pruning["layer"] >= layers:
             raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "
@@ -144,6 +144,9 @@ class Captioner:
                            for pool in engine.pools)
         pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
                    f"(not the official output)" if config.prune is not None else "")
+        if settings.temporal_pruning:
+            pruning += (f", the {settings.temporal_pruning:g} of the vision tokens that change least from frame to "
+                        f"frame dropped (not the official output)")
         pruning += ", compiled step (the first steps compile)" if config.compile else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
@@ -357,7 +360,7 @@ def decode_pool(processor: Processor, frames: int, settings: CaptionSettings, wo
     """Workers decoding items with `processor` as `settings` say: isolated (or not), with their timeout and
     memory limit, refusing images above the pixel limit."""
     memory = settings.decode_memory_gb
-    job = DecodeJob(processor, frames, settings.prompt, settings.max_image_pixels)
+    job = DecodeJob(processor, frames, settings.prompt, settings.max_image_pixels, settings.temporal_pruning)
     return DecodePool(job, workers, settings.decode_timeout_s, int(memory * 2**30) if memory else None,
                       isolate=settings.isolate_decoding)
 

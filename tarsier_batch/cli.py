@@ -33,8 +33,8 @@ from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
 from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
-from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, CaptionSettings, RaySettings, RunSettings, SamplingParams,
-                       SettingsError)
+from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, CaptionSettings, RaySettings, RunSettings,
+                       SamplingParams, SettingsError)
 from .sharding import Shard, ShardError
 from .sources import Discovery, InputNotFoundError, discover
 from .version import __version__
@@ -58,6 +58,7 @@ app.add_typer(dev_app, name="dev")
 
 
 DType = Enum("DType", {name: name for name in DTYPES}, type=str)   # typer shows the choices
+PruneMethod = Enum("PruneMethod", {name: name for name in PRUNE_METHODS}, type=str)
 
 
 def _version(value: bool) -> None:
@@ -146,7 +147,8 @@ def caption(
     preflight: Annotated[bool, typer.Option("--preflight/--no-preflight", help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
     compile_step: Annotated[bool, typer.Option("--compile", help="Compile the step with torch.compile: fused kernels, and each decode step one graph at power-of-two sizes (a CUDA graph on GPUs), after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in float32.")] = False,
     prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
-    prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="The first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
+    prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="With --prune-method fastv: the first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
+    prune_method: Annotated[PruneMethod, typer.Option(case_sensitive=False, help="fastv: drop the vision tokens the last prompt token attends to least, after --prune-layer; temporal: before the language model, drop the vision tokens that changed least since the previous frame (the first frame stays whole).")] = PruneMethod.fastv,  # type: ignore[attr-defined]
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
@@ -186,7 +188,7 @@ def caption(
     settings = _settings(
         CaptionSettings, model=model, prompt=prompt, frames=frames, batch_size=batch_size,
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
-        prune_vision=prune_vision, prune_layer=prune_layer, compile_step=compile_step, dtype=dtype.value, device=device,
+        prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value, compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
         max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

@@ -26,6 +26,7 @@ from .media import MAX_IMAGE_PIXELS
 if TYPE_CHECKING:
     from .sharding import Shard
 
+PRUNE_METHODS = ("fastv", "temporal")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICE_NAMES = re.compile(r"auto|cpu|cuda(:\d+)?")
 KEY_MODES = ("path", "sha256")
@@ -112,7 +113,8 @@ class CaptionSettings:
     kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
     offload_kv: bool = False           # keep prefilling rows' KV in host memory
     prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
-    prune_layer: int | None = None     # None: DEFAULT_PRUNE_LAYER (when pruning)
+    prune_layer: int | None = None     # None: DEFAULT_PRUNE_LAYER (when pruning with fastv)
+    prune_method: str = "fastv"        # PRUNE_METHODS: after layer K by attention, or before the LM by frame change
     compile_step: bool = False         # the decode step through torch.compile
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
@@ -153,22 +155,36 @@ class CaptionSettings:
         if not 0 <= self.prune_vision < 1:
             raise SettingsError(f"{{prune_vision}} {_shown(self.prune_vision)}: give the share of vision tokens "
                                 f"to drop, 0 <= R < 1 (0: off)")
+        if self.prune_method not in PRUNE_METHODS:
+            raise SettingsError(f"{{prune_method}} {_shown(repr(self.prune_method))}: use {', '.join(PRUNE_METHODS)}")
         if self.prune_layer is not None and self.prune_vision == 0:
             raise SettingsError("{prune_layer} needs {prune_vision} R > 0 (pruning is off)")
+        if self.prune_layer is not None and self.prune_method == "temporal":
+            raise SettingsError("{prune_layer} is for {prune_method} fastv; temporal pruning works before the "
+                                "language model")
         if self.prune_layer is not None and self.prune_layer < 1:
             raise SettingsError(f"{{prune_layer}} {self.prune_layer}: the first layer can only see every token; "
                                 f"give K >= 1")
-        if self.prune_vision > 0 and self.offload_kv:
-            raise SettingsError("{offload_kv} and {prune_vision} do not work together yet; leave one out")
+        if self.prune_vision > 0 and self.prune_method == "fastv" and self.offload_kv:
+            raise SettingsError("{offload_kv} and {prune_vision} with {prune_method} fastv do not work together yet; "
+                                "leave one out, or use {prune_method} temporal")
 
     @property
-    def pruning(self) -> dict[str, float | int] | None:
+    def pruning(self) -> dict[str, float | int | str] | None:
         """Vision-token pruning as it is recorded: None when off (also what outputs written before pruning
-        existed read as: they were not pruned), else the share dropped and the first layer without them."""
+        existed read as: they were not pruned), else the share dropped and the first layer without them
+        (fastv, recorded as before the method could be chosen), or the share and the method (temporal)."""
         if self.prune_vision == 0:
             return None
+        if self.prune_method == "temporal":
+            return {"vision": self.prune_vision, "method": "temporal"}
         layer = self.prune_layer if self.prune_layer is not None else DEFAULT_PRUNE_LAYER
         return {"vision": self.prune_vision, "layer": layer}
+
+    @property
+    def temporal_pruning(self) -> float:
+        """The share of vision vectors dropped before the language model (0: none)."""
+        return self.prune_vision if self.prune_method == "temporal" else 0.0
 
 
 @dataclass(frozen=True)

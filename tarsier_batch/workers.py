@@ -52,6 +52,7 @@ from pebble import ProcessExpired, ProcessPool
 from .faults import misbehave, worker_faults
 from .fork_server import quiet_fork_server
 from .families.base import ProcessedPrompt, Processor
+from .families.temporal import drop_static_vision
 from .media import MAX_IMAGE_PIXELS, Media
 from .sources import MediaItem
 from .text import one_line
@@ -71,6 +72,7 @@ class DecodeJob:
     frames: int
     instruction: str | None  # the run's prompt; an item's own prompt replaces it
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
+    temporal_pruning: float = 0.0   # the share of vision vectors dropped for repeating the previous frame
 
 
 @dataclass
@@ -123,6 +125,8 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
         media = job.processor.load_media(item.path, item.media_type, job.frames, job.max_image_pixels)
         prompt = job.processor.process(media, item.prompt or job.instruction)
+        if job.temporal_pruning:
+            prompt = drop_static_vision(prompt, job.processor.vision_changes(prompt), job.temporal_pruning)
     except Exception as error:  # any decoder failure is this item's problem only
         if _is_out_of_memory(error):
             raise

@@ -181,7 +181,7 @@ class ModelRunner:
             vectors = self.model.encode_vision([seq.prompt.pixel_values[index] for seq, index in batch],
                                                [seq.prompt.vision_blocks[index] for seq, index in batch])
             for (seq, index), block_vectors in zip(batch, vectors):
-                seq.encoded[index] = block_vectors
+                seq.encoded[index] = seq.prompt.vision_blocks[index].prompt_vectors(block_vectors)
 
 
 class _Part:

@@ -31,12 +31,20 @@ class VisionBlock:
     """
 
     start: int   # position in the merged prompt of the block's first vector
-    length: int  # vectors the block yields
+    length: int  # vectors the block puts in the prompt
     grid: tuple[int, int, int] | None = None  # the encoder's (t, h, w) patch grid, where frames vary in size
+    # With temporal pruning (`families.temporal`): which of the encoder's vectors for the block those are, in order.
+    kept: tuple[int, ...] | None = None
 
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def prompt_vectors(self, encoded: torch.Tensor) -> torch.Tensor:
+        """The block's vectors in the prompt, from all the encoder made of it (`CaptionModel.encode_vision`)."""
+        if self.kept is None:
+            return encoded
+        return encoded[torch.tensor(self.kept, device=encoded.device)]
 
 
 @dataclass
@@ -110,6 +118,10 @@ class Processor(Protocol):
     def largest_item(self, num_frames: int) -> LargestItem:
         """The most an item of `num_frames` frames can take (to estimate a run's memory before loading)."""
 
+    def vision_changes(self, prompt: ProcessedPrompt) -> list[torch.Tensor | None]:
+        """Per vision block, how much each of its encoder vectors changed since the previous frame (see
+        `families.temporal`)."""
+
 
 class CaptionModel(Protocol):
     """Device side: a loaded checkpoint."""
@@ -123,7 +135,8 @@ class CaptionModel(Protocol):
     kv_geometry: KVGeometry
 
     def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
-        """Vectors of each block, (length, hidden) each, from each block's encoder input."""
+        """Every vector the encoder makes of each block, (vectors, hidden) each, from each block's encoder input
+        (all of them, also where the prompt keeps fewer: `VisionBlock.prompt_vectors`)."""
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids -> (tokens, hidden) input vectors."""
@@ -156,5 +169,5 @@ def embed_whole_prompt(model: CaptionModel, prompt: ProcessedPrompt) -> torch.Te
         embeds = model.embed_tokens(prompt.token_ids.to(model.device)).clone()
         vectors = model.encode_vision(list(prompt.pixel_values), prompt.vision_blocks)
         for block, block_vectors in zip(prompt.vision_blocks, vectors):
-            embeds[block.start:block.end] = block_vectors
+            embeds[block.start:block.end] = block.prompt_vectors(block_vectors)
     return embeds

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_r
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
+from ..temporal import patch_changes
 from ..weights import load_weights
 from .modeling import Tarsier2Config, Tarsier2Model
 from .positions import VisionSpan, mrope_positions
@@ -35,6 +37,11 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
         transform = functools.partial(self.frame_patches, media_type=media_type)
         return load_media(path, media_type, num_frames, frame_transform=transform,
                           sampler=frame_indices_without_repeats, max_image_pixels=max_image_pixels)
+
+    def vision_changes(self, prompt: ProcessedPrompt) -> list[torch.Tensor | None]:
+        """Per merged token, the pixel change of the patches it covers (consecutive in a frame's patches, in the
+        merger's order)."""
+        return patch_changes(prompt.pixel_values, self.merge_size**2)
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_patches` results, all of one size (one clip)."""
@@ -90,7 +97,8 @@ class Tarsier2Captioner(DecoderCaptioner):
         patches = torch.cat([with_temporal_copies(frame, self.processor.temporal_patch_size) for frame in pixels])
         grids = torch.tensor([block.grid for block in blocks], dtype=torch.long)
         vectors = self.model.vision_features(patches.to(self.device), grids.to(self.device))
-        return list(vectors.split([block.length for block in blocks]))
+        merged = self.processor.merge_size ** 2
+        return list(vectors.split([math.prod(block.grid) // merged for block in blocks if block.grid is not None]))
 
     def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[:, None, :]  # M-RoPE: (3 axes, batch of 1, tokens)
