@@ -21,6 +21,11 @@ positions came from), EOS off, one torch thread, float32 on the CPU:
 - `greedy` uses the checkpoint's settings; `sampled` adds temperature 1, top-p 0.9 and a
   repetition penalty of 1.1 (the penalty and the sampler were per-row work before).
 
+`--mixed` measures instead what prefill chunks add to a step of 8 decoding rows (greedy): the
+same ops and ms for steps that also hold 1, 2 or 4 chunks of --context positions, each a new
+row's first chunk (attending to its own keys) or a later one (attending to its context in the
+cache, --context positions before it), and each figure's excess over the pure decode step.
+
 Prints one JSON object.
 """
 
@@ -58,12 +63,15 @@ def text_prompt(vocab: int, components: int, length: int, seed: int) -> Processe
     return ProcessedPrompt("", ids, positions, length, [], torch.empty(0))
 
 
-def decoding_engine(model, rows: int, context: int, steps: int, sampling: dict, compiled: bool = False) -> Engine:
-    """An engine whose `rows` rows have all finished their prefill (the next steps are pure decode)."""
+def decoding_engine(model, rows: int, context: int, steps: int, sampling: dict, compiled: bool = False,
+                    room_for: int = 0) -> Engine:
+    """An engine whose `rows` rows have all finished their prefill (the next steps are pure decode), with a
+    cache of `room_for` more slots."""
     params = SamplingParams(max_new_tokens=steps * 4 + 16, **sampling)
     extra = {"compile": True} if compiled else {}
     engine = Engine(model, EngineConfig(max_rows=rows, max_batch_tokens=max(4096, rows * context),
-                                        prefill_chunk=0, kv_cache_tokens=rows * (context + steps * 4 + 256), **extra),
+                                        prefill_chunk=0, kv_cache_tokens=rows * (context + steps * 4 + 256) + room_for,
+                                        **extra),
                     params)
     components = 3 if model.family.name == "tarsier2" else 1
     vocab = model.model.language_model.lm_head.out_features
@@ -106,6 +114,51 @@ def measure(model, rows: int, context: int, steps: int, sampling: dict, compiled
             "first_decode_step_s": round(first_step, 2)}
 
 
+def measure_mixed(model, rows: int, chunks: int, context: int, later: bool, steps: int) -> dict:
+    """A step of `rows` decoding rows and `chunks` prefill chunks of `context` positions (a row's second chunk
+    if `later`), profiled as `measure` does; a fresh engine per repeat, since the step is a one-off."""
+    counts, times = [], []
+    for repeat in range(steps * 2):
+        engine = decoding_engine(model, rows, context, steps, {}, room_for=chunks * (2 * context + 64))
+        scheduler = engine.scheduler
+        scheduler.max_rows, scheduler.prefill_chunk = rows + chunks, context
+        scheduler.max_batch_tokens = rows + chunks * context
+        components = 3 if model.family.name == "tarsier2" else 1
+        vocab = model.model.language_model.lm_head.out_features
+        for index in range(chunks):
+            engine.add(text_prompt(vocab, components, context * (2 if later else 1) + 1, 1000 + index))
+        if later:   # their first chunks, so that the measured step holds their second
+            engine.step()
+        scheduled, schedule = [], scheduler.schedule
+        scheduler.schedule = lambda: scheduled.append(schedule()) or scheduled[-1]
+        if repeat % 2:
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        else:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                engine.step()
+            counts.append(len(kernel_ops(profile.events())))
+        step = scheduled[-1]
+        assert sum(row.num_tokens == context for row in step) == chunks and len(step) == rows + chunks
+        assert all(row.seq.num_computed == context * (2 if later else 1) for row in step if row.num_tokens == context)
+    return {"ops": int(statistics.median(counts)), "ms": round(statistics.median(times) * 1000, 2)}
+
+
+def mixed_steps(model, context: int, steps: int, rows: int = 8) -> dict:
+    """`measure_mixed` at 0, 1, 2 and 4 chunks, first and later, with each step's excess over the pure decode step."""
+    decode = measure_mixed(model, rows, 0, context, False, steps)
+    figures: dict = {"layers": model.kv_geometry.num_layers, f"{rows} decoding rows": decode}
+    for later in (False, True):
+        for chunks in (1, 2, 4):
+            mixed = measure_mixed(model, rows, chunks, context, later, steps)
+            extra_ops = mixed["ops"] - decode["ops"]
+            figures[f"+{chunks} {'later' if later else 'first'} chunks"] = {
+                **mixed, "extra_ops": extra_ops,
+                "extra_ops_per_chunk_and_layer": round(extra_ops / chunks / model.kv_geometry.num_layers, 1)}
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=["tarsier", "tarsier2"])
@@ -114,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="the engine with --compile (torch.compile)")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sampled"])
+    parser.add_argument("--mixed", action="store_true", help="what prefill chunks add to a step of 8 decoding rows")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict = {"context": args.context, "threads": 1, "dtype": "float32", "compile": args.compile,
@@ -123,6 +177,9 @@ def main() -> None:
             model_dir = make_tiny_model(Path(workdir) / family, "deep", seed=0, family=family)
             model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
             model.eos_token_ids = frozenset()
+            if args.mixed:
+                results["families"][family] = mixed_steps(model, args.context, args.steps)
+                continue
             by_mode = {}
             for mode in args.modes:
                 sampling = SAMPLED if mode == "sampled" else {}

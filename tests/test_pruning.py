@@ -70,16 +70,23 @@ def reference(model, prompt: ProcessedPrompt, config: PruneConfig, max_new: int 
         best = vision[scores[vision].topk(pruning.kept_vision).indices]
         survivors = torch.cat([(~pruning.vision_mask).nonzero().squeeze(1), best]).sort().values
         out = model.run_layers(hidden[survivors], prompt.positions[:, survivors], attention, config.layer, layers)
-        tokens: list[int] = []
-        normed = model.final_norm(out[-1:])
-        for step in range(max_new):
-            token = int(model.logits(normed).argmax(-1))
-            tokens.append(token)
-            if token in model.eos_token_ids:
-                break
-            position = torch.full((prompt.positions.shape[0], 1), prompt.next_position + step)
-            normed = model.forward(model.embed_tokens(torch.tensor([token])), position, attention)
+        tokens = greedy_decode(model, prompt, model.final_norm(out[-1:]), attention, max_new)
     return tokens, survivors
+
+
+def greedy_decode(model, prompt: ProcessedPrompt, normed: torch.Tensor, attention: _DenseAttention,
+                  max_new: int) -> list[int]:
+    """Greedy tokens from the prompt's last final hidden state `normed`, each fed back at the positions after the
+    prompt's (`next_position`)."""
+    tokens: list[int] = []
+    for step in range(max_new):
+        token = int(model.logits(normed).argmax(-1))
+        tokens.append(token)
+        if token in model.eos_token_ids:
+            break
+        position = torch.full((prompt.positions.shape[0], 1), prompt.next_position + step)
+        normed = model.forward(model.embed_tokens(torch.tensor([token])), position, attention)
+    return tokens
 
 
 def run(model, prompts: list[ProcessedPrompt], config: PruneConfig, max_new: int = MAX_NEW, **engine_config) -> list:

@@ -19,7 +19,7 @@ from tarsier_batch.families.base import VisionBlock, embed_whole_prompt
 from tarsier_batch.families.temporal import ALWAYS_KEPT, drop_static_vision
 from tarsier_batch.media import media_type_of
 from tarsier_batch.tiny import make_tiny_model
-from test_pruning import _DenseAttention
+from test_pruning import _DenseAttention, greedy_decode
 
 runner = CliRunner()
 MAX_NEW = 10
@@ -101,17 +101,9 @@ def test_what_moves_survives_and_the_frame_structure_stays(model, tmp_path: Path
 def _greedy_reference(model, prompt: ProcessedPrompt, max_new: int = MAX_NEW) -> list[int]:
     """The language model over the survivors at their positions, unchunked and alone, then greedy decoding."""
     attention = _DenseAttention()
-    tokens: list[int] = []
     with torch.inference_mode():
         normed = model.forward(embed_whole_prompt(model, prompt), prompt.positions, attention)[-1:]
-        for step in range(max_new):
-            token = int(model.logits(normed).argmax(-1))
-            tokens.append(token)
-            if token in model.eos_token_ids:
-                break
-            position = torch.full((prompt.positions.shape[0], 1), prompt.next_position + step)
-            normed = model.forward(model.embed_tokens(torch.tensor([token])), position, attention)
-    return tokens
+        return greedy_decode(model, prompt, normed, attention, max_new)
 
 
 def _engine_tokens(model, prompts: list[ProcessedPrompt], **config) -> list[list[int]]:
