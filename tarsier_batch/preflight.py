@@ -104,17 +104,18 @@ class _Geometry:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype.itemsize
 
 
-def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    """What the checkpoint's tensors hold resident once loaded in `dtype`, and while loading, from the safetensors
+def weight_bytes(model_dir: Path, dtype: torch.dtype, device: torch.device) -> int:
+    """What the checkpoint's tensors hold on `device` once loaded in `dtype`, and while loading, from the safetensors
     headers alone.
 
-    A tensor stored in `dtype` is used where the file is mapped, so the input embedding, read one row per token,
-    stays mostly on disk. A tensor converted is a copy, and while its file is read that file's pages are mapped
-    too: the largest such file counts once more (measured on a real-size checkpoint, see bench/README).
+    On the CPU a tensor stored in `dtype` is used where the file is mapped, so the input embedding, read one row
+    per token, stays mostly on disk; a tensor converted is a copy, and while its file is read that file's pages are
+    mapped too: the largest such file counts once more (measured on a real-size checkpoint, see bench/README). On
+    a GPU every tensor is a copy in device memory, and a converted one first arrives as stored.
     """
     total = converting = 0
     for path in weight_files(model_dir):
-        file_stored, file_converted = 0, False
+        file_stored = largest_converted = 0
         for name, entry in _header(path).items():
             if name == "__metadata__" or name.endswith(_SKIPPED_SUFFIXES):
                 continue
@@ -123,13 +124,15 @@ def weight_bytes(model_dir: Path, dtype: torch.dtype) -> int:
                 count *= size
             stored = count * _STORED_BYTES.get(entry["dtype"], 4)
             file_stored += stored
-            if entry["dtype"] == _SAFETENSORS_NAMES[dtype]:
-                total += 0 if name.endswith(_EMBEDDING_SUFFIX) else stored
-            else:
+            if entry["dtype"] != _SAFETENSORS_NAMES[dtype]:
                 total += count * dtype.itemsize
-                file_converted = True
-        if file_converted:
-            converting = max(converting, file_stored)
+                largest_converted = max(largest_converted, stored)
+            elif device.type == "cpu" and name.endswith(_EMBEDDING_SUFFIX):
+                continue
+            else:
+                total += stored
+        if largest_converted:
+            converting = max(converting, file_stored if device.type == "cpu" else largest_converted)
     return total + converting
 
 
@@ -143,7 +146,8 @@ def _header(path: Path) -> dict:
 def estimate(model_dir: Path, settings: CaptionSettings, dtype: torch.dtype, device: torch.device,
              rows: int, prompt_positions: int, pixel_bytes: int) -> MemoryEstimate:
     """What loading `model_dir` and captioning with `settings` will need on `device`, with `rows` rows at once,
-    prompts of at most `prompt_positions` positions, and decoded items' pixels of `pixel_bytes` held at once."""
+    prompts of at most `prompt_positions` positions, and decoded items' pixels of `pixel_bytes` held at once (in host
+    memory: they count on the CPU only)."""
     geometry = _Geometry.of(model_dir)
     per_position = geometry.kv_bytes_per_position(dtype)
     positions_per_row = prompt_positions + settings.sampling.max_new_tokens
@@ -159,8 +163,9 @@ def estimate(model_dir: Path, settings: CaptionSettings, dtype: torch.dtype, dev
     logits = rows * geometry.vocab * 4 * 2   # the model's logits and their float32 copy for sampling
     vision_positions_per_batch = min(prompt_positions, step_positions * 4)
     vision = vision_positions_per_batch * geometry.vision_hidden * _VISION_BYTES_PER_POSITION_UNIT
-    return MemoryEstimate(weights=weight_bytes(model_dir, dtype), kv_cache=kv,
-                          activations=language + logits + vision + RUNTIME_BYTES, pixels=pixel_bytes,
+    return MemoryEstimate(weights=weight_bytes(model_dir, dtype, device), kv_cache=kv,
+                          activations=language + logits + vision + RUNTIME_BYTES,
+                          pixels=pixel_bytes if device.type == "cpu" else 0,   # decoded pixels wait in host memory
                           process=_resident_bytes() if device.type == "cpu" else 0)
 
 
@@ -232,7 +237,7 @@ def check_fits(needed: MemoryEstimate, available: int, device: torch.device, dty
         return
     fixes = []
     if dtype.itemsize > 2:
-        halved = weight_bytes(model_dir, torch.bfloat16)
+        halved = weight_bytes(model_dir, torch.bfloat16, device)
         fixes.append(f"{{dtype}} bfloat16 (weights ~{_gb(halved)})")
     if needed.kv_cache > needed.weights // 8 or settings.kv_cache_gb is not None:
         fixes.append(f"a smaller {{kv_cache_gb}} (the cache needs ~{_gb(needed.kv_cache)})")

@@ -28,14 +28,20 @@ from .base import ProcessedPrompt, VisionBlock
 ALWAYS_KEPT = float("inf")   # the change score of a vector that is never dropped
 
 
-def patch_changes(frames: torch.Tensor, patches_per_vector: int) -> list[torch.Tensor | None]:
-    """Per frame, each vector's mean absolute pixel difference to the same vector in the previous frame (None for
-    the first frame: nothing to compare with). `frames` is (frames, patches, values) with the patches of a vector
-    consecutive."""
+def vector_changes(frames: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per frame, a score per vision vector of how much it adds to what the vectors around it show: its mean absolute
+    pixel difference to the same vector in the previous frame, plus its difference to the mean of its four
+    neighbours in the frame. A still, flat background scores least and goes first; a still object keeps the
+    contrast to its surroundings, so it stays longer than the background around it; what moves scores most. None
+    for the first frame (nothing to compare with: kept whole). `frames` is (frames, rows, columns, values): the
+    pixels of each vector on the frame's grid of vectors."""
+    padded = torch.nn.functional.pad(frames.permute(0, 3, 1, 2), (1, 1, 1, 1), mode="replicate").permute(0, 2, 3, 1)
+    neighbours = (padded[:, :-2, 1:-1] + padded[:, 2:, 1:-1] + padded[:, 1:-1, :-2] + padded[:, 1:-1, 2:]) / 4
+    contrast = (frames - neighbours).abs().mean(dim=-1)
     changes: list[torch.Tensor | None] = [None]
-    for before, after in zip(frames[:-1], frames[1:]):
-        difference = (after - before).abs().mean(dim=-1)
-        changes.append(difference.view(-1, patches_per_vector).mean(dim=-1))
+    for index in range(1, frames.shape[0]):
+        temporal = (frames[index] - frames[index - 1]).abs().mean(dim=-1)
+        changes.append((temporal + contrast[index]).flatten())
     return changes
 
 

@@ -11,7 +11,7 @@ from ...media import MAX_IMAGE_PIXELS, Media, MediaType, load_media
 from ..base import KVGeometry, LargestItem, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
-from ..temporal import ALWAYS_KEPT, patch_changes
+from ..temporal import ALWAYS_KEPT, vector_changes
 from .modeling import TarsierConfig
 from .processing import TarsierProcessor, build_prompt, default_instruction
 from .weights import load_model
@@ -60,14 +60,14 @@ class TarsierPromptProcessor(TarsierProcessor):
         return LargestItem(self.min_vision_positions(num_frames), num_frames * 3 * size * size * 4)
 
     def vision_changes(self, prompt: ProcessedPrompt) -> list[torch.Tensor | None]:
-        """Per patch vector, its patch's pixel change; each row's newline and the frame's separator are always kept."""
+        """Per patch vector, from its patch's pixels; each row's newline and the frame's separator are always kept."""
         frames = prompt.pixel_values
         patch = self.config.vision.patch_size
         grid = frames.shape[-1] // patch
         patches = frames.unfold(2, patch, patch).unfold(3, patch, patch)            # (F, 3, grid, grid, p, p)
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(frames.shape[0], grid * grid, -1)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(frames.shape[0], grid, grid, -1)
         changes: list[torch.Tensor | None] = []
-        for change in patch_changes(patches, 1):
+        for change in vector_changes(patches):
             if change is not None:
                 rows = torch.cat([change.view(grid, grid), torch.full((grid, 1), ALWAYS_KEPT)], dim=1)
                 change = torch.cat([rows.flatten(), torch.tensor([ALWAYS_KEPT])])

@@ -14,7 +14,7 @@ from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_r
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
 from ..generation_config import read_generation_defaults
-from ..temporal import patch_changes
+from ..temporal import vector_changes
 from ..weights import load_weights
 from .modeling import Tarsier2Config, Tarsier2Model
 from .positions import VisionSpan, mrope_positions
@@ -39,9 +39,12 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
                           sampler=frame_indices_without_repeats, max_image_pixels=max_image_pixels)
 
     def vision_changes(self, prompt: ProcessedPrompt) -> list[torch.Tensor | None]:
-        """Per merged token, the pixel change of the patches it covers (consecutive in a frame's patches, in the
+        """Per merged token, from the pixels of the patches it covers (consecutive in a frame's patches, in the
         merger's order)."""
-        return patch_changes(prompt.pixel_values, self.merge_size**2)
+        grid = prompt.vision_blocks[0].grid
+        assert grid is not None
+        rows, columns = grid[1] // self.merge_size, grid[2] // self.merge_size
+        return vector_changes(prompt.pixel_values.reshape(len(prompt.vision_blocks), rows, columns, -1))
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_patches` results, all of one size (one clip)."""
