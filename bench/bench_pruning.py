@@ -1,19 +1,21 @@
-"""Vision-token pruning (`--prune-vision R --prune-layer K`): what it saves and what it costs.
+"""Vision-token pruning (`--prune-vision R`, `--prune-method fastv --prune-layer K` or `--prune-method temporal`):
+what it saves and what it costs.
 
-    python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2]
-    python bench/bench_pruning.py quality [--n 100] [--seed 1]
+    python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2] [--methods fastv temporal]
+    python bench/bench_pruning.py quality [--n 100] [--seed 1] [--methods fastv temporal]
     python bench/bench_pruning.py selectivity [--n 40] [--seed 1]
 
 `speed`: random-weight checkpoints with a ~100M-parameter language model at the real depth
 (Tarsier v1: 32 layers; Tarsier2: 28) and the real per-frame geometry (`deep`), on
-../shared/media/demo_test.mp4. For R in {0, .25, .5, .75} x K in {2, 8}, side by side in one run:
+../shared/media/demo_test.mp4. For R in {0, .25, .5, .75} x (fastv at K in {2, 8}, temporal), side by side
+in one run:
 the language model's analytic prefill FLOPs, the measured prefill time of one item (median of
 --repeats, the settings interleaved), the KV bytes a row holds at its first token, how many such
 rows the same KV memory admits, and, in a fresh process per setting, the peak memory of one item
 (prefill and first token) above the loaded model and the items/s of 4 items generating 16 tokens
 each (EOS off). Two torch threads.
 
-`quality`: the trained demo model (3 layers, so K in {1, 2}) captions --n held-out clips forwards
+`quality`: the trained demo model (3 layers, so fastv's K in {1, 2}; and temporal) captions --n held-out clips forwards
 and backwards (2n clips) through `tarsier caption` per setting: exact-caption accuracy, and against
 the unpruned captions the share of identical captions, token F1 and ROUGE-L.
 
@@ -42,6 +44,7 @@ VIDEO = REPO.parent / "shared" / "media" / "demo_test.mp4"
 sys.path.insert(0, str(REPO))
 
 RATIOS = (0.25, 0.5, 0.75)
+TEMPORAL = "temporal"   # in a setting's layer slot: temporal pruning, before the language model
 SPEED_LAYERS = (2, 8)
 QUALITY_LAYERS = (1, 2)
 BATCH, NEW_TOKENS = 4, 16
@@ -54,13 +57,13 @@ _MEASURE = """
 import json, sys, time, torch
 from pathlib import Path
 sys.path.insert(0, {bench!r})
-from bench_pruning import engine_for, prompt_of, run_rows
+from bench_pruning import engine_for, prompt_of, pruned, run_rows
 from tarsier_batch.families import load_caption_model
 torch.set_num_threads({threads})
 model = load_caption_model(Path({model_dir!r}), torch.float32, torch.device("cpu"))
 model.eos_token_ids = frozenset()
-prompt = prompt_of(model, {frames})
-run_rows(engine_for(model, prompt, {ratio}, {layer}, rows=1, new_tokens=1), [prompt])   # warm up
+prompt = pruned(model, prompt_of(model, {frames}), {ratio}, {layer!r})
+run_rows(engine_for(model, prompt, {ratio}, {layer!r}, rows=1, new_tokens=1), [prompt])   # warm up
 
 def status_kb(field):
     line = next(l for l in open("/proc/self/status") if l.startswith(field))
@@ -68,9 +71,9 @@ def status_kb(field):
 
 open("/proc/self/clear_refs", "w").write("5")   # the peak (VmHWM) restarts from here
 start_kb = status_kb("VmRSS:")
-run_rows(engine_for(model, prompt, {ratio}, {layer}, rows=1, new_tokens=1), [prompt])
+run_rows(engine_for(model, prompt, {ratio}, {layer!r}, rows=1, new_tokens=1), [prompt])
 peak_mb = (status_kb("VmHWM:") - start_kb) / 1024
-seconds, _ = run_rows(engine_for(model, prompt, {ratio}, {layer}, rows={batch}, new_tokens={new_tokens}),
+seconds, _ = run_rows(engine_for(model, prompt, {ratio}, {layer!r}, rows={batch}, new_tokens={new_tokens}),
                       [prompt] * {batch})
 print(json.dumps({{"peak_above_loaded_mb": peak_mb, "seconds": seconds}}))
 """
@@ -82,12 +85,24 @@ def prompt_of(model, frames: int):
     return model.processor.process(model.processor.load_media(str(VIDEO), MediaType.VIDEO, frames), None)
 
 
-def engine_for(model, prompt, ratio: float, layer: int, rows: int, new_tokens: int, kv_rows: int | None = None):
-    """An engine with room for `kv_rows` (default `rows`) unpruned rows of `prompt`, pruning if ratio > 0."""
+def pruned(model, prompt, ratio: float, layer: int | str):
+    """`prompt` as the decoding worker hands it to the engine: without its least-changed vision vectors with temporal
+    pruning, else whole."""
+    from tarsier_batch.families.temporal import drop_static_vision
+
+    if layer != TEMPORAL or not ratio:
+        return prompt
+    return drop_static_vision(prompt, model.processor.vision_changes(prompt), ratio)
+
+
+def engine_for(model, prompt, ratio: float, layer: int | str, rows: int, new_tokens: int, kv_rows: int | None = None):
+    """An engine with room for `kv_rows` (default `rows`) rows of `prompt`, pruning with fastv if ratio > 0 and a
+    layer is given (temporal pruning is in the prompt already: `pruned`)."""
     from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 
     slots = (kv_rows or rows) * (prompt.length + new_tokens + 16)
-    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prune=PruneConfig(ratio, layer) if ratio else None)
+    by_attention = ratio and layer != TEMPORAL
+    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prune=PruneConfig(ratio, layer) if by_attention else None)
     return Engine(model, config, SamplingParams(max_new_tokens=new_tokens, repetition_penalty=1.0))
 
 
@@ -110,7 +125,7 @@ def prefill_flops(layer_params: int, heads: int, head_dim: int, layers: int, pro
     return prune_layer * per_layer(prompt) + (layers - prune_layer) * per_layer(survivors)
 
 
-def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
+def one_family(family: str, frames: int, repeats: int, workdir: Path, methods: list[str]) -> dict:
     import torch
 
     from tarsier_batch.families import load_caption_model
@@ -124,16 +139,17 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
     first_layer = model.model.language_model.model.layers[0]
     layer_params = sum(p.numel() for p in first_layer.parameters() if p.dim() == 2)
     heads = first_layer.self_attn.q_proj.out_features // geometry.head_dim
-    settings = [(0.0, 0)] + [(ratio, layer) for layer in SPEED_LAYERS for ratio in RATIOS]
-    name = {setting: "unpruned" if not setting[0] else f"R={setting[0]},K={setting[1]}" for setting in settings}
+    settings = [(0.0, 0)] + _pruning_settings(methods, SPEED_LAYERS)
+    name = {setting: _name(*setting) for setting in settings}
+    prompts = {setting: pruned(model, prompt, *setting) for setting in settings}
 
     run_rows(engine_for(model, prompt, 0.5, 2, rows=1, new_tokens=1), [prompt])   # warm up
     times: dict[tuple[float, int], list[float]] = {setting: [] for setting in settings}
     kv_bytes: dict[tuple[float, int], int] = {}
     for _ in range(repeats):
         for setting in settings:   # interleaved: machine noise hits every setting alike
-            engine = engine_for(model, prompt, *setting, rows=1, new_tokens=1)
-            seconds, [row] = run_rows(engine, [prompt])
+            engine = engine_for(model, prompts[setting], *setting, rows=1, new_tokens=1)
+            seconds, [row] = run_rows(engine, [prompts[setting]])
             times[setting].append(seconds)
             # What the row held at its first token: its computed slots in each cache.
             kv_bytes[setting] = sum(row.slots_used(late=index == 1) * pool.bytes_per_slot
@@ -143,8 +159,8 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
     for setting in settings:
         ratio, layer = setting
         engine = engine_for(model, prompt, ratio, layer, rows=16, new_tokens=MAX_NEW_TOKENS_FOR_FIT, kv_rows=16)
-        row = engine.add(prompt)
-        survivors = row.pruning.num_survivors if row.pruning is not None else prompt.length
+        row = engine.add(prompts[setting])
+        survivors = row.pruning.num_survivors if row.pruning is not None else prompts[setting].length
         # Rows of this prompt (room for --max-new-tokens 512) the same KV memory holds at once.
         fit = min(pool.capacity_tokens // row.max_length(late=index == 1) for index, pool in enumerate(engine.pools))
         measured = json.loads(subprocess.run(
@@ -155,7 +171,7 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
         results[name[setting]] = {
             "survivors": survivors,
             "prefill_gflops": round(prefill_flops(layer_params, heads, geometry.head_dim, geometry.num_layers,
-                                                  prompt.length, survivors, layer if ratio else 0) / 1e9, 1),
+                                                  prompt.length, survivors, layer if fastv(setting) else 0) / 1e9, 1),
             "prefill_s": round(statistics.median(times[setting]), 2), "prefill_runs_s": [round(t, 2) for t in times[setting]],
             "kv_mb_per_row": round(kv_bytes[setting] / 2**20, 1), "rows_in_kv_of_16_unpruned": fit,
             "peak_above_loaded_mb": round(measured["peak_above_loaded_mb"]),
@@ -177,13 +193,28 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path) -> dict:
             "vision_tokens": sum(block.end - block.start for block in prompt.vision_blocks), "settings": results}
 
 
+def _pruning_settings(methods: list[str], layers: tuple[int, ...]) -> list[tuple[float, int | str]]:
+    return [(ratio, layer) for method in methods for layer in (layers if method == "fastv" else (TEMPORAL,))
+            for ratio in RATIOS]
+
+
+def _name(ratio: float, layer: int | str) -> str:
+    if not ratio:
+        return "unpruned"
+    return f"R={ratio},temporal" if layer == TEMPORAL else f"R={ratio},K={layer}"
+
+
+def fastv(setting: tuple[float, int | str]) -> bool:
+    return bool(setting[0]) and setting[1] != TEMPORAL
+
+
 def speed(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory(prefix="bench-pruning-") as scratch:
         return {"benchmark": "vision-token pruning: speed and memory", "repeats": args.repeats, "threads": THREADS,
-                "families": {family: one_family(family, args.frames, args.repeats, Path(scratch))
+                "families": {family: one_family(family, args.frames, args.repeats, Path(scratch), args.methods)
                              for family in args.families}}
 
 
@@ -219,10 +250,11 @@ def rouge_l(reference: str, candidate: str) -> float:
 def quality(args: argparse.Namespace) -> dict:
     from tarsier_batch.demo.evaluate import evaluate
 
-    settings = [(0.0, 0)] + [(ratio, layer) for layer in QUALITY_LAYERS for ratio in RATIOS]
+    settings = [(0.0, 0)] + _pruning_settings(args.methods, QUALITY_LAYERS)
     results, unpruned = {}, None
     for ratio, layer in settings:
-        flags = ("--prune-vision", str(ratio), "--prune-layer", str(layer)) if ratio else ()
+        flags = () if not ratio else ("--prune-vision", str(ratio), "--prune-method", "temporal") if layer == TEMPORAL \
+            else ("--prune-vision", str(ratio), "--prune-layer", str(layer))
         start = time.perf_counter()
         evaluation = evaluate(args.n, args.seed, "demo", flags)
         seconds = time.perf_counter() - start
@@ -235,8 +267,8 @@ def quality(args: argparse.Namespace) -> dict:
                   "token_f1_vs_unpruned": round(statistics.mean(token_f1(a, b) for a, b in pairs), 4),
                   "rouge_l_vs_unpruned": round(statistics.mean(rouge_l(a, b) for a, b in pairs), 4),
                   "seconds": round(seconds, 1)}
-        results["unpruned" if not ratio else f"R={ratio},K={layer}"] = result
-        print(json.dumps({f"R={ratio},K={layer}": result}), file=sys.stderr, flush=True)
+        results[_name(ratio, layer)] = result
+        print(json.dumps({_name(ratio, layer): result}), file=sys.stderr, flush=True)
     return {"benchmark": "vision-token pruning: demo-model caption quality", "clips": 2 * args.n, "seed": args.seed,
             "settings": results}
 
@@ -294,9 +326,11 @@ def main() -> None:
     speed_parser.add_argument("--families", nargs="+", default=["tarsier", "tarsier2"], choices=["tarsier", "tarsier2"])
     speed_parser.add_argument("--frames", type=int, default=8)
     speed_parser.add_argument("--repeats", type=int, default=2)
+    speed_parser.add_argument("--methods", nargs="+", default=["fastv", "temporal"], choices=["fastv", "temporal"])
     quality_parser = commands.add_parser("quality")
     quality_parser.add_argument("--n", type=int, default=100)
     quality_parser.add_argument("--seed", type=int, default=1)
+    quality_parser.add_argument("--methods", nargs="+", default=["fastv", "temporal"], choices=["fastv", "temporal"])
     selectivity_parser = commands.add_parser("selectivity")
     selectivity_parser.add_argument("--n", type=int, default=40)
     selectivity_parser.add_argument("--seed", type=int, default=1)
