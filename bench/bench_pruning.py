@@ -100,7 +100,7 @@ def engine_for(model, prompt, ratio: float, layer: int | str, rows: int, new_tok
     layer is given (temporal pruning is in the prompt already: `pruned`)."""
     from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 
-    slots = (kv_rows or rows) * (prompt.length + new_tokens + 16)
+    slots = (kv_rows or rows) * (prompt.length + new_tokens + 64)   # a row takes whole pages of 32 slots
     by_attention = ratio and layer != TEMPORAL
     config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prune=PruneConfig(ratio, layer) if by_attention else None)
     return Engine(model, config, SamplingParams(max_new_tokens=new_tokens, repetition_penalty=1.0))
