@@ -52,7 +52,7 @@ def test_rows_are_written_to_their_pages_read_back_and_moved_intact() -> None:
     assert paged_keys.data_ptr() == cache.keys[1].data_ptr() and paged_keys.shape == (2 * 3, 8, 4)
     torch.testing.assert_close(paged_keys[3 + 2, 10 - 8], keys[10, 2], rtol=0, atol=0)   # page 1, head 2, slot 10
     overlapping = Region(8, 16)  # compaction moves ranges onto themselves
-    cache.move(region, overlapping, 11)
+    cache.copy_tokens(region, overlapping, 11)
     moved_keys, moved_values = cache.read(overlapping, 1, 11)
     torch.testing.assert_close(moved_keys[0], keys.transpose(0, 1), rtol=0, atol=0)
     torch.testing.assert_close(moved_values[0], values.transpose(0, 1), rtol=0, atol=0)

@@ -74,15 +74,28 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def waiting_pixel_bytes(self) -> int:
-        return sum(seq.prompt.pixel_values.nbytes for seq in self.scheduler.waiting)
+        """Pixels held by waiting rows (questions about one clip share theirs)."""
+        pixels = {id(seq.prompt.pixel_values): seq.prompt.pixel_values.nbytes for seq in self.scheduler.waiting}
+        return sum(pixels.values())
 
     def add(self, prompt: ProcessedPrompt, payload: Any = None, max_new_tokens: int | None = None,
-            seed: int | None = None) -> Sequence:
+            seed: int | None = None, prefix_source: Sequence | None = None) -> Sequence:
         """Queue one row; `seed` names its sampling stream (`SamplingParams.row_seed`, needed unless greedy).
-        A row that can never fit the KV cache is not queued: it comes back finished with an error."""
+        A row that can never fit the KV cache is not queued: it comes back finished with an error.
+
+        `prefix_source`: a row added earlier whose prompt starts like this one (another question about the
+        same clip): while it holds that shared prefix computed, this row copies the prefix's KV instead of
+        computing it. The tokens are the same either way. Not with FastV pruning (its survivors are chosen by
+        the last prompt token, which differs per question) or offloaded prefill (the prefix is not on the
+        device while it is computed): there each row computes its whole prompt."""
         seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, seed, payload)
         if self.config.prune is not None and prompt.vision_blocks:
             seq.pruning = row_pruning(prompt, self.config.prune)
+        if prefix_source is not None and self.config.prune is None and not self.config.offload_kv:
+            seq.prefix_length = prefix_source.prompt.shared_prefix(prompt)
+            if seq.prefix_length:
+                seq.prefix_source = prefix_source
+                prefix_source.fork_points.add(seq.prefix_length)
         problem = self.scheduler.add(seq)
         if problem is not None:
             seq.finish("error", problem)

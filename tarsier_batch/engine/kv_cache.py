@@ -177,8 +177,9 @@ class KVCache:
         page's slots past its row's context by weight 0, and never-written memory may hold NaN."""
         self.values[:, start // self.page_slots:end // self.page_slots] = 0
 
-    def move(self, source: Region, target: Region, length: int) -> None:
-        """Copy a row's first `length` tokens to another range (when it cannot grow in place)."""
+    def copy_tokens(self, source: Region, target: Region, length: int) -> None:
+        """Copy a row's first `length` tokens to another range: a row that cannot grow in place moves, a row
+        forked from another's prefix starts from a copy of it."""
         count = -(-length // self.page_slots)
         first, to = source.start // self.page_slots, target.start // self.page_slots
         for storage in (self.keys, self.values):  # clone: compaction moves ranges onto themselves

@@ -102,12 +102,17 @@ class Scheduler:
                 step.append(ScheduledRow(seq, tokens))
                 budget -= tokens
                 prefilled_whole = True
-        while self.waiting and budget > 0 and len(self.running) < self.max_rows and not self.waiting[0].isolate:
-            seq = self.waiting[0]
-            tokens = self._chunk(seq, budget, prefilled_whole)
-            if not tokens or not self._admit(seq):
+        while budget > 0 and len(self.running) < self.max_rows:
+            seq = self._next_to_admit()
+            if seq is None:
                 break
-            self.waiting.popleft()
+            source = self._prefix_holder(seq)
+            seq.num_computed = seq.prefix_length if source is not None else 0   # a fork starts after the prefix
+            tokens = self._chunk(seq, budget, prefilled_whole)
+            if not tokens or not self._admit(seq, source=source):
+                seq.num_computed = 0
+                break
+            self.waiting.remove(seq)
             step.append(ScheduledRow(seq, tokens))
             budget -= tokens
             prefilled_whole = True
@@ -172,7 +177,33 @@ class Scheduler:
             return limit if limit <= budget or not prefilled_whole else 0
         return min(limit, self.prefill_chunk, budget)
 
-    def _admit(self, seq: Sequence, force: bool = False) -> bool:
+    def _next_to_admit(self) -> Sequence | None:
+        """The first waiting row that may join now. Rows join in order, except that a row whose shared prefix
+        another row is still computing lets the rows behind it pass until the prefix is done (or its holder
+        is gone: then it computes the prefix itself), keeping a row free for it. A row to be run alone stops
+        admission."""
+        awaiting = 0
+        for seq in self.waiting:
+            if seq.isolate:
+                return None
+            source = seq.prefix_source
+            if source is not None and source.status is Status.FINISHED:
+                seq.prefix_source = None
+            elif source is not None and self._prefix_holder(seq) is None:
+                awaiting += source.status is Status.RUNNING   # its prefix is on the way: keep a row for it
+                continue
+            return seq if len(self.running) + awaiting < self.max_rows else None
+        return None
+
+    def _prefix_holder(self, seq: Sequence) -> Sequence | None:
+        """The row whose device KV holds `seq`'s shared prefix computed, if there is one now."""
+        source = seq.prefix_source
+        if source is None or source.status is not Status.RUNNING or not source.regions:
+            return None
+        return source if source.slots_used() >= seq.prefix_length else None
+
+    def _admit(self, seq: Sequence, force: bool = False, source: Sequence | None = None) -> bool:
+        """Give `seq` KV and run it; `source`: a row holding `seq`'s shared prefix, copied instead of computed."""
         if self.offload_prefill and seq.in_prefill:
             pool = self.pools[0]
             seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
@@ -189,6 +220,10 @@ class Scheduler:
                     self._release(seq)
                     return False
                 seq.regions.append(region)
+            if source is not None:   # after allocating, which may have compacted the source's ranges
+                for pool, own, shared in zip(self.pools, seq.regions, source.regions):
+                    pool.copy_tokens(shared, own, seq.prefix_length)
+        seq.forked = seq.prefix_length if source is not None else 0
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
@@ -231,7 +266,7 @@ class Scheduler:
             return False
         current = seq.regions[index] if seq.regions else None   # compacting may have moved it
         if current is not None:
-            pool.move(current, region, seq.slots_used(self.late[index]))
+            pool.copy_tokens(current, region, seq.slots_used(self.late[index]))
             pool.allocator.release(current)
             seq.regions[index] = region
         else:  # an offloaded prefill is done: bring its KV to the device
@@ -262,7 +297,7 @@ class Scheduler:
             region = seq.regions[index]
             if region.start != cursor:
                 moved = Region(cursor, region.capacity)
-                pool.move(region, moved, min(seq.slots_used(self.late[index]), region.capacity))
+                pool.copy_tokens(region, moved, min(seq.slots_used(self.late[index]), region.capacity))
                 seq.regions[index] = moved
             cursor += region.capacity
         pool.allocator.reset(used=cursor)

@@ -44,6 +44,14 @@ class Sequence:
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
     pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
+    # Another row whose first `prefix_length` positions are this row's (another question about the same
+    # clip): while that row holds them computed, this one starts from a copy of their KV.
+    prefix_source: Sequence | None = None
+    prefix_length: int = 0
+    forked: int = 0                          # positions copied from `prefix_source` when last admitted
+    # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
+    # finish.
+    fork_points: set[int] = field(default_factory=set)
     _prompt_vocabulary: list[int] | None = None
 
     def seen_ids(self) -> list[int]:
@@ -90,11 +98,14 @@ class Sequence:
 
     @property
     def chunk_limit(self) -> int:
-        """The most positions one step can compute: the rest, or with pruning the rest of the current stage."""
+        """The most positions one step can compute: the rest, or the rest of the current stage (a prefix other
+        rows fork from; with pruning, the prompt and the survivors' late-layer pass)."""
+        stage_ends = sorted(self.fork_points)
         if self.pruning is not None:
-            for stage_end in (self.prompt.length, self.prompt.length + self.pruning.num_survivors):
-                if self.num_computed < stage_end:
-                    return stage_end - self.num_computed
+            stage_ends += [self.prompt.length, self.prompt.length + self.pruning.num_survivors]
+        for stage_end in stage_ends:
+            if self.num_computed < stage_end:
+                return stage_end - self.num_computed
         return self.remaining
 
     @property

@@ -68,6 +68,22 @@ class ProcessedPrompt:
     def length(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def shared_prefix(self, other: ProcessedPrompt) -> int:
+        """How many leading positions `other` computes exactly as this prompt does: the same ids at the same
+        positions, and in vision blocks the same vectors (questions about one clip share everything before
+        their instructions). At most `other.length - 1`: its last position must be computed to sample."""
+        limit = min(self.length, other.length - 1)
+        differs = ((self.token_ids[:limit] != other.token_ids[:limit])
+                   | (self.positions[:, :limit] != other.positions[:, :limit]).any(dim=0))
+        shared = int(differs.int().argmax()) if bool(differs.any()) else limit
+        for index, (mine, theirs) in enumerate(zip(self.vision_blocks, other.vision_blocks)):
+            if mine.start >= shared:
+                break
+            if mine != theirs or not (self.pixel_values is other.pixel_values
+                                      or torch.equal(self.pixel_values[index], other.pixel_values[index])):
+                return mine.start
+        return shared
+
 
 class Attention(Protocol):
     """What a model calls in each layer: store the new keys and values, attend over each row's context.

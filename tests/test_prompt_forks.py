@@ -1,0 +1,143 @@
+"""Several questions about one clip: the engine prefills their shared prefix once and forks it, and each
+question's tokens equal that question asked alone (both families, chunked, sampled, joining, preempted)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
+from tarsier_batch.engine.pruning import PruneConfig
+from tarsier_batch.families import ProcessedPrompt, load_caption_model
+from tarsier_batch.families.temporal import drop_static_vision
+from tarsier_batch.media import media_type_of
+from tarsier_batch.tiny import make_tiny_model
+
+MAX_NEW = 12
+QUESTIONS = ["Describe the video in detail.", "List the objects that appear.", "How does the camera move?"]
+CLIPS = ["demo_test_8frames.gif", "short_5f.mp4"]
+
+
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2"])
+def model(request, tmp_path_factory: pytest.TempPathFactory):
+    directory = make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
+    return load_caption_model(directory, torch.float32, torch.device("cpu"))
+
+
+def ask(model, path: Path, questions: list[str], frames: int = 8) -> list[ProcessedPrompt]:
+    """One prompt per question about one clip, decoded once."""
+    processor = model.processor
+    media = processor.load_media(str(path), media_type_of(path), frames)
+    return [processor.process(media, question) for question in questions]
+
+
+@pytest.fixture(scope="module")
+def prompt_sets(model, shared_media: Path) -> list[list[ProcessedPrompt]]:
+    return [ask(model, shared_media / clip, QUESTIONS) for clip in CLIPS]
+
+
+def run_sets(model, prompt_sets: list[list[ProcessedPrompt]], sampling: SamplingParams | None = None,
+             max_new: list[int] | None = None, seeds: list[int] | None = None, fork: bool = True,
+             **config) -> list[Sequence]:
+    """Every prompt of every set in one engine, each set's later prompts forked from its first; the rows in
+    input order."""
+    engine = Engine(model, EngineConfig(**config), sampling or SamplingParams(max_new_tokens=MAX_NEW))
+    rows = []
+    for prompts in prompt_sets:
+        first = None
+        for prompt in prompts:
+            index = len(rows)
+            rows.append(engine.add(prompt, payload=index, max_new_tokens=max_new[index] if max_new else None,
+                                   seed=seeds[index] if seeds else None, prefix_source=first if fork else None))
+            first = first or rows[-1]
+    while engine.has_work:
+        engine.step()
+    assert all(row.error is None for row in rows), [row.error for row in rows]
+    return rows
+
+
+def alone(model, prompt_sets: list[list[ProcessedPrompt]], **kwargs) -> list[list[int]]:
+    """Each prompt in an engine of its own, unchunked and unforked: the reference."""
+    max_new, seeds = kwargs.pop("max_new", None), kwargs.pop("seeds", None)
+    prompts = [prompt for prompts in prompt_sets for prompt in prompts]
+    return [run_sets(model, [[prompt]], max_new=[max_new[i]] if max_new else None, seeds=[seeds[i]] if seeds else None,
+                     max_rows=1, prefill_chunk=0, **kwargs)[0].output_ids
+            for i, prompt in enumerate(prompts)]
+
+
+def shared_lengths(prompt_sets: list[list[ProcessedPrompt]]) -> list[int]:
+    return [prompts[0].shared_prefix(prompt) for prompts in prompt_sets for prompt in prompts[1:]]
+
+
+def test_the_shared_prefix_is_the_vision_and_the_text_before_the_question(model, prompt_sets) -> None:
+    for prompts in prompt_sets:
+        first, second = prompts[0], prompts[1]
+        shared = first.shared_prefix(second)
+        vision_end = first.vision_blocks[-1].end
+        assert vision_end <= shared < min(first.length, second.length)
+        assert torch.equal(first.token_ids[:shared], second.token_ids[:shared])
+        assert first.token_ids[shared] != second.token_ids[shared]
+        assert shared - vision_end < 8, "only the template's text between the frames and the question is shared"
+    # The same prompt shares all but its last position, which must be computed to sample.
+    first = prompt_sets[0][0]
+    assert first.shared_prefix(first) == first.length - 1
+    # Other pixels: nothing from the first frame on is shared, though the ids are the same.
+    other = replace(first, pixel_values=first.pixel_values.flip(0))
+    assert first.shared_prefix(other) == first.vision_blocks[0].start
+
+
+def test_each_question_equals_it_asked_alone(model, prompt_sets) -> None:
+    reference = alone(model, prompt_sets)
+    assert len({tuple(tokens) for tokens in reference}) == len(reference), "questions should get distinct answers"
+    shared = shared_lengths(prompt_sets)
+    # Chunks that end inside the vision, exactly at the end of the shared prefix, past it, and whole prompts.
+    for chunk in (7, shared[0], shared[0] + 3, 0):
+        rows = run_sets(model, prompt_sets, max_rows=6, prefill_chunk=chunk, max_batch_tokens=max(chunk, 6) + 6)
+        assert [row.output_ids for row in rows] == reference, f"chunk {chunk}"
+        forked = [row.forked for row in rows]
+        # Each set's first prompt computes everything; the others copy the shared prefix and compute the rest.
+        assert forked == [0, shared[0], shared[1], 0, shared[2], shared[3]], f"chunk {chunk}"
+
+
+def test_sampled_questions_joining_leaving_and_preempted_equal_them_alone(model, prompt_sets) -> None:
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
+    max_new = [3, 40, 7, 33, 1, 25]   # past the slots a row gets at admission: rows grow and preempt others
+    seeds = [5, 5, 5, 6, 6, 6]   # a clip's stream, as each question asked alone of that clip would draw
+    reference = alone(model, prompt_sets, sampling=sampling, max_new=max_new, seeds=seeds)
+    assert reference != alone(model, prompt_sets, max_new=max_new), "sampling should differ from greedy decoding"
+    # Two rows at a time: questions wait for a free row, join as others finish, some after their clip's first left.
+    joining = run_sets(model, prompt_sets, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=2,
+                       prefill_chunk=16, max_batch_tokens=24)
+    assert [row.output_ids for row in joining] == reference
+    assert any(row.forked for row in joining)
+    # A KV cache for about two rows: rows are preempted and recomputed, forked again or from their own prompt.
+    longest = max(prompt.length for prompts in prompt_sets for prompt in prompts)
+    preempted = run_sets(model, prompt_sets, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=6,
+                         prefill_chunk=32, max_batch_tokens=48, kv_cache_tokens=2 * (longest + 40) + 24,
+                         kv_page_slots=8)
+    assert [row.output_ids for row in preempted] == reference
+    assert sum(row.preemptions for row in preempted) > 0
+
+
+def test_temporally_pruned_questions_fork_and_equal_them_alone(model, prompt_sets) -> None:
+    pruned = [[drop_static_vision(prompt, model.processor.vision_changes(prompt), 0.5) for prompt in prompts]
+              for prompts in prompt_sets]
+    assert all(p.length < f.length for p, f in zip(pruned[0], prompt_sets[0]))
+    reference = alone(model, pruned)
+    rows = run_sets(model, pruned, max_rows=6, prefill_chunk=9, max_batch_tokens=20)
+    assert [row.output_ids for row in rows] == reference
+    assert [row.forked > 0 for row in rows] == [False, True, True, False, True, True]
+
+
+def test_fastv_questions_do_not_fork_and_equal_them_alone(model, prompt_sets) -> None:
+    """FastV ranks the vision tokens by the last prompt token's attention, which differs per question: each
+    question prefills its own prompt."""
+    prune = PruneConfig(ratio=0.5, layer=1)
+    reference = alone(model, prompt_sets, prune=prune)
+    rows = run_sets(model, prompt_sets, max_rows=6, prefill_chunk=9, max_batch_tokens=20, prune=prune)
+    assert [row.output_ids for row in rows] == reference
+    assert not any(row.forked for row in rows)
+
