@@ -10,8 +10,11 @@ import pytest
 import torch
 
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
+from tarsier_batch.engine.kv_cache import KVCache
 from tarsier_batch.engine.pruning import PruneConfig
+from tarsier_batch.engine.scheduler import Scheduler, SchedulerConfig
 from tarsier_batch.families import ProcessedPrompt, load_caption_model
+from tarsier_batch.families.base import KVGeometry
 from tarsier_batch.families.temporal import drop_static_vision
 from tarsier_batch.media import media_type_of
 from tarsier_batch.tiny import make_tiny_model
@@ -141,3 +144,40 @@ def test_fastv_questions_do_not_fork_and_equal_them_alone(model, prompt_sets) ->
     assert [row.output_ids for row in rows] == reference
     assert not any(row.forked for row in rows)
 
+
+
+def _text_prompt(ids: list[int]) -> ProcessedPrompt:
+    return ProcessedPrompt("", torch.tensor(ids), torch.arange(len(ids))[None], len(ids), [], torch.zeros(0))
+
+
+def _scheduler(max_rows: int) -> Scheduler:
+    pool = KVCache(KVGeometry(num_layers=2, kv_heads=1, head_dim=4), 256, torch.float32, torch.device("cpu"))
+    return Scheduler(SchedulerConfig(max_rows=max_rows, max_batch_tokens=64, prefill_chunk=16,
+                                     offload_prefill=False), [pool])
+
+
+def test_a_fork_waits_for_its_prefix_only_while_it_is_on_the_way() -> None:
+    """Admission passes over a fork while its source computes the prefix (keeping a row for it); a fork
+    whose source cannot come first (run alone after a failed step, queued behind it) computes the prefix
+    itself instead of stalling the engine."""
+    source, fork, other = (Sequence(_text_prompt(ids), 4) for ids in ([1, 2, 3, 4, 5] * 8, [1, 2, 3, 4, 5] * 7 + [9],
+                                                                      [7] * 10))
+    fork.prefix_source, fork.prefix_length = source, source.prompt.shared_prefix(fork.prompt)
+    assert fork.prefix_length == 35
+    scheduler = _scheduler(max_rows=3)
+    for seq in (source, fork, other):
+        scheduler.add(seq)
+    first = scheduler.schedule()   # the source's first chunk; the fork waits, the other row passes it
+    assert [(row.seq, row.num_tokens) for row in first] == [(source, 16), (other, 10)]
+    source.num_computed, other.num_computed = 16, 10
+    assert not any(row.seq is fork for row in scheduler.schedule())
+    source.num_computed = 35
+    admitted = [row for row in scheduler.schedule() if row.seq is fork]
+    assert [(row.num_tokens, fork.forked, fork.num_computed) for row in admitted] == [(1, 35, 35)]
+
+    # A source to be run alone, queued behind its fork, with nothing running.
+    scheduler = _scheduler(max_rows=3)
+    source, fork = Sequence(_text_prompt([1, 2, 3] * 5), 4), Sequence(_text_prompt([1, 2, 3] * 4 + [8]), 4)
+    fork.prefix_source, fork.prefix_length, source.isolate = source, 12, True
+    scheduler.waiting.extend([fork, source])
+    assert [row.seq for row in scheduler.schedule()] == [fork] and fork.prefix_source is None

@@ -91,14 +91,15 @@ class Engine:
         seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, seed, payload)
         if self.config.prune is not None and prompt.vision_blocks:
             seq.pruning = row_pruning(prompt, self.config.prune)
-        if prefix_source is not None and self.config.prune is None and not self.config.offload_kv:
+        if (prefix_source is not None and self.config.prune is None and not self.config.offload_kv
+                and self.scheduler.holds(prefix_source)):
             seq.prefix_length = prefix_source.prompt.shared_prefix(prompt)
-            if seq.prefix_length:
-                seq.prefix_source = prefix_source
-                prefix_source.fork_points.add(seq.prefix_length)
+            seq.prefix_source = prefix_source if seq.prefix_length else None
         problem = self.scheduler.add(seq)
         if problem is not None:
             seq.finish("error", problem)
+        elif seq.prefix_source is not None:
+            seq.prefix_source.fork_points.add(seq.prefix_length)
         return seq
 
     def abort_all(self) -> None:

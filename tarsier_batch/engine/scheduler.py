@@ -84,6 +84,10 @@ class Scheduler:
         self.waiting.append(seq)
         return None
 
+    def holds(self, seq: Sequence) -> bool:
+        """Is `seq` queued or running here (not finished, not another engine's)?"""
+        return seq.status is not Status.FINISHED and (seq in self.running or seq in self.waiting)
+
     def schedule(self) -> list[ScheduledRow]:
         """The next step's rows; KV is in place for every position they will compute."""
         isolated = next((seq for seq in self.running if seq.isolate), None)
@@ -182,16 +186,20 @@ class Scheduler:
         another row is still computing lets the rows behind it pass until the prefix is done (or its holder
         is gone: then it computes the prefix itself), keeping a row free for it. A row to be run alone stops
         admission."""
-        awaiting = 0
+        awaiting, passed = 0, set()
         for seq in self.waiting:
             if seq.isolate:
                 return None
             source = seq.prefix_source
-            if source is not None and source.status is Status.FINISHED:
-                seq.prefix_source = None
-            elif source is not None and self._prefix_holder(seq) is None:
-                awaiting += source.status is Status.RUNNING   # its prefix is on the way: keep a row for it
-                continue
+            if source is not None and self._prefix_holder(seq) is None:
+                if source.status is Status.RUNNING:   # its prefix is on the way: keep a row for it
+                    awaiting += 1
+                    passed.add(id(seq))
+                    continue
+                if id(source) in passed:   # queued ahead of it (itself waiting for a prefix)
+                    passed.add(id(seq))
+                    continue
+                seq.prefix_source = None   # finished, or queued behind it: compute the prefix
             return seq if len(self.running) + awaiting < self.max_rows else None
         return None
 
@@ -221,6 +229,7 @@ class Scheduler:
                     return False
                 seq.regions.append(region)
             if source is not None:   # after allocating, which may have compacted the source's ranges
+                assert len(self.pools) == 1, "a fork copies a prefix of every layer (not with FastV's two caches)"
                 for pool, own, shared in zip(self.pools, seq.regions, source.regions):
                     pool.copy_tokens(shared, own, seq.prefix_length)
         seq.forked = seq.prefix_length if source is not None else 0

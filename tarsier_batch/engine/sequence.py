@@ -132,6 +132,7 @@ class Sequence:
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        self.prefix_source = None   # would keep a finished source's prompt and pixels alive
         self.encoded.clear()
         self.host_kv = None
         if self.pruning is not None:
