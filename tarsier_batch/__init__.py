@@ -16,7 +16,8 @@ _EXPORTS = {"CaptionRun": "run", "RunOutcome": "run", "RunReporter": "run", "Log
             "Status": "run", "Terminated": "run",
             "CaptionSettings": "settings", "RunSettings": "settings", "SamplingParams": "settings",
             "SettingsError": "settings",
-            "Captioner": "api", "CaptionResult": "results", "MediaItem": "sources", "discover": "sources",
+            "Captioner": "api", "CaptionResult": "results", "Answer": "results", "MediaItem": "sources",
+            "discover": "sources", "Question": "prompt_sets", "read_prompt_set": "prompt_sets",
             "read_manifest": "manifest", "OutputTarget": "outputs.formats",
             # what a run raises for the caller to fix
             "OutputError": "outputs.formats", "SettingsMismatchError": "outputs.resume",
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     from .outputs.lock import OutputLockedError
     from .outputs.resume import SettingsMismatchError
     from .preflight import NotEnoughMemory
-    from .results import CaptionResult
+    from .prompt_sets import Question, read_prompt_set
+    from .results import Answer, CaptionResult
     from .run import CaptionRun, LoggingReporter, RunOutcome, RunReporter, Status, Terminated
     from .settings import CaptionSettings, RunSettings, SamplingParams, SettingsError
     from .sources import InputNotFoundError, MediaItem, discover
@@ -43,7 +45,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError", "LoggingReporter",
+__all__ = ["Answer", "CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError", "LoggingReporter",
            "MediaItem", "ModelNotFoundError", "NotEnoughMemory", "OutputError", "OutputLockedError", "OutputTarget",
-           "RunOutcome", "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError",
-           "Status", "Terminated", "__version__", "discover", "read_manifest"]
+           "Question", "RunOutcome", "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError",
+           "Status", "Terminated", "__version__", "discover", "read_manifest",
+           "read_prompt_set"]

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from .families.base import Processor
 from .media import decoder_versions
 from .preflight import MemoryEstimate
 from .progress import plural
-from .results import CaptionResult
+from .results import Answer, CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
 from .version import __version__
@@ -97,16 +97,20 @@ class Captioner:
         checkpoint's files cannot be read here as this expects (a family keeping its weights elsewhere, a broken
         checkpoint): loading it then does what that family does, or says what is wrong."""
         path = self.resolved.path
-        rows = min(self.batch_size, items) if items else self.batch_size
         try:
             processor = load_processor(path)
             largest = processor.largest_item(self.settings.frames or processor.default_frames)
             # Items decoded ahead wait with their pixels (`_wants_more`), besides the running rows' own.
             held = min(items or self.batch_size + 2 * self.workers, self.batch_size + 2 * self.workers)
             waiting_bytes = min(held * largest.pixel_bytes, LOOKAHEAD_PIXEL_BYTES + largest.pixel_bytes)
-            prompt_positions = largest.vision_positions + PROMPT_TEXT_POSITIONS + len(self.settings.prompt or "")
+            # A prompt set runs a row per question; the rows of one item share its pixels.
+            asked = max(1, len(self.settings.prompt_set))
+            rows = min(self.batch_size, items * asked) if items else self.batch_size
+            longest = max([len(question.text) for question in self.settings.prompt_set]
+                          + [len(self.settings.prompt or "")])
+            prompt_positions = largest.vision_positions + PROMPT_TEXT_POSITIONS + longest
             needed = preflight.estimate(path, self.settings, self.dtype, self.device, rows, prompt_positions,
-                                        waiting_bytes + rows * largest.pixel_bytes)
+                                        waiting_bytes + -(-rows // asked) * largest.pixel_bytes)
         except (OSError, ValueError, KeyError):
             return None
         preflight.check_fits(needed, preflight.available_bytes(self.device), self.device, self.dtype, self.settings,
@@ -122,6 +126,7 @@ class Captioner:
             "model": self.settings.model, "model_path": str(self.resolved.path),
             "model_revision": self.resolved.revision, "model_family": self.model.family.name,
             "prompt": self.settings.prompt, "frames": self.frames,
+            "prompt_set": [asdict(question) for question in self.settings.prompt_set] or None,
             "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
@@ -235,7 +240,7 @@ class Captioner:
                     self._admit(decoded, finished)
                 if self.engine.has_work:
                     for seq in self.engine.step(on_tokens):
-                        finished[seq.payload.decoded.index] = self._result(seq)
+                        self._row_finished(seq, finished)
                 yield finished
         finally:
             self.engine.abort_all()
@@ -247,31 +252,53 @@ class Captioner:
             self.engine.waiting_pixel_bytes() < LOOKAHEAD_PIXEL_BYTES
 
     def _admit(self, decoded: Decoded, finished: dict[int, CaptionResult]) -> None:
-        if decoded.error is not None or decoded.prompt is None:
+        """One row per prompt of the item; a prompt set's later questions fork the first's shared prefix. Every
+        row draws from the item's stream, as a run asking that question alone would."""
+        if decoded.error is not None or not decoded.prompts:
             finished[decoded.index] = _error_result(decoded, decoded.error or "not processed")
             return
-        queued = _Queued(decoded, time.perf_counter())
-        seq = self.engine.add(decoded.prompt, payload=queued,
-                              seed=self.settings.sampling.row_seed(decoded.item.stable_key))
-        decoded.prompt = None  # the sequence holds it now; freed with the sequence
-        if seq.finish_reason == "error":  # can never fit the KV cache
-            finished[decoded.index] = self._result(seq)
+        queued = _Queued(decoded, time.perf_counter(), rows=len(decoded.prompts))
+        seed = self.settings.sampling.row_seed(decoded.item.stable_key)
+        limits = {question.name: question.max_new_tokens for question in self.settings.prompt_set}
+        first = None
+        for position, prompt in enumerate(decoded.prompts):
+            question = decoded.questions[position] if decoded.questions else None
+            seq = self.engine.add(prompt, payload=(queued, question), max_new_tokens=limits.get(question),
+                                  seed=seed, prefix_source=first)
+            first = first or seq
+            if seq.finish_reason == "error":  # can never fit the KV cache
+                self._row_finished(seq, finished)
+        decoded.prompts = []  # the sequences hold them now; freed with the sequences
 
-    def _result(self, seq: Sequence) -> CaptionResult:
-        queued: _Queued = seq.payload
+    def _row_finished(self, seq: Sequence, finished: dict[int, CaptionResult]) -> None:
+        """Collect a finished row; once every row of its item is done, the item's result."""
+        queued, question = seq.payload
+        queued.done[question] = seq
+        if len(queued.done) == queued.rows:
+            finished[queued.decoded.index] = self._result(queued)
+
+    def _result(self, queued: _Queued) -> CaptionResult:
         decoded = queued.decoded
         elapsed = decoded.seconds + time.perf_counter() - queued.since
+        if not decoded.questions:
+            seq = queued.done[None]
+            if seq.error is not None:
+                return replace(_error_result(decoded, seq.error), elapsed_s=elapsed)
+            return replace(_described(decoded, elapsed), caption=self.model.decode(seq.output_ids),
+                           prompt=seq.prompt.instruction, prompt_tokens=seq.prompt.length,
+                           generated_tokens=len(seq.output_ids), finish_reason=seq.finish_reason or "error",
+                           generated_ids=list(seq.output_ids))
+        answers = {question: self._answer(queued.done[question]) for question in decoded.questions}
+        failed = [f"{question}: {answer.error}" for question, answer in answers.items() if answer.error is not None]
+        return replace(_described(decoded, elapsed), answers=answers, error="; ".join(failed) or None,
+                       generated_tokens=sum(answer.generated_tokens for answer in answers.values()),
+                       finish_reason="error" if failed else "done")
+
+    def _answer(self, seq: Sequence) -> Answer:
         if seq.error is not None:
-            return replace(_error_result(decoded, seq.error), elapsed_s=elapsed)
-        media = decoded.media
-        assert media is not None
-        return CaptionResult(
-            path=decoded.item.row_path, media_type=media.media_type.value, key=decoded.item.stable_key,
-            caption=self.model.decode(seq.output_ids), prompt=seq.prompt.instruction,
-            num_frames=len(media.frame_indices), frame_indices=media.frame_indices,
-            width=media.width, height=media.height, duration_s=media.duration_s, decoder=media.decoder,
-            prompt_tokens=seq.prompt.length, generated_tokens=len(seq.output_ids),
-            finish_reason=seq.finish_reason or "error", elapsed_s=elapsed, generated_ids=list(seq.output_ids))
+            return Answer(seq.prompt.instruction, None, seq.prompt.length, 0, "error", error=seq.error)
+        return Answer(seq.prompt.instruction, self.model.decode(seq.output_ids), seq.prompt.length,
+                      len(seq.output_ids), seq.finish_reason or "error", generated_ids=list(seq.output_ids))
 
 
 class CaptionService:
@@ -360,21 +387,35 @@ def decode_pool(processor: Processor, frames: int, settings: CaptionSettings, wo
     """Workers decoding items with `processor` as `settings` say: isolated (or not), with their timeout and
     memory limit, refusing images above the pixel limit."""
     memory = settings.decode_memory_gb
-    job = DecodeJob(processor, frames, settings.prompt, settings.max_image_pixels, settings.temporal_pruning)
+    job = DecodeJob(processor, frames, settings.prompt, settings.max_image_pixels, settings.temporal_pruning,
+                    settings.prompt_set)
     return DecodePool(job, workers, settings.decode_timeout_s, int(memory * 2**30) if memory else None,
                       isolate=settings.isolate_decoding)
 
 
 @dataclass
 class _Queued:
-    """A decoded item in the engine, and since when (its elapsed time counts decoding plus this)."""
+    """A decoded item in the engine, and since when (its elapsed time counts decoding plus this); its rows (one
+    per question of a prompt set) finish in any order."""
 
     decoded: Decoded
     since: float
+    rows: int = 1
+    done: dict[str | None, Sequence] = field(default_factory=dict)   # by question (None: no prompt set)
 
 
 def _layer_range(layers: range) -> str:
     return f"layer {layers.start}" if len(layers) == 1 else f"layers {layers.start}-{layers.stop - 1}"
+
+
+def _described(decoded: Decoded, elapsed: float) -> CaptionResult:
+    """An item's result without its captions: what decoding found out about the file."""
+    media = decoded.media
+    assert media is not None
+    return CaptionResult(
+        path=decoded.item.row_path, media_type=media.media_type.value, key=decoded.item.stable_key,
+        num_frames=len(media.frame_indices), frame_indices=media.frame_indices, width=media.width,
+        height=media.height, duration_s=media.duration_s, decoder=media.decoder, elapsed_s=elapsed)
 
 
 def _error_result(decoded: Decoded, message: str) -> CaptionResult:

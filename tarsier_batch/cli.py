@@ -32,6 +32,7 @@ from .outputs.resume import SettingsMismatchError
 from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
+from .prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
 from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
 from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, CaptionSettings, RaySettings, RunSettings,
                        SamplingParams, SettingsError)
@@ -138,6 +139,8 @@ def caption(
     model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
+    ask: Annotated[Optional[list[str]], typer.Option(metavar="NAME=TEXT", help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are prefilled once for all of them).", show_default=False)] = None,
+    prompts: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Questions to ask each item, from a TOML or JSON file of name = \"text\" (or name = {text = ..., max_new_tokens = N}); with --ask, these come first.", show_default=False)] = None,
     frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
     max_batch_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
@@ -186,7 +189,8 @@ def caption(
                           null_separated, stream)
     shard_spec = _parse_shard(shard)
     settings = _settings(
-        CaptionSettings, model=model, prompt=prompt, frames=frames, batch_size=batch_size,
+        CaptionSettings, model=model, prompt=prompt, prompt_set=_prompt_set(prompts, ask or []), frames=frames,
+        batch_size=batch_size,
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
         prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value, compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
@@ -271,7 +275,8 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
 # The settings' fields as the CLI names them (a field not listed is its flag with dashes).
 FLAGS = {field: "--" + field.replace("_", "-")
          for settings in (CaptionSettings, SamplingParams, RunSettings) for field in settings.__dataclass_fields__}
-FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout", preflight="--no-preflight")
+FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout", preflight="--no-preflight",
+             prompt_set="--ask/--prompts")
 
 
 def _settings(make: Callable[..., T], **values: Any) -> T:
@@ -305,6 +310,18 @@ def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSetting
 
         return RayCaptioning(settings, ray, reporter)
     return load
+
+
+def _prompt_set(path: Path | None, asks: list[str]) -> tuple[Question, ...]:
+    """--prompts' questions, then --ask's (their names and texts are checked with the other settings)."""
+    try:
+        from_file = read_prompt_set(path) if path is not None else ()
+    except PromptSetError as error:
+        _fail(f"--prompts: {error}")
+    try:
+        return from_file + parse_asks(asks)
+    except PromptSetError as error:
+        _fail(f"--ask {error}")
 
 
 def _parse_shard(text: str | None) -> Shard | None:

@@ -57,7 +57,7 @@ class CaptionJob:
         return [replace(result, path=item.row_path) for item in self.plan.sharing.get(result.key or "", [])]
 
     def _finish(self, result: CaptionResult, reporters: list[Reporter]) -> None:
-        row = self.columns.row(result, self._by_path[result.path], self.model_name)
+        row = self.columns.row(result, self._by_path[result.path], self.model_name, self.plan.earlier.get(result.path))
         self.new_rows[result.path] = row
         self.store.add(row)
         self.stats.record(result)

@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Answer:
+    """What one question of a prompt set got (`prompt_sets`): as a result's caption fields, per question."""
+
+    prompt: str
+    caption: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str             # "eos", "length" or "error"
+    error: str | None = None
+    generated_ids: list[int] | None = None
 
 
 @dataclass
@@ -11,7 +24,9 @@ class CaptionResult:
 
     `path` is the item's path as the caller gave it (the CLI gives absolute paths); `key` is
     its stable identity for resuming (see `sources.item_key`); `decoder` names what produced
-    the frames ("decord", "pyav" or "pillow").
+    the frames ("decord", "pyav" or "pillow"). With a prompt set, `answers` holds each question
+    asked (by name), `generated_tokens` their sum, and the other caption fields are None; `error`
+    then also says which questions failed.
     """
 
     path: str
@@ -31,6 +46,7 @@ class CaptionResult:
     error: str | None = None
     elapsed_s: float = 0.0
     generated_ids: list[int] | None = None
+    answers: dict[str, Answer] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

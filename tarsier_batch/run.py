@@ -37,7 +37,7 @@ from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .results import CaptionResult
-from .settings import CaptionSettings, Resolved, RunSettings, resume_settings
+from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings
 from .sources import Discovery, MediaItem, discover
 from .text import one_line
 
@@ -182,7 +182,13 @@ class CaptionRun:
         self.source = source or "the inputs"
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read folder {problem}")
-        self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields))
+        questions = settings.caption.prompt_set
+        if questions and any(item.prompt is not None for item in inputs.items):
+            raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
+                                "manifest's prompts as questions of the set, or leave the set out")
+        self.questions = {question.name: question.text for question in questions} or None
+        self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields),
+                                     tuple(question.name for question in questions))
         self.all_items = inputs.items
         shard = settings.shard
         self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
@@ -206,10 +212,11 @@ class CaptionRun:
         """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
         (action, path, reason) lines, and counts by (action, kind of reason)."""
         stored = self._stored()
-        plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
+        plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
+                        questions=self.questions)
         limit = self.settings.limit
         later = {item.row_path for item in plan.limit(limit)} if limit else set()
-        return describe_plan(self.discovery, stored, plan, later)
+        return describe_plan(self.discovery, stored, plan, later, tuple(self.questions or ()))
 
     def execute(self) -> RunOutcome:
         """Run to the end."""
@@ -239,7 +246,8 @@ class CaptionRun:
         with self._locked():
             try:
                 stored = self._stored()
-                plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing)
+                plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
+                        questions=self.questions)
                 self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
                 status, reason = _stopped_by(stop)

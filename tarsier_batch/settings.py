@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from .media import MAX_IMAGE_PIXELS
+from .prompt_sets import PromptSetError, Question, check_prompt_set
 
 if TYPE_CHECKING:
     from .sharding import Shard
@@ -106,6 +107,7 @@ class CaptionSettings:
 
     model: str = DEFAULT_MODEL
     prompt: str | None = None          # replaces the default instruction
+    prompt_set: tuple[Question, ...] = ()   # several named questions per item, each answer in its own columns
     frames: int | None = None          # None: the family's default (Tarsier2: 16, v1: 8)
     batch_size: int | None = None      # rows running at once; None: chosen for the device
     max_batch_tokens: int = 4096       # positions computed per engine step (decode tokens + prefill chunks)
@@ -130,6 +132,12 @@ class CaptionSettings:
     def __post_init__(self) -> None:
         if self.prompt is not None and not self.prompt.strip():
             raise SettingsError("{prompt} is empty; leave it out to use the model's default instruction")
+        if self.prompt_set and self.prompt is not None:
+            raise SettingsError("{prompt} and {prompt_set} do not go together: make the prompt one question of the set")
+        try:
+            check_prompt_set(self.prompt_set)
+        except PromptSetError as error:
+            raise SettingsError("{prompt_set}: " + _shown(error)) from None
         for name in ("frames", "batch_size", "workers", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -258,6 +266,8 @@ def resume_settings(settings: RunSettings, resolved: Resolved | None = None) -> 
     if resolved is not None:
         decided["model_revision"] = resolved.model_revision
     decided["prompt"] = caption.prompt
+    # Only the names: a later run may add questions or change their texts (outputs.resume asks only those).
+    decided["prompt_set"] = [question.name for question in caption.prompt_set] or None
     frames = resolved.frames if resolved is not None else caption.frames
     if frames is not None:
         decided["frames"] = frames

@@ -46,6 +46,8 @@ class MediaItem:
     key: str | None = None
     facts: FileFacts = FileFacts()
     columns: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    # With a prompt set: the names of the questions still to ask of it (None: every one).
+    questions: tuple[str, ...] | None = None
 
     @property
     def stable_key(self) -> str:

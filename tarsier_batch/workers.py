@@ -42,7 +42,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -54,6 +54,7 @@ from .fork_server import quiet_fork_server
 from .families.base import ProcessedPrompt, Processor
 from .families.temporal import drop_static_vision
 from .media import MAX_IMAGE_PIXELS, Media
+from .prompt_sets import Question
 from .sources import MediaItem
 from .text import one_line
 
@@ -73,6 +74,7 @@ class DecodeJob:
     instruction: str | None  # the run's prompt; an item's own prompt replaces it
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
     temporal_pruning: float = 0.0   # the share of vision vectors dropped for repeating the previous frame
+    prompt_set: tuple[Question, ...] = ()   # several questions per item instead of one instruction
 
 
 @dataclass
@@ -82,9 +84,15 @@ class Decoded:
     index: int
     item: MediaItem
     seconds: float                    # decoding time; for a failed worker, the time since submission
-    media: Media | None = None        # facts about the file; its frames are dropped (the prompt holds the pixels)
-    prompt: ProcessedPrompt | None = None
+    media: Media | None = None        # facts about the file; its frames are dropped (the prompts hold the pixels)
+    prompts: list[ProcessedPrompt] = field(default_factory=list)   # one, or one per question asked (sharing pixels)
     error: str | None = None
+    questions: tuple[str, ...] = ()   # with a prompt set: the question of each prompt
+
+    @property
+    def prompt(self) -> ProcessedPrompt | None:
+        """The first (without a prompt set, the only) prompt."""
+        return self.prompts[0] if self.prompts else None
 
 
 def default_workers() -> int:
@@ -124,14 +132,31 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     try:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
         media = job.processor.load_media(item.path, item.media_type, job.frames, job.max_image_pixels)
-        prompt = job.processor.process(media, item.prompt or job.instruction)
-        if job.temporal_pruning:
-            prompt = drop_static_vision(prompt, job.processor.vision_changes(prompt), job.temporal_pruning)
+        questions = [question for question in job.prompt_set
+                     if item.questions is None or question.name in item.questions]
+        texts = [question.text for question in questions] or [item.prompt or job.instruction]
+        prompts = _prompts(job, media, texts)
     except Exception as error:  # any decoder failure is this item's problem only
         if _is_out_of_memory(error):
             raise
         return Decoded(index, item, time.perf_counter() - start, error=one_line(error))
-    return Decoded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompt)
+    return Decoded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompts,
+                   questions=tuple(question.name for question in questions))
+
+
+def _prompts(job: DecodeJob, media: Media, texts: list[str | None]) -> list[ProcessedPrompt]:
+    """One prompt per instruction over the item's frames, all holding the first's pixels (and, pruned, the
+    same surviving vision vectors: the scores depend on the pixels only)."""
+    first = job.processor.process(media, texts[0])
+    changes = job.processor.vision_changes(first) if job.temporal_pruning else None
+    prompts = []
+    for text in texts:
+        prompt = first if text == texts[0] else replace(job.processor.process(media, text),
+                                                         pixel_values=first.pixel_values)
+        if changes is not None:
+            prompt = drop_static_vision(prompt, changes, job.temporal_pruning)
+        prompts.append(prompt)
+    return prompts
 
 
 class DecodePool:

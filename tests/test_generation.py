@@ -129,7 +129,7 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
 
     def recording_step(on_tokens=None):
         rows = real_step(on_tokens)
-        finished.extend(row.payload.decoded.item.path for row in rows)
+        finished.extend(row.payload[0].decoded.item.path for row in rows)   # (the item queued, its question)
         return rows
 
     monkeypatch.setattr(captioner.engine, "step", recording_step)

@@ -274,3 +274,31 @@ def test_ray_writes_any_output_a_single_run_writes(cluster: Path, tiny_model_dir
     (folder / "ball.gif").unlink()
     pruned = caption(tiny_model_dir, str(folder), "--ray", "local", "-o", str(on_ray), "--prune-missing")
     assert pruned.exit_code == 0 and [Path(row["path"]).name for row in rows(on_ray)] == ["still.png"], pruned.output
+
+
+@pytest.mark.ray
+def test_a_prompt_set_on_ray_writes_the_single_process_rows_and_resumes_with_a_new_question(
+        cluster: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    inputs = [str(SAMPLE_DATA / name) for name in ("ball.gif", "still.png", "ball_h264.mp4")]
+    asks = ["--ask", "caption=Describe the video in detail.", "--ask", "objects=List the objects."]
+    single = tmp_path / "single.parquet"
+    assert caption(tiny_model_dir, *inputs, *asks, "-o", str(single), "--quiet").exit_code == 0
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, *inputs, *asks, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    columns = OutputColumns(with_token_ids=True, questions=("caption", "objects", "camera"))
+
+    def rows(schema_of: OutputColumns) -> list[dict]:
+        table, _, _ = read_results(OutputTarget.existing(out), schema_of.schema())
+        return table.drop(["elapsed_s"]).to_pylist()
+
+    expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+    assert rows(OutputColumns(with_token_ids=True, questions=("caption", "objects"))) == expected
+    more = caption(tiny_model_dir, *inputs, *asks, "--ask", "camera=How does the camera move?", "--ray", "local",
+                   "--out-dir", str(out))
+    assert more.exit_code == 0 and "captioning 3 items on Ray" in more.output, more.output
+    grown = rows(columns)
+    assert [(row["caption"], row["objects"]) for row in grown] == [(row["caption"], row["objects"]) for row in expected]
+    assert all(row["camera_prompt"] == "How does the camera move?" and row["camera_generated_tokens"] for row in grown)
+    asked = sum(row["camera_generated_tokens"] for row in grown)
+    assert f"items/s, {asked} tokens" in more.output   # only the new question was asked

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..sources import Discovery, MediaItem, skipped_kind
@@ -30,11 +30,18 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
         greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
         differences = [f"{name} {_shown(old.get(name))} there, {_shown(now[name])} now"
                        for name in now
-                       if old.get(name) != now[name] and not (greedy and name in SAMPLING_ONLY)]
+                       if _differs(name, old.get(name), now[name]) and not (greedy and name in SAMPLING_ONLY)]
         if differences:
             raise SettingsMismatchError(
                 f"{where} holds rows made with other settings ({'; '.join(differences)}); run with the same "
                 f"settings to continue it, pass --overwrite to caption everything again, or choose another --out")
+
+
+def _differs(name: str, old: Any, now: Any) -> bool:
+    """A prompt set may gain questions (asked of the stored rows too), not lose them (their answers would go)."""
+    if name == "prompt_set" and old and now:
+        return not set(old) <= set(now)
+    return old != now
 
 
 @dataclass
@@ -50,6 +57,9 @@ class Plan:
     missing_pruned: int = 0   # rows dropped by --prune-missing
     retried: int = 0          # error rows captioned again (--retry-errors)
     changed: int = 0          # stored rows whose file changed since (captioned again)
+    # With a prompt set: stored rows of items asked only some questions (`MediaItem.questions`), whose other
+    # answers the new rows keep.
+    earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def items_to_caption(self) -> int:
@@ -74,27 +84,36 @@ class Plan:
 
 
 def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = False, prune_missing: bool = False,
-             exists: Callable[[str], bool] = os.path.lexists) -> Plan:
+             exists: Callable[[str], bool] = os.path.lexists, questions: dict[str, str] | None = None) -> Plan:
     """Match this run's items to the stored rows by path and key.
 
     An item whose path has a row with the same key is done (unless the row is an error and
     `retry_errors`). An item whose content (key) was captioned under another path gets a copy
     of that row. Items sharing a key are captioned once (`todo`) and the others listed in
     `sharing`. Stored rows of paths not in this run are kept, except with `prune_missing`
-    those whose file no longer exists.
+    those whose file no longer exists. With a prompt set (`questions`: name -> text), a row is
+    done when it answers every question of the set with its current text; otherwise the item is
+    asked only the others (its row keeps the answers it has).
     """
     plan = Plan()
-    captioned_content = {row["key"]: row for row in stored.rows.values() if row["error"] is None}
+    captioned_content = {row["key"]: row for row in stored.rows.values()
+                         if row["error"] is None and not _unanswered(row, questions)}
     planned: set[str] = set()
     for item in items:
         key = item.stable_key
         row = stored.rows.get(item.row_path)
-        if row is not None and row["key"] == key and not (retry_errors and row["error"] is not None):
-            plan.done[item.row_path] = row
-            continue
-        if row is not None:
-            plan.changed += row["key"] != key
-            plan.retried += row["key"] == key
+        if row is not None and row["key"] == key:
+            retry = retry_errors and row["error"] is not None
+            unanswered = _unanswered(row, questions)
+            if (questions and not unanswered) or not (retry or (row["error"] is None and unanswered)):
+                plan.done[item.row_path] = row
+                continue
+            plan.retried += retry
+            if questions:
+                item = replace(item, questions=unanswered)
+                plan.earlier[item.row_path] = row
+        elif row is not None:
+            plan.changed += 1
         if key in captioned_content:
             plan.done[item.row_path] = {**captioned_content[key], "path": item.row_path}
             plan.reused.append(item.row_path)
@@ -117,21 +136,29 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     return plan
 
 
+def _unanswered(row: dict[str, Any], questions: dict[str, str] | None) -> tuple[str, ...]:
+    """The questions of a prompt set that `row` has no answer to: never asked, asked with another text, or
+    failed."""
+    return tuple(name for name, text in (questions or {}).items()
+                 if row.get(name + "_prompt") != text or row.get(name + "_finish_reason") in (None, "error"))
+
+
 def _shown(value: Any) -> str:
     return "(default)" if value is None else repr(value)
 
 
 def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: set[str],
-                  exists: Callable[[str], bool] = os.path.lexists
+                  questions: tuple[str, ...] = (), exists: Callable[[str], bool] = os.path.lexists
                   ) -> tuple[list[tuple[str, str, str]], Counter[tuple[str, str]]]:
     """What a run would do with each input, for --dry-run: (action, path, reason) lines, and counts.
 
     Actions: `caption`, `later` (beyond --limit), `skip` (done earlier, or not media), and for
-    stored rows of paths not in this run, `keep` or `drop` (--prune-missing).
+    stored rows of paths not in this run, `keep` or `drop` (--prune-missing). With a prompt set
+    (`questions`), the counts also say how many items each question is asked of (`ask`).
     """
     shared_with = {item.row_path: first.row_path
                    for first in plan.todo for item in plan.sharing.get(first.stable_key, [])}
-    todo = {item.row_path for item in plan.todo}
+    todo = {item.row_path: item for item in plan.todo}
     lines: list[tuple[str, str, str]] = []
     counts: Counter[tuple[str, str]] = Counter()   # (action, kind of reason)
 
@@ -149,8 +176,13 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
         elif path in shared_with:
             add("caption", path, f"same content as {shared_with[path]}", "same content as another")
         elif path in todo:
+            asked = todo[path].questions
             add("caption", path, "new" if row is None else "changed since" if row["key"] != item.stable_key
-                else "retry error")
+                else "retry error" if row["error"] is not None else f"ask {', '.join(asked or ())}",
+                "ask more questions" if row is not None and row["key"] == item.stable_key and row["error"] is None
+                else None)
+            for question in asked if asked is not None else questions:
+                counts["ask", question] += 1
     for path in discovery.skipped_paths:
         add("skip", path, f"not media ({skipped_kind(path)})", "not media")
     kept = {row["path"] for row in plan.kept}

@@ -8,7 +8,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..results import CaptionResult
+from ..prompt_sets import ANSWER_SUFFIXES, ROW_COLUMNS, TOKEN_IDS_SUFFIX
+from ..results import Answer, CaptionResult
 from ..sources import MediaItem
 
 # Key-value metadata of the final Parquet file.
@@ -40,35 +41,61 @@ _SHA256_COLUMN = ("sha256", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
 RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN])
+# With a prompt set, each question's columns take the place of these (its answer, in `caption`'s place).
+_ANSWER_COLUMNS = ("caption", "prompt", "prompt_tokens", "generated_tokens", "finish_reason")
+_ANSWER_TYPES = dict(zip(("",) + ANSWER_SUFFIXES, (pa.string(), pa.string(), pa.int32(), pa.int32(), pa.string())))
+assert ROW_COLUMNS == RESERVED_NAMES - set(_ANSWER_COLUMNS) - {_TOKEN_IDS_COLUMN[0]}, "prompt_sets.ROW_COLUMNS"
 
 
 @dataclass(frozen=True)
 class OutputColumns:
-    """Which columns a run writes: the fixed ones, `sha256` when hashing, `generated_ids` when asked,
-    then a manifest's kept columns."""
+    """Which columns a run writes: the fixed ones (with a prompt set, each question's in place of the caption's),
+    `sha256` when hashing, `generated_ids` when asked, then a manifest's kept columns."""
 
     with_token_ids: bool = False
     hashed: bool = False
     kept: tuple[pa.Field, ...] = field(default=())
+    questions: tuple[str, ...] = ()   # a prompt set's names, in its order
 
     @classmethod
     def of_schema(cls, schema: pa.Schema) -> OutputColumns:
         """The columns of results written with `schema` (what `tarsier merge` writes back)."""
-        fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]}
-        return cls(_TOKEN_IDS_COLUMN[0] in schema.names, _SHA256_COLUMN[0] in schema.names,
-                   tuple(field for field in schema if field.name not in fixed))
+        names = set(schema.names)
+        questions = () if "finish_reason" in names else \
+            tuple(name for name in schema.names if name + "_finish_reason" in names)
+        fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]} | \
+            {column for question in questions for column in _question_columns(question, True)}
+        return cls(_TOKEN_IDS_COLUMN[0] in names or any(q + TOKEN_IDS_SUFFIX in names for q in questions),
+                   _SHA256_COLUMN[0] in names, tuple(field for field in schema if field.name not in fixed), questions)
 
     def schema(self) -> pa.Schema:
-        return pa.schema(_COLUMNS + ([_SHA256_COLUMN] if self.hashed else [])
-                         + ([_TOKEN_IDS_COLUMN] if self.with_token_ids else []) + list(self.kept))
+        columns: list[tuple[str, pa.DataType]] = []
+        for name, kind in _COLUMNS:
+            if not self.questions or name not in _ANSWER_COLUMNS:
+                columns.append((name, kind))
+            elif name == "caption":
+                columns += [pair for question in self.questions
+                            for pair in _question_columns(question, self.with_token_ids).items()]
+        token_ids = [_TOKEN_IDS_COLUMN] if self.with_token_ids and not self.questions else []
+        return pa.schema(columns + ([_SHA256_COLUMN] if self.hashed else []) + token_ids + list(self.kept))
 
-    def row(self, result: CaptionResult, item: MediaItem, model: str) -> dict[str, Any]:
-        """The row of `result` for `item`, with the columns of `schema()`."""
-        row = {name: getattr(result, name) for name, _ in _COLUMNS if name != "model" and name not in _FROM_ITEM}
+    def row(self, result: CaptionResult, item: MediaItem, model: str,
+            earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The row of `result` for `item`, with the columns of `schema()`. With a prompt set, the questions
+        `result` did not ask keep the answers of `earlier` (the item's stored row)."""
+        row = {name: getattr(result, name) for name, _ in _COLUMNS
+               if name != "model" and name not in _FROM_ITEM and not (self.questions and name in _ANSWER_COLUMNS)}
         row["model"] = model
         row.update(self.item_values(item))
-        if self.with_token_ids:
+        if self.with_token_ids and not self.questions:
             row["generated_ids"] = result.generated_ids
+        for question in self.questions:
+            answer = result.answers.get(question)
+            columns = _question_columns(question, self.with_token_ids)
+            if answer is None:
+                row.update({column: (earlier or {}).get(column) for column in columns})
+            else:
+                row.update(zip(columns, _answer_values(answer)))
         return row
 
     def item_values(self, item: MediaItem) -> dict[str, Any]:
@@ -84,3 +111,17 @@ class OutputColumns:
             values["sha256"] = facts.sha256
         values.update({kept.name: item.columns.get(kept.name) for kept in self.kept})
         return values
+
+
+def _question_columns(question: str, with_token_ids: bool) -> dict[str, pa.DataType]:
+    """A prompt set question's columns: its answer, its prompt, token counts, finish reason (and token ids)."""
+    columns = {question + suffix: kind for suffix, kind in _ANSWER_TYPES.items()}
+    if with_token_ids:
+        columns[question + TOKEN_IDS_SUFFIX] = pa.list_(pa.int32())
+    return columns
+
+
+def _answer_values(answer: Answer) -> list[Any]:
+    """In `_question_columns`' order."""
+    return [answer.caption, answer.prompt, answer.prompt_tokens, answer.generated_tokens, answer.finish_reason,
+            answer.generated_ids]

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..progress import plural
-from .results import Figures, Results
+from .results import Figures, Results, answers
 
 PAGE_SIZE = 50
 ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames", "frame_indices", "width", "height",
@@ -27,7 +27,7 @@ ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames",
 
 def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str) -> str:
     """The whole page; `strips` holds, per row, {"uri": ...} or {"problem": ...}."""
-    items = [_item(row, strip, results.extra_columns) for row, strip in zip(results.rows, strips)]
+    items = [_item(row, strip, results) for row, strip in zip(results.rows, strips)]
     data = json.dumps({"items": items, "pageSize": PAGE_SIZE}, ensure_ascii=False, separators=(",", ":"))
     # Inside <script>, only "</" and "<!--" can end or confuse the block; JSON allows "<\/".
     data = data.replace("</", "<\\/").replace("<!--", "<\\u0021--")
@@ -38,11 +38,19 @@ def render(results: Results, figures: Figures, strips: list[dict[str, str | None
                             images=images, style=_STYLE, script=_SCRIPT)
 
 
-def _item(row: dict[str, Any], strip: dict[str, str | None], extra: list[str]) -> dict[str, Any]:
+def _item(row: dict[str, Any], strip: dict[str, str | None], results: Results) -> dict[str, Any]:
     item = {name: row.get(name) for name in ITEM_FIELDS}
     item.update(strip=bool(strip.get("uri")), stripProblem=strip.get("problem"),
-                extra={name: _plain(row.get(name)) for name in extra})
+                extra={name: _plain(row.get(name)) for name in results.extra_columns})
+    if results.questions:   # a prompt set: each question's answer, under its name
+        item["answers"] = [[question, answer, row.get(question + "_prompt")]
+                           for question, answer in zip(results.questions, answers(results, row))]
+        item["caption"] = " ".join(answer or "" for answer in answers(results, row))   # what the search looks in
     return item
+
+
+def _questions(prompt_set: list[dict[str, Any]] | None) -> str | None:
+    return "; ".join(f"{question['name']}: {question['text']}" for question in prompt_set) if prompt_set else None
 
 
 def _plain(value: Any) -> Any:
@@ -53,7 +61,8 @@ def _header(results: Results, figures: Figures, title: str) -> str:
     p = results.provenance
     generation = p.get("generation") or {}
     facts = [("model", f"{p.get('model', '?')} ({p.get('model_family', '?')})"),
-             ("prompt", p.get("prompt") or "the model's default"), ("frames", p.get("frames")),
+             ("prompt", _questions(p.get("prompt_set")) or p.get("prompt") or "the model's default"),
+             ("frames", p.get("frames")),
              ("generation", ", ".join(f"{k} {v}" for k, v in generation.items() if k != "eos_token_ids")),
              ("device", f"{p.get('device', '?')} ({p.get('dtype', '?')})"),
              ("tool", f"tarsier-batch {p.get('tool_version', '?')}"),
@@ -161,7 +170,12 @@ function card(item, index) {
     box.appendChild(img); node.appendChild(box);
   } else if (item.stripProblem) node.appendChild(el('div', 'problem', 'no frames: ' + item.stripProblem));
   if (item.error) node.appendChild(el('div', 'problem', 'error: ' + item.error));
-  else node.appendChild(el('div', 'caption', item.caption));
+  if (item.answers) item.answers.forEach(([name, answer, asked]) => {
+    const box = el('div', 'caption'); box.title = asked || '';
+    box.appendChild(el('b', null, name + ': ')); box.appendChild(document.createTextNode(answer == null ? '-' : answer));
+    node.appendChild(box);
+  });
+  else if (!item.error) node.appendChild(el('div', 'caption', item.caption));
   const facts = [item.media_type, item.width && item.height ? item.width + 'x' + item.height : null,
     item.duration_s != null ? item.duration_s + ' s' : null, item.num_frames != null ? item.num_frames + (item.num_frames === 1 ? ' frame' : ' frames') : null,
     item.decoder, item.prompt_tokens != null ? item.prompt_tokens + ' prompt tokens' : null,

@@ -23,6 +23,7 @@ class Results:
     provenance: dict[str, Any]
     summary: dict[str, Any]
     extra_columns: list[str] = field(default_factory=list)   # a manifest's kept columns
+    questions: list[str] = field(default_factory=list)       # a prompt set's names (each answer in its columns)
 
 
 @dataclass
@@ -55,25 +56,35 @@ def load_results(path: Path) -> Results:
     base = OutputColumns(with_token_ids=True, hashed=True).schema()
     try:
         table, provenance, summary = read_results(OutputTarget.existing(path), base)
+        questions = [question["name"] for question in provenance.get("prompt_set") or []]
+        with_answers = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions)).schema()
+        if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
+            table = read_results(OutputTarget.existing(path), with_answers)[0]
     except (OSError, pa.ArrowException, ValueError, KeyError, IndexError) as error:
         raise OutputError(f"cannot read {path} as results of tarsier caption ({one_line(error)})") from error
     if "path" not in table.column_names:
         raise OutputError(f"{path} has no 'path' column: not results of tarsier caption")
-    extra = [name for name in table.column_names if name not in base.names]
-    return Results(table.to_pylist(), provenance, summary, extra)
+    extra = [name for name in table.column_names if name not in base.names and name not in with_answers.names]
+    return Results(table.to_pylist(), provenance, summary, extra, questions)
+
+
+def answers(results: Results, row: dict[str, Any]) -> list[str | None]:
+    """A row's captions: its one caption, or its answer to each question of the prompt set."""
+    return [row.get(question) for question in results.questions] if results.questions else [row.get("caption")]
 
 
 def figures(results: Results) -> Figures:
     rows = results.rows
     failed = [row for row in rows if row.get("error")]
-    words = [len((row.get("caption") or "").split()) for row in rows if not row.get("error")]
+    words = [len((answer or "").split()) for row in rows if not row.get("error") for answer in answers(results, row)]
     errors: dict[str, list[str]] = {}
     for row in failed:
         # Decoders often name the file in their message: without it, one cause is one group.
         errors.setdefault(row["error"].replace(row["path"], "<file>"), []).append(row["path"])
     summary = results.summary
     elapsed = sum(row.get("elapsed_s") or 0.0 for row in rows)
-    tokens = sum(row.get("generated_tokens") or 0 for row in rows)
+    token_columns = [question + "_generated_tokens" for question in results.questions] or ["generated_tokens"]
+    tokens = sum(row.get(column) or 0 for row in rows for column in token_columns)
     return Figures(
         total=len(rows), captioned=len(rows) - len(failed), failed=len(failed),
         by_type=dict(Counter(row.get("media_type") or "unknown" for row in rows).most_common()),

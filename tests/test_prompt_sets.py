@@ -1,0 +1,162 @@
+"""Prompt sets through the run: each question's answer in its own columns equals that question asked alone
+(both families, greedy and sampled), resume asks only new or changed questions, the CLI's --ask and
+--prompts, the report, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from conftest import SAMPLE_DATA
+from tarsier_batch import (CaptionRun, CaptionSettings, Question, RunSettings, SamplingParams,
+                           SettingsMismatchError, Status)
+from tarsier_batch.cli import app
+from tarsier_batch.prompt_sets import PromptSetError, parse_asks, read_prompt_set
+from tarsier_batch.tiny import make_tiny_model
+
+runner = CliRunner()
+FILES = [SAMPLE_DATA / name for name in ("ball.gif", "still.png", "demo_green_square_shrinks.mp4")]
+MAX_NEW = 8
+QUESTIONS = (Question("caption", "Describe the video in detail."),
+             Question("objects", "List the objects that appear.", max_new_tokens=5),
+             Question("camera", "How does the camera move?"))
+
+
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2"])
+def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
+
+
+def run(model_dir: Path, out: Path, questions: tuple[Question, ...] = (), prompt: str | None = None,
+        max_new: int = MAX_NEW, temperature: float = 0.0, **run_settings):
+    sampling = SamplingParams(max_new_tokens=max_new, temperature=temperature, top_p=0.9 if temperature else 1.0,
+                              seed=3)
+    caption = CaptionSettings(model=str(model_dir), device="cpu", dtype="float32", prompt=prompt, prompt_set=questions,
+                              sampling=sampling)
+    return CaptionRun(FILES, out, RunSettings(caption, with_token_ids=True, **run_settings))
+
+
+def by_path(out: Path) -> dict[str, dict]:
+    return {row["path"]: row for row in pq.read_table(out).to_pylist()}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_answer_equals_its_question_asked_alone(model_dir: Path, tmp_path: Path, temperature: float) -> None:
+    outcome = run(model_dir, tmp_path / "set.parquet", QUESTIONS, temperature=temperature).execute()
+    assert outcome.status is Status.DONE, outcome.message
+    rows = by_path(tmp_path / "set.parquet")
+    assert len(rows) == len(FILES)
+    for question in QUESTIONS:
+        alone_out = tmp_path / f"{question.name}.parquet"
+        run(model_dir, alone_out, prompt=question.text, max_new=question.max_new_tokens or MAX_NEW,
+            temperature=temperature).execute()
+        for path, alone in by_path(alone_out).items():
+            row = rows[path]
+            assert row[question.name] == alone["caption"], (question.name, path)
+            assert row[question.name + "_generated_ids"] == alone["generated_ids"]
+            assert (row[question.name + "_prompt"], row[question.name + "_prompt_tokens"],
+                    row[question.name + "_generated_tokens"], row[question.name + "_finish_reason"]) == \
+                (question.text, alone["prompt_tokens"], alone["generated_tokens"], alone["finish_reason"])
+            assert alone["generated_tokens"] <= (question.max_new_tokens or MAX_NEW)
+    assert any(len({row[q.name] for q in QUESTIONS}) == len(QUESTIONS) for row in rows.values()), \
+        "the questions should get different answers"
+    provenance = json.loads(pq.read_schema(tmp_path / "set.parquet").metadata[b"tarsier_batch"])
+    assert [question["name"] for question in provenance["prompt_set"]] == ["caption", "objects", "camera"]
+
+
+def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "set.parquet"
+    first = run(tiny_model_dir, out, QUESTIONS[:2]).execute()
+    assert first.status is Status.DONE
+    before = by_path(out)
+    # A question added: only it is asked (its tokens are all this run generated), the others' answers stay.
+    added = run(tiny_model_dir, out, QUESTIONS)
+    assert [line[2] for line in added.describe()[0]] == ["ask camera"] * len(FILES)
+    outcome = added.execute()
+    after = by_path(out)
+    assert outcome.stats.generated_tokens == len(FILES) * MAX_NEW == sum(r["camera_generated_tokens"] for r in after.values())
+    for path, row in after.items():
+        assert (row["caption"], row["objects"]) == (before[path]["caption"], before[path]["objects"])
+        assert row["camera"] and row["camera_prompt"] == QUESTIONS[2].text
+    # A question's text changed: only it is asked again.
+    changed = (QUESTIONS[0], Question("objects", "Which objects are there?", max_new_tokens=5), QUESTIONS[2])
+    outcome = run(tiny_model_dir, out, changed).execute()
+    again = by_path(out)
+    assert outcome.stats.generated_tokens == len(FILES) * 5
+    for path, row in again.items():
+        assert row["objects_prompt"] == "Which objects are there?" and row["objects"] != after[path]["objects"]
+        assert (row["caption"], row["camera"]) == (after[path]["caption"], after[path]["camera"])
+    # Nothing left to ask; a question left out would lose its answers: refused.
+    assert run(tiny_model_dir, out, changed).execute().stats.generated_tokens == 0
+    with pytest.raises(SettingsMismatchError, match="prompt_set"):
+        run(tiny_model_dir, out, changed[:2]).execute()
+    assert by_path(out) == again
+
+
+def test_the_cli_reads_a_prompt_file_and_asks_and_the_report_shows_every_answer(tmp_path: Path,
+                                                                               tiny_model_dir: Path) -> None:
+    questions = tmp_path / "questions.toml"
+    questions.write_text('caption = "Describe the video in detail."\n'
+                         'objects = { text = "List the objects.", max_new_tokens = 3 }\n')
+    out = tmp_path / "out.jsonl"
+    args = ["caption", *map(str, FILES), "-o", str(out), "--model", str(tiny_model_dir), "--max-new-tokens", "6",
+            "--prompts", str(questions), "--ask", "mood=Is it calm? Answer yes=1 or no=0.", "-q"]
+    done = runner.invoke(app, args)
+    assert done.exit_code == 0, done.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["caption_generated_tokens"], r["objects_generated_tokens"], r["mood_generated_tokens"]) for r in rows] \
+        == [(6, 3, 6)] * len(FILES)
+    assert rows[0]["mood_prompt"] == "Is it calm? Answer yes=1 or no=0."
+    assert "caption" in rows[0] and "prompt" not in rows[0] and "generated_tokens" not in rows[0]
+    report = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(out), "-o", str(report)]).exit_code == 0
+    data = json.loads(re.search(r'<script type="application/json" id=data>(.*?)</script>', report.read_text(),
+                                re.S).group(1))
+    assert [item["answers"] for item in data["items"]] == \
+        [[[name, row[name], row[name + "_prompt"]] for name in ("caption", "objects", "mood")] for row in rows]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ask", "objects"], "--ask 'objects': give NAME=TEXT"),
+    (["--ask", "Objects=x"], "question name 'Objects': use lowercase letters"),
+    (["--ask", "error=x"], "question name 'error' gives a column 'error', which every row has already"),
+    (["--ask", "a=x", "--ask", "a=y"], "questions 'a' and 'a' both give a column 'a'"),
+    (["--ask", "a_prompt=x", "--ask", "a=y"], "questions 'a_prompt' and 'a' both give a column 'a_prompt'"),
+    (["--ask", "a=x", "--prompt", "y"], "--prompt and --ask/--prompts do not go together"),
+    (["--ask", "a= "], "question 'a' has no text"),
+    (["--prompts", "missing.toml"], "--prompts: cannot read missing.toml"),
+])
+def test_a_bad_prompt_set_stops_before_loading_with_one_line(tmp_path: Path, flags: list[str], message: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "-o", "out.parquet", "--model", "no-such-model", *flags])
+    assert done.exit_code == 2 and message in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "out.parquet").exists()
+
+
+def test_prompt_set_files_and_asks_parse_as_written(tmp_path: Path) -> None:
+    assert parse_asks(["note=a=b"]) == (Question("note", "a=b"),)
+    table = tmp_path / "set.json"
+    table.write_text(json.dumps({"caption": "Describe.", "tags": {"text": "Tags?", "max_new_tokens": 16}}))
+    assert read_prompt_set(table) == (Question("caption", "Describe."), Question("tags", "Tags?", 16))
+    for text, problem in [("[]", "holds no questions"), ('{"a": 1}', "must be a text or a table"),
+                          ('{"a": {"text": "x", "max_new_tokens": "9"}}', "must be a whole number"),
+                          ("{", "is not valid JSON")]:
+        table.write_text(text)
+        with pytest.raises(PromptSetError, match=problem):
+            read_prompt_set(table)
+
+
+def test_a_manifest_prompt_column_and_a_prompt_set_are_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
+    manifest = tmp_path / "list.csv"
+    manifest.write_text(f"path,prompt\n{FILES[0]},Name the colours.\n")
+    done = runner.invoke(app, ["caption", "--manifest", str(manifest), "-o", str(tmp_path / "out.parquet"),
+                               "--model", str(tiny_model_dir), "--ask", "tags=Tags?"])
+    assert done.exit_code == 2, done.output
+    assert "a manifest's prompt column and --ask/--prompts do not go together yet" in done.output
+    assert not (tmp_path / "out.parquet").exists()
