@@ -108,7 +108,7 @@ class KeyMode(str, Enum):
 
 SHARD_ROWS = 10_000
 # Options whose relative paths in a --config file are relative to that file's folder.
-PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file"})
+PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file", "prompts"})
 
 
 def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:

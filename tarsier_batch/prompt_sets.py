@@ -29,6 +29,9 @@ TOKEN_IDS_SUFFIX = "_generated_ids"
 # The row's own columns with a set (outputs.schema asserts it): a name must not take one of them.
 ROW_COLUMNS = frozenset({"path", "key", "media_type", "model", "num_frames", "frame_indices", "width", "height",
                          "duration_s", "decoder", "error", "elapsed_s", "size_bytes", "mtime", "sha256"})
+# The single prompt's columns, which a set replaces: not names of questions (readers tell the two apart by
+# them), except `caption`, the natural name of a set's caption.
+SINGLE_PROMPT_COLUMNS = frozenset({"prompt", "prompt_tokens", "generated_tokens", "finish_reason", "generated_ids"})
 
 
 class PromptSetError(ValueError):
@@ -52,6 +55,8 @@ def check_prompt_set(questions: tuple[Question, ...]) -> None:
     """Refuse names that are not lowercase identifiers, repeat, or take another column; empty texts."""
     taken: dict[str, str] = {}
     for question in questions:
+        if question.name in taken:
+            raise PromptSetError(f"question {question.name!r} is given twice")
         if not NAME.fullmatch(question.name):
             raise PromptSetError(f"question name {question.name!r}: use lowercase letters, digits and _, starting "
                                  f"with a letter (it names output columns)")
@@ -61,7 +66,7 @@ def check_prompt_set(questions: tuple[Question, ...]) -> None:
             raise PromptSetError(f"question {question.name!r}: max_new_tokens {question.max_new_tokens}: "
                                  f"give at least 1")
         for column in question.columns(with_token_ids=True):
-            if column in ROW_COLUMNS:
+            if column in ROW_COLUMNS or column in SINGLE_PROMPT_COLUMNS:
                 raise PromptSetError(f"question name {question.name!r} gives a column {column!r}, which every row "
                                      f"has already; choose another name")
             if column in taken:

@@ -187,6 +187,11 @@ class CaptionRun:
             raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
                                 "manifest's prompts as questions of the set, or leave the set out")
         self.questions = {question.name: question.text for question in questions} or None
+        answer_columns = {column for question in questions for column in question.columns(with_token_ids=True)}
+        taken = [kept.name for kept in kept_fields if kept.name in answer_columns]
+        if taken:
+            raise SettingsError(f"the manifest's kept column {taken[0]!r} is also a column of {{prompt_set}}; "
+                                f"rename the question or leave the column out of --keep-columns")
         self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields),
                                      tuple(question.name for question in questions))
         self.all_items = inputs.items

@@ -134,6 +134,7 @@ class CaptionSettings:
             raise SettingsError("{prompt} is empty; leave it out to use the model's default instruction")
         if self.prompt_set and self.prompt is not None:
             raise SettingsError("{prompt} and {prompt_set} do not go together: make the prompt one question of the set")
+        object.__setattr__(self, "prompt_set", tuple(self.prompt_set))   # hashable (Ray caches by settings)
         try:
             check_prompt_set(self.prompt_set)
         except PromptSetError as error:
@@ -266,8 +267,9 @@ def resume_settings(settings: RunSettings, resolved: Resolved | None = None) -> 
     if resolved is not None:
         decided["model_revision"] = resolved.model_revision
     decided["prompt"] = caption.prompt
-    # Only the names: a later run may add questions or change their texts (outputs.resume asks only those).
-    decided["prompt_set"] = [question.name for question in caption.prompt_set] or None
+    # Names and token limits, not texts: a later run may add questions or change their texts (outputs.resume
+    # asks only those), not drop one or change its limit.
+    decided["prompt_set"] = {question.name: question.max_new_tokens for question in caption.prompt_set} or None
     frames = resolved.frames if resolved is not None else caption.frames
     if frames is not None:
         decided["frames"] = frames

@@ -91,11 +91,51 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
     for path, row in again.items():
         assert row["objects_prompt"] == "Which objects are there?" and row["objects"] != after[path]["objects"]
         assert (row["caption"], row["camera"]) == (after[path]["caption"], after[path]["camera"])
-    # Nothing left to ask; a question left out would lose its answers: refused.
+    # Nothing left to ask; a question left out would lose its answers, a changed limit would mix limits: refused.
     assert run(tiny_model_dir, out, changed).execute().stats.generated_tokens == 0
-    with pytest.raises(SettingsMismatchError, match="prompt_set"):
+    with pytest.raises(SettingsMismatchError, match="the questions camera are answered there and not asked now"):
         run(tiny_model_dir, out, changed[:2]).execute()
+    with pytest.raises(SettingsMismatchError, match="question objects answered in at most 5 tokens there, 6 now"):
+        run(tiny_model_dir, out, (changed[0], Question("objects", changed[1].text, max_new_tokens=6), changed[2])
+            ).execute()
     assert by_path(out) == again
+    # A question added with --limit 1: the files put off keep their rows and answers.
+    limited = run(tiny_model_dir, out, (*changed, Question("tags", "Tags?")), limit=1).execute()
+    assert limited.stats.generated_tokens == MAX_NEW
+    rows = by_path(out)
+    assert [path for path, row in rows.items() if row["tags"]] == [str(FILES[0])]
+    assert all({k: v for k, v in rows[path].items() if not k.startswith("tags")} ==
+               {k: v for k, v in again[path].items() if k != "elapsed_s"} | {"elapsed_s": rows[path]["elapsed_s"]}
+               for path in map(str, FILES[1:]))
+
+
+def test_same_content_under_a_new_path_gets_every_answer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """--key sha256: a copy added with a new question shares the captioned file's run, which asks what either
+    path still needs."""
+    first, copy = tmp_path / "a.gif", tmp_path / "copy.gif"
+    first.write_bytes(FILES[0].read_bytes())
+    out = tmp_path / "out.parquet"
+
+    def caption(paths: list[Path], questions: tuple[Question, ...]):
+        settings = RunSettings(CaptionSettings(model=str(tiny_model_dir), prompt_set=questions,
+                                               sampling=SamplingParams(max_new_tokens=MAX_NEW)), key="sha256")
+        return CaptionRun(paths, out, settings).execute()
+
+    caption([first], QUESTIONS[:1])
+    copy.write_bytes(FILES[0].read_bytes())
+    assert caption([first, copy], QUESTIONS[:2]).status is Status.DONE
+    rows = by_path(out)
+    assert rows[str(copy)]["caption"] == rows[str(first)]["caption"] and rows[str(copy)]["objects"]
+    assert rows[str(copy)]["objects"] == rows[str(first)]["objects"]
+
+
+def test_a_question_may_not_take_a_kept_manifest_column(tmp_path: Path, tiny_model_dir: Path) -> None:
+    manifest = tmp_path / "list.csv"
+    manifest.write_text(f"path,objects\n{FILES[0]},a ball\n")
+    done = runner.invoke(app, ["caption", "--manifest", str(manifest), "--keep-columns", "objects", "-o",
+                               str(tmp_path / "out.parquet"), "--model", str(tiny_model_dir), "--ask", "objects=What?"])
+    assert done.exit_code == 2 and "the manifest's kept column 'objects' is also a column of --ask/--prompts" in \
+        done.output, done.output
 
 
 def test_the_cli_reads_a_prompt_file_and_asks_and_the_report_shows_every_answer(tmp_path: Path,
@@ -125,7 +165,8 @@ def test_the_cli_reads_a_prompt_file_and_asks_and_the_report_shows_every_answer(
     (["--ask", "objects"], "--ask 'objects': give NAME=TEXT"),
     (["--ask", "Objects=x"], "question name 'Objects': use lowercase letters"),
     (["--ask", "error=x"], "question name 'error' gives a column 'error', which every row has already"),
-    (["--ask", "a=x", "--ask", "a=y"], "questions 'a' and 'a' both give a column 'a'"),
+    (["--ask", "finish_reason=x"], "question name 'finish_reason' gives a column 'finish_reason'"),
+    (["--ask", "a=x", "--ask", "a=y"], "question 'a' is given twice"),
     (["--ask", "a_prompt=x", "--ask", "a=y"], "questions 'a_prompt' and 'a' both give a column 'a_prompt'"),
     (["--ask", "a=x", "--prompt", "y"], "--prompt and --ask/--prompts do not go together"),
     (["--ask", "a= "], "question 'a' has no text"),

@@ -28,7 +28,7 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
     """
     for where, old in stored.items():
         greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
-        differences = [f"{name} {_shown(old.get(name))} there, {_shown(now[name])} now"
+        differences = [_difference(name, old.get(name), now[name])
                        for name in now
                        if _differs(name, old.get(name), now[name]) and not (greedy and name in SAMPLING_ONLY)]
         if differences:
@@ -37,10 +37,20 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
                 f"settings to continue it, pass --overwrite to caption everything again, or choose another --out")
 
 
+def _difference(name: str, old: Any, now: Any) -> str:
+    if name == "prompt_set" and old and now:
+        dropped = [question for question in old if question not in now]
+        if dropped:
+            return f"the questions {', '.join(dropped)} are answered there and not asked now (their answers would go)"
+        return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, {_shown(now[question])} now"
+                         for question, limit in old.items() if now[question] != limit)
+    return f"{name} {_shown(old)} there, {_shown(now)} now"
+
+
 def _differs(name: str, old: Any, now: Any) -> bool:
     """A prompt set may gain questions (asked of the stored rows too), not lose them (their answers would go)."""
-    if name == "prompt_set" and old and now:
-        return not set(old) <= set(now)
+    if name == "prompt_set" and old and now:   # {question: its own max_new_tokens}
+        return any(question not in now or now[question] != limit for question, limit in old.items())
     return old != now
 
 
@@ -57,8 +67,8 @@ class Plan:
     missing_pruned: int = 0   # rows dropped by --prune-missing
     retried: int = 0          # error rows captioned again (--retry-errors)
     changed: int = 0          # stored rows whose file changed since (captioned again)
-    # With a prompt set: stored rows of items asked only some questions (`MediaItem.questions`), whose other
-    # answers the new rows keep.
+    # Stored rows of items captioned again with the same key (errors retried; with a prompt set, items asked
+    # only some questions, whose other answers the new rows keep): the row stays if the item is put off.
     earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
@@ -79,7 +89,8 @@ class Plan:
 
     def ordered_rows(self, items: list[MediaItem], new_rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The final rows: this run's items in input order, then the kept rows in their stored order."""
-        rows = [self.done.get(item.row_path) or new_rows.get(item.row_path) for item in items]
+        rows = [self.done.get(item.row_path) or new_rows.get(item.row_path) or self.earlier.get(item.row_path)
+                for item in items]
         return [row for row in rows if row is not None] + self.kept
 
 
@@ -98,7 +109,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     plan = Plan()
     captioned_content = {row["key"]: row for row in stored.rows.values()
                          if row["error"] is None and not _unanswered(row, questions)}
-    planned: set[str] = set()
+    planned: dict[str, int] = {}   # key -> its item's place in `todo`
     for item in items:
         key = item.stable_key
         row = stored.rows.get(item.row_path)
@@ -109,9 +120,9 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
                 plan.done[item.row_path] = row
                 continue
             plan.retried += retry
+            plan.earlier[item.row_path] = row
             if questions:
                 item = replace(item, questions=unanswered)
-                plan.earlier[item.row_path] = row
         elif row is not None:
             plan.changed += 1
         if key in captioned_content:
@@ -119,8 +130,14 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.reused.append(item.row_path)
         elif key in planned:
             plan.sharing.setdefault(key, []).append(item)
+            # The item captioned for this content answers what any of its paths still needs.
+            first = plan.todo[planned[key]]
+            if first.questions is not None and first.questions != item.questions:
+                asked = None if item.questions is None else \
+                    tuple(name for name in questions or () if name in first.questions + item.questions)
+                plan.todo[planned[key]] = replace(first, questions=asked)
         else:
-            planned.add(key)
+            planned[key] = len(plan.todo)
             plan.todo.append(item)
     paths = {item.row_path for item in items}
     for path, row in stored.rows.items():
@@ -179,7 +196,7 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
             asked = todo[path].questions
             add("caption", path, "new" if row is None else "changed since" if row["key"] != item.stable_key
                 else "retry error" if row["error"] is not None else f"ask {', '.join(asked or ())}",
-                "ask more questions" if row is not None and row["key"] == item.stable_key and row["error"] is None
+                "questions to ask" if row is not None and row["key"] == item.stable_key and row["error"] is None
                 else None)
             for question in asked if asked is not None else questions:
                 counts["ask", question] += 1

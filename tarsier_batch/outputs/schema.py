@@ -40,6 +40,7 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
 _SHA256_COLUMN = ("sha256", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
+_MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder")
 RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN])
 # With a prompt set, each question's columns take the place of these (its answer, in `caption`'s place).
 _ANSWER_COLUMNS = ("caption", "prompt", "prompt_tokens", "generated_tokens", "finish_reason")
@@ -89,6 +90,8 @@ class OutputColumns:
         row.update(self.item_values(item))
         if self.with_token_ids and not self.questions:
             row["generated_ids"] = result.generated_ids
+        if self.questions and earlier is not None and result.num_frames is None:   # decoding failed this time
+            row.update({name: earlier.get(name) for name in _MEDIA_FACTS})   # what the earlier answers were made of
         for question in self.questions:
             answer = result.answers.get(question)
             columns = _question_columns(question, self.with_token_ids)
