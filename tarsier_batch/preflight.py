@@ -150,7 +150,10 @@ def estimate(model_dir: Path, settings: CaptionSettings, dtype: torch.dtype, dev
     memory: they count on the CPU only)."""
     geometry = _Geometry.of(model_dir)
     per_position = geometry.kv_bytes_per_position(dtype)
-    positions_per_row = prompt_positions + settings.sampling.max_new_tokens
+    # A prompt set's question may have its own, longer limit.
+    longest_answer = max([question.max_new_tokens or 0 for question in settings.prompt_set]
+                         + [settings.sampling.max_new_tokens])
+    positions_per_row = prompt_positions + longest_answer
     if device.type == "cuda" and settings.kv_cache_gb is None:
         # The cache takes what is left after loading (devices.kv_cache_bytes); it must hold one row at least.
         kv = positions_per_row * per_position + CUDA_RESERVED_BYTES

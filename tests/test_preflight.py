@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 from safetensors import safe_open
 
 from conftest import SAMPLE_DATA
-from tarsier_batch.preflight import available_bytes, weight_bytes
+from tarsier_batch import CaptionSettings, Question, SamplingParams
+from tarsier_batch.preflight import available_bytes, estimate, weight_bytes
 from tarsier_batch.tiny import make_tiny_model
 
 
@@ -36,6 +38,16 @@ def test_weights_from_the_headers(tiny_model_dir: Path) -> None:
     largest = max(tensor.numel() * 4 for tensor in tensors.values())
     assert weight_bytes(tiny_model_dir, torch.float32, cuda) == stored
     assert weight_bytes(tiny_model_dir, torch.bfloat16, cuda) == stored // 2 + largest
+
+
+def test_the_kv_estimate_counts_the_longest_answer_a_prompt_set_allows(tiny_model_dir: Path) -> None:
+    """A question of a prompt set may allow more tokens than the run's --max-new-tokens: each row's KV counts them."""
+    cpu, sampling = torch.device("cpu"), SamplingParams(max_new_tokens=64)
+    plain = CaptionSettings(sampling=sampling, kv_cache_gb=64)
+    asking = replace(plain, prompt_set=(Question("caption", "Describe."), Question("long", "Tell all.", 1024)))
+    kv = [estimate(tiny_model_dir, settings, torch.float32, cpu, rows=2, prompt_positions=100, pixel_bytes=0).kv_cache
+          for settings in (plain, asking)]
+    assert kv[1] / kv[0] == pytest.approx((100 + 1024) / (100 + 64))
 
 
 def _too_big_checkpoint(tiny_model_dir: Path, folder: Path) -> Path:

@@ -56,7 +56,9 @@ def load_results(path: Path) -> Results:
     base = OutputColumns(with_token_ids=True, hashed=True).schema()
     try:
         table, provenance, summary = read_results(OutputTarget.existing(path), base)
-        questions = [question["name"] for question in provenance.get("prompt_set") or []]
+        # A merged output whose first shard was empty keeps only the stored settings: the names are there too.
+        questions = [question["name"] for question in provenance.get("prompt_set") or []] or \
+            list((provenance.get("settings") or {}).get("prompt_set") or [])
         with_answers = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions)).schema()
         if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
             table = read_results(OutputTarget.existing(path), with_answers)[0]
