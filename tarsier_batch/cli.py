@@ -141,6 +141,7 @@ def caption(
     prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
     ask: Annotated[Optional[list[str]], typer.Option(metavar="NAME=TEXT", help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are prefilled once for all of them).", show_default=False)] = None,
     prompts: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Questions to ask each item, from a TOML or JSON file of name = \"text\" (or name = {text = ..., max_new_tokens = N}); with --ask, these come first.", show_default=False)] = None,
+    long: Annotated[bool, typer.Option("--long", help="With --ask/--prompts: one row per file and question (a 'question' column and the single prompt's columns) instead of one row per file with each question's columns.")] = False,
     frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
     batch_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
     max_batch_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
@@ -197,7 +198,7 @@ def caption(
         max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, repetition_penalty=repetition_penalty))
-    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, key=key.value, shard=shard_spec,
+    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value, shard=shard_spec,
                          overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing, limit=limit,
                          fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
     if stream:

@@ -193,7 +193,7 @@ class CaptionRun:
             raise SettingsError(f"the manifest's kept column {taken[0]!r} is also a column of {{prompt_set}}; "
                                 f"rename the question or leave the column out of --keep-columns")
         self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields),
-                                     tuple(question.name for question in questions))
+                                     tuple(question.name for question in questions), settings.long)
         self.all_items = inputs.items
         shard = settings.shard
         self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
@@ -289,7 +289,7 @@ class CaptionRun:
         stats = RunStats(total=plan.items_to_caption, skipped=self.discovery.skipped_count,
                          already_done=len(plan.done), missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later)
-        sink = self.store or JsonLinesStream(plan.captioned_paths(self.items), self.stream)  # type: ignore[arg-type]
+        sink = self.store or JsonLinesStream(plan.captioned_paths(self.items), self.stream, self.columns)  # type: ignore[arg-type]
         job = CaptionJob(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
@@ -378,7 +378,7 @@ class CaptionRun:
         else:
             rows = job.final_rows()
             unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
-                and [row["path"] for row in rows] == list(stored.rows)
+                and [row["path"] for row in rows] == list(stored.rows) and stored.long == self.columns.long
             if shard:
                 provenance = {**provenance, "shard": shard.provenance(self.all_items, rows)}
             if not unchanged:
@@ -388,7 +388,9 @@ class CaptionRun:
                     return RunOutcome(Status.CRASHED, f"crashed ({error}); the finished rows are saved in "
                                       f"{store.work_dir}; free space and run the same command again to write "
                                       f"{store.out}", stats, error=error)
-            written = f"{store.out} ({plural(len(rows), 'row')}{', unchanged' if unchanged else ''})"
+            counted = plural(len(rows), 'row') if not self.columns.long else \
+                f"{plural(len(rows), 'item')}, a row per question"
+            written = f"{store.out} ({counted}{', unchanged' if unchanged else ''})"
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
         summary = summary_rows(stats, written, skipped)
         return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)

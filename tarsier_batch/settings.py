@@ -202,6 +202,7 @@ class RunSettings:
 
     caption: CaptionSettings = field(default_factory=CaptionSettings)
     with_token_ids: bool = False     # a generated_ids column
+    long: bool = False               # with a prompt set, the output holds a row per (item, question)
     key: str = "path"                # what identifies a finished item: path (+ size, mtime) or sha256 (content)
     shard: Shard | None = None       # caption only this shard of the items
     overwrite: bool = False          # start from scratch: replace the output
@@ -221,6 +222,9 @@ class RunSettings:
                 raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
         if self.flush_seconds < 0:
             raise SettingsError(f"{{flush_seconds}} {_shown(self.flush_seconds)}: give 0 or more")
+        if self.long and not self.caption.prompt_set:
+            raise SettingsError("{long} lays out the answers of a {prompt_set}, one row per question; without a set "
+                                "each item has one answer and one row already")
 
     def check_streamable(self) -> None:
         """Refuse the settings that continue an output file, for a run that streams its rows instead."""

@@ -201,3 +201,90 @@ def test_a_manifest_prompt_column_and_a_prompt_set_are_refused(tmp_path: Path, t
     assert done.exit_code == 2, done.output
     assert "a manifest's prompt column and --ask/--prompts do not go together yet" in done.output
     assert not (tmp_path / "out.parquet").exists()
+
+
+def long_rows(out: Path) -> list[dict]:
+    if out.suffix == ".parquet":
+        return pq.read_table(out).to_pylist()
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def assert_long_matches_wide(long: list[dict], wide: dict[str, dict], questions: tuple[Question, ...]) -> None:
+    """Each (file, question) row of the long layout holds what the wide row's question columns hold."""
+    assert [(row["path"], row["question"]) for row in long] == \
+        [(path, question.name) for path in wide for question in questions]
+    for row in long:
+        item, name = wide[row["path"]], row["question"]
+        assert (row["caption"], row["prompt"], row["prompt_tokens"], row["generated_tokens"], row["finish_reason"],
+                row["generated_ids"]) == \
+            (item[name], item[name + "_prompt"], item[name + "_prompt_tokens"], item[name + "_generated_tokens"],
+             item[name + "_finish_reason"], item[name + "_generated_ids"])
+        assert (row["key"], row["num_frames"], row["error"]) == (item["key"], item["num_frames"], None)
+
+
+def test_long_layout_holds_a_row_per_file_and_question_and_resumes_in_either_layout(tmp_path: Path,
+                                                                                   tiny_model_dir: Path) -> None:
+    wide_out, long_out = tmp_path / "wide.parquet", tmp_path / "long.parquet"
+    assert run(tiny_model_dir, wide_out, QUESTIONS).execute().status is Status.DONE
+    wide = by_path(wide_out)
+    assert run(tiny_model_dir, long_out, QUESTIONS[:2], long=True).execute().status is Status.DONE
+    schema = pq.read_schema(long_out)
+    assert schema.names[:5] == ["path", "key", "media_type", "question", "caption"]
+    assert {"prompt", "generated_tokens", "finish_reason", "generated_ids"} <= set(schema.names)
+    assert not {"objects", "caption_prompt"} & set(schema.names)
+    assert_long_matches_wide(long_rows(long_out), wide, QUESTIONS[:2])
+    # Resumed with a question added: only it is asked, and the file stays long.
+    added = run(tiny_model_dir, long_out, QUESTIONS, long=True)
+    assert [line[2] for line in added.describe()[0]] == ["ask camera"] * len(FILES)
+    assert added.execute().stats.generated_tokens == len(FILES) * MAX_NEW
+    assert_long_matches_wide(long_rows(long_out), wide, QUESTIONS)
+    # Continued without --long, nothing is asked again and the file becomes the wide layout of the same answers.
+    assert run(tiny_model_dir, long_out, QUESTIONS).execute().stats.generated_tokens == 0
+    assert {path: {k: v for k, v in row.items() if k != "elapsed_s"} for path, row in by_path(long_out).items()} == \
+        {path: {k: v for k, v in row.items() if k != "elapsed_s"} for path, row in wide.items()}
+
+
+def test_long_layout_in_text_formats_the_stream_and_an_undecodable_file(tmp_path: Path, tiny_model_dir: Path) -> None:
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video")
+    args = ["caption", str(FILES[0]), str(broken), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "-q",
+            "--ask", "caption=Describe.", "--ask", "tags=Tags?", "--long", "--with-token-ids"]
+    out = tmp_path / "out.jsonl"
+    assert runner.invoke(app, [*args, "-o", str(out)]).exit_code == 1   # one item failed
+    rows = long_rows(out)
+    assert [(Path(row["path"]).name, row["question"]) for row in rows] == \
+        [("ball.gif", "caption"), ("ball.gif", "tags"), ("broken.mp4", "caption"), ("broken.mp4", "tags")]
+    assert all(row["error"] is None and row["generated_tokens"] == 4 for row in rows[:2])
+    assert all(row["error"] and row["caption"] is None and row["finish_reason"] is None for row in rows[2:])
+    # Resumed: nothing to do (the failed file is retried only with --retry-errors), the file as it was.
+    again = runner.invoke(app, [*args, "-o", str(out), "--dry-run"])
+    assert "skip 2 (2 done earlier)" in again.output, again.output
+    assert runner.invoke(app, [*args, "-o", str(out)]).exit_code == 0 and long_rows(out) == rows
+    streamed = runner.invoke(app, [*args, "-o", "-"])
+    lines = [json.loads(line) for line in streamed.stdout.splitlines()]
+    assert [(line["question"], line["caption"], line["error"]) for line in lines] == \
+        [(row["question"], row["caption"], row["error"]) for row in rows]
+
+
+def test_long_shards_merge_into_one_long_output(tmp_path: Path, tiny_model_dir: Path) -> None:
+    shards = tmp_path / "shards"
+    common = [*map(str, FILES), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "-q", "--long",
+              "--ask", "caption=Describe.", "--ask", "tags=Tags?"]
+    for index in range(2):
+        done = runner.invoke(app, ["caption", *common, "--shard", f"{index}/2", "-o", str(shards / f"s{index}.parquet")])
+        assert done.exit_code == 0, done.output
+    merged = tmp_path / "merged.parquet"
+    assert runner.invoke(app, ["merge", str(shards), "-o", str(merged)]).exit_code == 0
+    single = tmp_path / "single.parquet"
+    assert runner.invoke(app, ["caption", *common, "-o", str(single)]).exit_code == 0
+    drop = {"elapsed_s"}
+    assert [{k: v for k, v in row.items() if k not in drop} for row in long_rows(merged)] == \
+        [{k: v for k, v in row.items() if k not in drop} for row in long_rows(single)]
+    assert len(long_rows(merged)) == 2 * len(FILES)
+
+
+def test_long_without_a_prompt_set_is_refused_at_once(tmp_path: Path) -> None:
+    done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "-o", str(tmp_path / "o.parquet"), "--model", "nope",
+                               "--long"])
+    assert done.exit_code == 2 and "--long lays out the answers of a --ask/--prompts" in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1

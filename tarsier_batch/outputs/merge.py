@@ -9,6 +9,7 @@ columns), then interleaves the rows back into input order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,19 @@ class ShardOutput:
     def shard(self) -> dict[str, Any]:
         return self.provenance["shard"]
 
+    @property
+    def questions(self) -> tuple[str, ...]:
+        return tuple((self.provenance.get("settings") or {}).get("prompt_set") or ())
+
+    @property
+    def columns(self) -> OutputColumns:
+        return OutputColumns.of_schema(self.table.schema, self.questions)
+
+    @cached_property
+    def rows(self) -> list[dict[str, Any]]:
+        """One per item, whichever layout the file has."""
+        return self.columns.item_rows(self.table)
+
 
 @dataclass
 class Merged:
@@ -66,7 +80,7 @@ def merge_shards(folder: Path) -> Merged:
     placed: list[tuple[bool, int, int, int, dict[str, Any]]] = []
     seen: dict[str, Path] = {}
     for output in outputs:
-        for number, (row, position) in enumerate(zip(output.table.to_pylist(), output.shard["positions"])):
+        for number, (row, position) in enumerate(zip(output.rows, output.shard["positions"])):
             if row["path"] in seen:
                 raise MergeError(f"{row['path']} has a row in both {seen[row['path']].name} and {output.path.name}")
             seen[row["path"]] = output.path
@@ -81,7 +95,7 @@ def merge_shards(folder: Path) -> Merged:
     summary["skipped"] = max(s.get("skipped", 0) for s in summaries)   # every shard saw the whole input
     summary["complete"] = all(s.get("complete", False) for s in summaries)
     summary["wall_time_s"] = max(s.get("wall_time_s", 0.0) for s in summaries)
-    return Merged([entry[4] for entry in placed], OutputColumns.of_schema(first.table.schema), provenance,
+    return Merged([entry[4] for entry in placed], first.columns, provenance,
                   summary, len(outputs))
 
 
@@ -95,10 +109,12 @@ def _read_shard(path: Path) -> ShardOutput:
     if not shard:
         raise MergeError(f"{path.name} is not the output of a tarsier caption --shard run; "
                          f"keep only the shards' outputs in the folder")
-    if len(shard["positions"]) != table.num_rows:
-        raise MergeError(f"{path.name} was changed after tarsier wrote it ({table.num_rows} rows, "
+    output = ShardOutput(path, table, provenance, summary)
+    items = len(output.rows)
+    if len(shard["positions"]) != items:
+        raise MergeError(f"{path.name} was changed after tarsier wrote it ({items} items, "
                          f"{len(shard['positions'])} recorded)")
-    return ShardOutput(path, table, provenance, summary)
+    return output
 
 
 def _check_one_set(outputs: list[ShardOutput]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
@@ -38,6 +38,8 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
     ("mtime", pa.timestamp("us", tz="UTC")),
 ]
 _SHA256_COLUMN = ("sha256", pa.string())
+# The long layout's (`--long`): which question of the set a row answers.
+_QUESTION_COLUMN = ("question", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
 _MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder")
@@ -57,11 +59,18 @@ class OutputColumns:
     hashed: bool = False
     kept: tuple[pa.Field, ...] = field(default=())
     questions: tuple[str, ...] = ()   # a prompt set's names, in its order
+    # The output file holds a row per (item, question), with the single prompt's columns and `question`
+    # (`--long`). Rows in memory and in part files stay one per item: only the file's layout differs.
+    long: bool = False
 
     @classmethod
-    def of_schema(cls, schema: pa.Schema) -> OutputColumns:
-        """The columns of results written with `schema` (what `tarsier merge` writes back)."""
+    def of_schema(cls, schema: pa.Schema, questions: tuple[str, ...] = ()) -> OutputColumns:
+        """The columns of results written with `schema` (what `tarsier merge` writes back); a long layout's
+        questions are not in its schema: `questions` names them."""
         names = set(schema.names)
+        if _QUESTION_COLUMN[0] in names:
+            single = cls.of_schema(schema.remove(schema.get_field_index(_QUESTION_COLUMN[0])))
+            return replace(single, questions=questions, long=True)
         questions = () if "finish_reason" in names else \
             tuple(name for name in schema.names if name + "_finish_reason" in names)
         fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]} | \
@@ -79,6 +88,62 @@ class OutputColumns:
                             for pair in _question_columns(question, self.with_token_ids).items()]
         token_ids = [_TOKEN_IDS_COLUMN] if self.with_token_ids and not self.questions else []
         return pa.schema(columns + ([_SHA256_COLUMN] if self.hashed else []) + token_ids + list(self.kept))
+
+    def file_schema(self) -> pa.Schema:
+        """The output file's columns: `schema()`, or in the long layout the single prompt's plus `question`."""
+        if not self.long:
+            return self.schema()
+        single = replace(self, questions=(), long=False).schema()
+        return single.insert(single.get_field_index("media_type") + 1, pa.field(*_QUESTION_COLUMN))
+
+    def read_schema(self) -> pa.Schema:
+        """What to read an earlier output with, whichever layout it has (text formats keep only these columns)."""
+        wide = self.schema()
+        return pa.schema(list(wide) + [column for column in replace(self, long=True).file_schema()
+                                       if column.name not in wide.names])
+
+    def file_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`rows` (one per item) as the output file holds them."""
+        return [answer for row in rows for answer in self._long_rows(row)] if self.long else rows
+
+    def item_rows(self, table: pa.Table) -> list[dict[str, Any]]:
+        """The rows of an output file read with `read_schema()`, one per item: as they are (without the other
+        layout's columns, which text formats read as empty), or joined from the long layout's rows per question
+        (an item's rows are together; its error is the one its failed rows carry)."""
+        wide = self.schema().names
+        if not is_long(table):
+            return table.drop_columns([name for name in self.read_schema().names
+                                       if name not in wide and name in table.column_names]).to_pylist()
+        single = _single_answer_columns(self.with_token_ids)
+        items: dict[str, dict[str, Any]] = {}
+        for row in table.to_pylist():
+            question = row.pop(_QUESTION_COLUMN[0])
+            answer = [row.pop(name, None) for name in single]
+            item = items.get(row["path"])
+            if item is None:
+                item = items[row["path"]] = {**row, **{column: None for name in self.questions
+                                                       for column in _question_columns(name, self.with_token_ids)}}
+            item["error"] = item["error"] or row["error"]
+            if question in self.questions and answer[single.index("finish_reason")] is not None:
+                item.update(zip(_question_columns(question, self.with_token_ids), answer))
+        return list(items.values())
+
+    def _long_rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """An item's row as one row per question it has an answer to; an item that failed before any question
+        was answered (its media did not decode), one error row per question. A failed question's row carries
+        the item's error, which names it."""
+        answer_columns = {column for question in self.questions
+                          for column in _question_columns(question, self.with_token_ids)}
+        common = {name: value for name, value in row.items() if name not in answer_columns}
+        answered = [question for question in self.questions if row.get(question + "_finish_reason") is not None]
+        rows = []
+        for question in answered or (self.questions if row.get("error") else ()):
+            values = dict(zip(_single_answer_columns(self.with_token_ids),
+                              (row.get(column) for column in _question_columns(question, self.with_token_ids))))
+            failed = values["finish_reason"] in (None, "error")
+            rows.append({**common, _QUESTION_COLUMN[0]: question, **values,
+                         "error": common.get("error") if failed else None})
+        return rows
 
     def row(self, result: CaptionResult, item: MediaItem, model: str,
             earlier: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -116,12 +181,22 @@ class OutputColumns:
         return values
 
 
+def is_long(table: pa.Table) -> bool:
+    """Does `table` (an output file read with `read_schema`) hold the long layout's rows?"""
+    return _QUESTION_COLUMN[0] in table.column_names and table.column(_QUESTION_COLUMN[0]).null_count < len(table)
+
+
 def _question_columns(question: str, with_token_ids: bool) -> dict[str, pa.DataType]:
     """A prompt set question's columns: its answer, its prompt, token counts, finish reason (and token ids)."""
     columns = {question + suffix: kind for suffix, kind in _ANSWER_TYPES.items()}
     if with_token_ids:
         columns[question + TOKEN_IDS_SUFFIX] = pa.list_(pa.int32())
     return columns
+
+
+def _single_answer_columns(with_token_ids: bool) -> list[str]:
+    """The single prompt's answer columns, in the order of a question's (`_question_columns`)."""
+    return list(_ANSWER_COLUMNS) + ([_TOKEN_IDS_COLUMN[0]] if with_token_ids else [])
 
 
 def _answer_values(answer: Answer) -> list[Any]:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from ..text import one_line
 from .formats import OutputError, OutputTarget, read_results, with_metadata
-from .schema import OutputColumns
+from .schema import OutputColumns, is_long
 
 SETTINGS_FILE = "settings.json"
 COMPACT_EVERY = 256   # parts written, after which the work directory's parts are merged into one
@@ -50,6 +50,7 @@ class StoredRows:
     rows: dict[str, dict[str, Any]] = field(default_factory=dict)
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)   # where -> resume settings
     provenance: dict[str, Any] | None = None                            # of the newest run that left rows
+    long: bool = False         # `--out` holds the long layout (`OutputColumns.long`)
     parts: int = 0
     unreadable_parts: list[str] = field(default_factory=list)           # "name: reason"
 
@@ -63,7 +64,8 @@ class ResultStore:
         self.target = target
         self.out = target.path
         self.work_dir = self.out.parent / f".{self.out.name}.tarsier"
-        self.schema = columns.schema()
+        self.columns = columns
+        self.schema = columns.schema()   # of the rows and the part files: one row per item
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
         self._pending: list[dict[str, Any]] = []
         self._last_save = clock()   # the last part written, or the start: rows wait at most flush_seconds after it
@@ -74,9 +76,10 @@ class ResultStore:
         """The rows and settings of `--out` and of the parts an unfinished run left."""
         stored = StoredRows()
         if self.target.exists():
-            table, stored.provenance = _read_output(self.target, self.schema)
+            table, stored.provenance = _read_output(self.target, self.columns.read_schema())
             stored.settings[str(self.out)] = stored.provenance["settings"]
-            _take_rows(stored, table)
+            stored.long = is_long(table)
+            _take_rows(stored, self.columns.item_rows(table))
         settings_file = self.work_dir / SETTINGS_FILE
         parts = self._parts()
         if settings_file.exists() and parts:
@@ -85,7 +88,7 @@ class ResultStore:
         stored.parts = len(parts)
         for part in parts:
             try:
-                _take_rows(stored, pq.read_table(part))
+                _take_rows(stored, pq.read_table(part).to_pylist())
             except (OSError, pa.ArrowException) as error:  # only possible if the disk itself lost data
                 stored.unreadable_parts.append(f"{part.name}: {error}")
         return stored
@@ -166,8 +169,10 @@ class ResultStore:
         return len(self._pending)
 
     def commit(self, rows: list[dict[str, Any]], provenance: dict[str, Any], summary: dict[str, Any]) -> None:
-        """Write `rows` as `--out` (atomically replacing it, in its format), then remove the work directory."""
-        table = pa.Table.from_pylist(rows, schema=with_metadata(self.schema, provenance, summary))
+        """Write `rows` (one per item) as `--out` (atomically replacing it, in its format and layout), then remove
+        the work directory."""
+        table = pa.Table.from_pylist(self.columns.file_rows(rows),
+                                     schema=with_metadata(self.columns.file_schema(), provenance, summary))
         try:
             self.target.kind.write(self.target, table, provenance, summary, self._replace)
         except OSError as error:
@@ -194,8 +199,8 @@ def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
     return table, provenance
 
 
-def _take_rows(stored: StoredRows, table: pa.Table) -> None:
-    for row in table.to_pylist():
+def _take_rows(stored: StoredRows, rows: list[dict[str, Any]]) -> None:
+    for row in rows:
         stored.rows.pop(row["path"], None)  # re-inserted last: the newest row of a path comes last
         stored.rows[row["path"]] = row
 

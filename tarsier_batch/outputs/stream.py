@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, TextIO
 
 from .formats import json_line
+from .schema import OutputColumns
 
 
 class JsonLinesStream:
@@ -14,8 +15,9 @@ class JsonLinesStream:
     kept for a later run: a stream cannot be resumed.
     """
 
-    def __init__(self, paths: list[str], handle: TextIO):
+    def __init__(self, paths: list[str], handle: TextIO, columns: OutputColumns):
         self.handle = handle
+        self.columns = columns   # in the long layout, an item's lines are one per question
         self._order = paths
         self._next = 0
         self._waiting: dict[str, dict[str, Any]] = {}
@@ -24,7 +26,8 @@ class JsonLinesStream:
     def add(self, row: dict[str, Any]) -> None:
         self._waiting[row["path"]] = row
         while self._next < len(self._order) and self._order[self._next] in self._waiting:
-            self.handle.write(json_line(self._waiting.pop(self._order[self._next])))
+            for line in self.columns.file_rows([self._waiting.pop(self._order[self._next])]):
+                self.handle.write(json_line(line))
             self.handle.flush()
             self._next += 1
             self.saved_rows += 1

@@ -59,15 +59,17 @@ def load_results(path: Path) -> Results:
         # A merged output whose first shard was empty keeps only the stored settings: the names are there too.
         questions = [question["name"] for question in provenance.get("prompt_set") or []] or \
             list((provenance.get("settings") or {}).get("prompt_set") or [])
-        with_answers = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions)).schema()
+        columns = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions))
+        with_answers = columns.read_schema()
         if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
             table = read_results(OutputTarget.existing(path), with_answers)[0]
+        rows = columns.item_rows(table)   # a long layout's rows joined per item
     except (OSError, pa.ArrowException, ValueError, KeyError, IndexError) as error:
         raise OutputError(f"cannot read {path} as results of tarsier caption ({one_line(error)})") from error
     if "path" not in table.column_names:
         raise OutputError(f"{path} has no 'path' column: not results of tarsier caption")
     extra = [name for name in table.column_names if name not in base.names and name not in with_answers.names]
-    return Results(table.to_pylist(), provenance, summary, extra, questions)
+    return Results(rows, provenance, summary, extra, questions)
 
 
 def answers(results: Results, row: dict[str, Any]) -> list[str | None]:
