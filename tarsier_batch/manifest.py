@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 import pyarrow as pa
 
+from .prompt_sets import PromptSetError, row_prompt_set
 from .sources import Discovery, KeyMode
 
 MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson", ".parquet")
 PATH_COLUMNS = ("path", "file_name", "video", "image")   # tried in this order when --path-column is not given
 PROMPT_COLUMN = "prompt"
+PROMPTS_COLUMN = "prompts"   # a row's own prompt set: a JSON object of question name -> text
 RENAMED_PREFIX = "input_"   # a kept column named like an output column is renamed with this prefix
 
 
@@ -34,7 +36,8 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
     """The items listed in `path` (CSV, TSV, JSONL or Parquet, by suffix), in row order.
 
     Relative paths resolve against the manifest's folder, so a manifest travels with its
-    media. A `prompt` column (empty cells: the run's prompt) gives rows their own prompt.
+    media. A `prompt` column (empty cells: the run's prompt) gives rows their own prompt; a
+    `prompts` column (empty cells: the run's set) their own prompt set.
     `keep_columns` is "all" or comma-separated names carried into each output row; a kept
     column that is also an output column (`reserved`) is renamed `input_<name>`. A path listed
     twice is refused: output rows are identified by path.
@@ -48,6 +51,10 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
             and not pa.types.is_large_string(table.schema.field(PROMPT_COLUMN).type):
         raise ManifestError(f"{path}: the '{PROMPT_COLUMN}' column holds {table.schema.field(PROMPT_COLUMN).type}, "
                             f"not text")
+    if prompts is not None and PROMPTS_COLUMN in table.column_names:
+        raise ManifestError(f"{path}: the '{PROMPT_COLUMN}' and '{PROMPTS_COLUMN}' columns do not go together; "
+                            f"make each row's prompt one of its questions")
+    prompt_sets = table.column(PROMPTS_COLUMN).to_pylist() if PROMPTS_COLUMN in table.column_names else None
     kept_values = {name: table.column(name).to_pylist() for name in kept}
     base = path.parent.resolve()
     discovery = Discovery()
@@ -63,7 +70,11 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
         first_row[media_path] = row_number
         prompt = prompts[index] if prompts is not None else None
         columns = {renamed.get(name, name): values[index] for name, values in kept_values.items()}
-        discovery.add(media_path, key_mode, prompt if prompt and prompt.strip() else None, columns)
+        try:
+            prompt_set = row_prompt_set(prompt_sets[index]) if prompt_sets is not None else None
+        except PromptSetError as error:
+            raise ManifestError(f"{path}: row {row_number}, column '{PROMPTS_COLUMN}': {error}") from None
+        discovery.add(media_path, key_mode, prompt if prompt and prompt.strip() else None, columns, prompt_set)
     fields = [pa.field(renamed.get(name, name), table.schema.field(name).type) for name in kept]
     return Manifest(discovery, fields, renamed)
 
@@ -130,7 +141,7 @@ def _kept_columns(table: pa.Table, asked: str | None, path: Path) -> list[str]:
         return []
     names = table.column_names
     if asked.strip() == "all":  # the path column too: its original (relative) value is what users join on
-        return [name for name in names if name != PROMPT_COLUMN]
+        return [name for name in names if name not in (PROMPT_COLUMN, PROMPTS_COLUMN)]
     wanted = [name.strip() for name in asked.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in names]
     if unknown:

@@ -103,6 +103,27 @@ def read_prompt_set(path: str | Path) -> tuple[Question, ...]:
     return tuple(_question(path, name, value) for name, value in table.items())
 
 
+def row_prompt_set(value: Any) -> tuple[Question, ...] | None:
+    """A manifest row's own questions (its `prompts` cell): a JSON object of name -> text, as text (CSV) or as an
+    object (JSONL, Parquet struct or map); None for an empty cell."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise PromptSetError(f"not a JSON object of question name -> text ({error})") from None
+    if isinstance(value, list) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        value = dict(value)   # a Parquet map reads as (key, value) pairs
+    if isinstance(value, dict):   # a struct column has every row's names: a name this row lacks is None
+        value = {name: text for name, text in value.items() if text is not None}
+    if not isinstance(value, dict) or not value or not all(isinstance(text, str) for text in value.values()):
+        raise PromptSetError('give a JSON object of question name -> text, e.g. {"tags": "List three tags."}')
+    questions = tuple(Question(name, text) for name, text in value.items())
+    check_prompt_set(questions)
+    return questions
+
+
 def _question(path: Path, name: str, value: Any) -> Question:
     if isinstance(value, str):
         return Question(name, value)

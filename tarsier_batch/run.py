@@ -182,10 +182,12 @@ class CaptionRun:
         self.source = source or "the inputs"
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read folder {problem}")
-        questions = settings.caption.prompt_set
-        if questions and any(item.prompt is not None for item in inputs.items):
+        if settings.caption.prompt_set and any(item.prompt is not None for item in inputs.items):
             raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
                                 "manifest's prompts as questions of the set, or leave the set out")
+        inputs, settings = _with_own_prompt_sets(inputs, settings)
+        self.settings = settings
+        questions = settings.caption.prompt_set
         self.questions = {question.name: question.text for question in questions} or None
         answer_columns = {column for question in questions for column in question.columns(with_token_ids=True)}
         taken = [kept.name for kept in kept_fields if kept.name in answer_columns]
@@ -394,6 +396,30 @@ class CaptionRun:
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
         summary = summary_rows(stats, written, skipped)
         return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)
+
+
+def _with_own_prompt_sets(inputs: Discovery, settings: RunSettings) -> tuple[Discovery, RunSettings]:
+    """With manifest rows that carry their own prompt sets: every item with its set (the run's where the row has
+    none), and the run's set widened to every question any item asks (one column set for the output; the run's
+    own questions keep their token limits)."""
+    if all(item.prompt_set is None for item in inputs.items):
+        return inputs, settings
+    caption = settings.caption
+    if caption.prompt is not None:
+        raise SettingsError("{prompt} and a manifest's prompts column do not go together: make the prompt a "
+                            "question of the rows' sets")
+    bare = next((item for item in inputs.items if item.prompt_set is None), None)
+    if bare is not None and not caption.prompt_set:
+        shown = bare.path.replace("{", "{{").replace("}", "}}")   # a template: the path's braces are not fields
+        raise SettingsError(f"{shown} has no questions in the manifest's prompts column: fill its cell, "
+                            f"or give the rows without one a set with {{prompt_set}}")
+    items = [item if item.prompt_set is not None else replace(item, prompt_set=caption.prompt_set)
+             for item in inputs.items]
+    named = {question.name: question for question in caption.prompt_set}
+    for item in items:
+        for question in item.prompt_set or ():
+            named.setdefault(question.name, question)
+    return replace(inputs, items=items), replace(settings, caption=replace(caption, prompt_set=tuple(named.values())))
 
 
 def run_provenance(captioning: Captioning, settings: RunSettings) -> dict[str, Any]:

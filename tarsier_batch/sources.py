@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .media import MediaType, media_type_of
+from .prompt_sets import Question
 from .text import printable
 
 KeyMode = Literal["path", "sha256"]
@@ -48,6 +49,8 @@ class MediaItem:
     columns: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # With a prompt set: the names of the questions still to ask of it (None: every one).
     questions: tuple[str, ...] | None = None
+    # Its own prompt set (a manifest's `prompts` column), in place of the run's (None: the run's).
+    prompt_set: tuple[Question, ...] | None = None
 
     @property
     def stable_key(self) -> str:
@@ -73,9 +76,9 @@ class Discovery:
         return sum(self.skipped.values())
 
     def add(self, path: str, key_mode: KeyMode | None, prompt: str | None = None,
-            columns: dict[str, Any] | None = None) -> None:
+            columns: dict[str, Any] | None = None, prompt_set: tuple[Question, ...] | None = None) -> None:
         """List `path` as an item, or count it as skipped if it is not named like media."""
-        item = new_item(path, key_mode, prompt, columns)
+        item = new_item(path, key_mode, prompt, columns, prompt_set)
         if item is None:
             self.skipped[skipped_kind(path)] += 1
             self.skipped_paths.append(path)
@@ -117,21 +120,29 @@ def skipped_kind(path: str) -> str:
 
 
 def new_item(path: str, key_mode: KeyMode | None, prompt: str | None = None,
-             columns: dict[str, Any] | None = None) -> MediaItem | None:
+             columns: dict[str, Any] | None = None, prompt_set: tuple[Question, ...] | None = None
+             ) -> MediaItem | None:
     """The item of `path` (None if it is not named like media), with its key and file facts if asked.
 
-    An item's own prompt is part of its key: changing it makes the item new for a later run.
+    An item's own prompt, or its own prompt set, is part of its key: changing it makes the item new
+    for a later run (and only items asked the same questions share a caption of the same content).
     """
     media_type = media_type_of(path)
     if media_type is None:
         return None
     if not key_mode:
-        return MediaItem(path, media_type, prompt, columns=columns or {})
+        return MediaItem(path, media_type, prompt, columns=columns or {}, prompt_set=prompt_set)
     facts = file_facts(path, key_mode)
     key = item_key(path, key_mode, facts)
     if prompt is not None:
-        key += "|prompt-sha256:" + hashlib.sha256(prompt.encode("utf-8", "surrogateescape")).hexdigest()[:16]
-    return MediaItem(path, media_type, prompt, key, facts, columns or {})
+        key += "|prompt-sha256:" + _digest(prompt)
+    if prompt_set is not None:
+        key += "|prompts-sha256:" + _digest("\0".join(f"{question.name}\0{question.text}" for question in prompt_set))
+    return MediaItem(path, media_type, prompt, key, facts, columns or {}, prompt_set=prompt_set)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
 
 
 def file_facts(path: str, mode: KeyMode = "path") -> FileFacts:

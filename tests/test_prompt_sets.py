@@ -288,3 +288,96 @@ def test_long_without_a_prompt_set_is_refused_at_once(tmp_path: Path) -> None:
                                "--long"])
     assert done.exit_code == 2 and "--long lays out the answers of a --ask/--prompts" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1
+
+
+def manifest_with_own_sets(folder: Path, cells: list[str]) -> Path:
+    """A CSV manifest of FILES with a `prompts` column holding `cells` (JSON objects, or empty)."""
+    import csv
+
+    manifest = folder / "list.csv"
+    with open(manifest, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["path", "prompts"])
+        writer.writerows(zip(map(str, FILES), cells))
+    return manifest
+
+
+def test_manifest_rows_ask_their_own_prompt_sets(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Each row is asked its own set (or the run's, for an empty cell), and each answer is that question's asked
+    alone; the output's columns are every question any row asks; resume follows each row's set."""
+    cells = ['{"caption": "Describe this.", "tags": "List three tags."}', "", '{"colour": "What colour is it?"}']
+    manifest = manifest_with_own_sets(tmp_path, cells)
+    out = tmp_path / "out.parquet"
+    common = ["--model", str(tiny_model_dir), "--max-new-tokens", str(MAX_NEW), "-q", "--with-token-ids"]
+    args = ["caption", "--manifest", str(manifest), "-o", str(out), *common, "--ask", "caption=Describe the video."]
+    done = runner.invoke(app, args)
+    assert done.exit_code == 0, done.output
+    rows = by_path(out)
+    schema = pq.read_schema(out)
+    assert [name for name in schema.names if name + "_prompt" in schema.names] == ["caption", "tags", "colour"]
+    asked = {str(FILES[0]): {"caption": "Describe this.", "tags": "List three tags."},
+             str(FILES[1]): {"caption": "Describe the video."},
+             str(FILES[2]): {"colour": "What colour is it?"}}
+    for path, questions in asked.items():
+        row = rows[path]
+        assert {name: row[name + "_prompt"] for name in ("caption", "tags", "colour") if row[name + "_prompt"]} == \
+            questions
+        assert all(row[name] is None for name in ("caption", "tags", "colour") if name not in questions)
+        for name, text in questions.items():
+            alone = tmp_path / f"alone-{name}.jsonl"
+            single = runner.invoke(app, ["caption", path, "-o", str(alone), *common, "--prompt", text, "--overwrite"])
+            assert single.exit_code == 0, single.output
+            expected = json.loads(alone.read_text())
+            assert (row[name], row[name + "_generated_ids"]) == (expected["caption"], expected["generated_ids"])
+    # Resumed with the run's set grown and one row's own set changed: the row of the run's set is asked only the
+    # new question, the changed row all of its own again, the other row nothing.
+    cells[2] = '{"colour": "Which colours are there?"}'
+    manifest_with_own_sets(tmp_path, cells)
+    dry = runner.invoke(app, [*args, "--ask", "mood=Is it calm?", "--dry-run"])
+    lines = {Path(line.split("\t")[1]).name: line.split("\t")[2] for line in dry.output.splitlines() if "\t" in line}
+    assert lines == {FILES[0].name: "done earlier", FILES[1].name: "ask mood", FILES[2].name: "changed since"}, \
+        dry.output
+    assert runner.invoke(app, [*args, "--ask", "mood=Is it calm?"]).exit_code == 0
+    again = by_path(out)
+    untouched = again[str(FILES[0])]
+    assert {name: value for name, value in untouched.items() if not name.startswith("mood")} == rows[str(FILES[0])]
+    assert all(value is None for name, value in untouched.items() if name.startswith("mood"))
+    assert again[str(FILES[1])]["mood"] and again[str(FILES[1])]["caption"] == rows[str(FILES[1])]["caption"]
+    assert again[str(FILES[2])]["colour_prompt"] == "Which colours are there?"
+
+
+@pytest.mark.parametrize("cell, flags, message", [
+    ("{not json", ["--ask", "a=x"], "row 1, column 'prompts': not a JSON object of question name -> text"),
+    ('{"Bad": "x"}', ["--ask", "a=x"], "row 1, column 'prompts': question name 'Bad': use lowercase"),
+    ('["x"]', ["--ask", "a=x"], "row 1, column 'prompts': give a JSON object of question name -> text"),
+    ("", [], "has no questions in the manifest's prompts column: fill its cell, or give the rows without one a "
+             "set with --ask/--prompts"),
+    ('{"a": "x"}', ["--prompt", "Describe."], "--prompt and a manifest's prompts column do not go together"),
+])
+def test_a_bad_prompts_cell_stops_at_once_with_one_line(tmp_path: Path, tiny_model_dir: Path, cell: str,
+                                                         flags: list[str], message: str) -> None:
+    manifest = manifest_with_own_sets(tmp_path, [cell, '{"a": "x"}', '{"a": "x"}'])
+    done = runner.invoke(app, ["caption", "--manifest", str(manifest), "-o", str(tmp_path / "o.parquet"),
+                               "--model", str(tiny_model_dir), *flags])
+    assert done.exit_code == 2 and message in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "o.parquet").exists()
+
+
+def test_prompts_cells_read_from_json_lines_objects_and_parquet_maps(tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from tarsier_batch.manifest import read_manifest
+
+    lines = tmp_path / "list.jsonl"
+    lines.write_text(json.dumps({"path": str(FILES[0]), "prompts": {"tags": "Tags?", "mood": "Calm?"}}) + "\n" +
+                     json.dumps({"path": str(FILES[1]), "prompts": {"mood": "Calm?"}}) + "\n" +
+                     json.dumps({"path": str(FILES[2]), "prompts": None}) + "\n")
+    maps = tmp_path / "list.parquet"
+    pq.write_table(pa.table({"path": [str(path) for path in FILES],
+                             "prompts": pa.array([[("tags", "Tags?"), ("mood", "Calm?")], [("mood", "Calm?")], None],
+                                                 pa.map_(pa.string(), pa.string()))}), maps)
+    for manifest in (lines, maps):
+        items = read_manifest(manifest, "path", frozenset()).discovery.items
+        assert [item.prompt_set for item in items] == \
+            [(Question("tags", "Tags?"), Question("mood", "Calm?")), (Question("mood", "Calm?"),), None], manifest
+        assert "|prompts-sha256:" in items[0].key and "|prompts" not in items[2].key   # a row's own set is in its key

@@ -107,21 +107,24 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     asked only the others (its row keeps the answers it has).
     """
     plan = Plan()
+    # Items with their own prompt set have it in their key: a key asks the same questions whatever the path.
+    asked_by_key = {item.stable_key: _asked(item, questions) for item in items}
     captioned_content = {row["key"]: row for row in stored.rows.values()
-                         if row["error"] is None and not _unanswered(row, questions)}
+                         if row["error"] is None and not _unanswered(row, asked_by_key.get(row["key"], questions))}
     planned: dict[str, int] = {}   # key -> its item's place in `todo`
     for item in items:
         key = item.stable_key
+        asked = asked_by_key[key]
         row = stored.rows.get(item.row_path)
         if row is not None and row["key"] == key:
             retry = retry_errors and row["error"] is not None
-            unanswered = _unanswered(row, questions)
-            if (questions and not unanswered) or not (retry or (row["error"] is None and unanswered)):
+            unanswered = _unanswered(row, asked)
+            if (asked and not unanswered) or not (retry or (row["error"] is None and unanswered)):
                 plan.done[item.row_path] = row
                 continue
             plan.retried += retry
             plan.earlier[item.row_path] = row
-            if questions:
+            if asked:
                 item = replace(item, questions=unanswered)
         elif row is not None:
             plan.changed += 1
@@ -134,7 +137,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             first = plan.todo[planned[key]]
             if first.questions is not None and first.questions != item.questions:
                 asked = None if item.questions is None else \
-                    tuple(name for name in questions or () if name in first.questions + item.questions)
+                    tuple(name for name in asked or () if name in first.questions + item.questions)
                 plan.todo[planned[key]] = replace(first, questions=asked)
         else:
             planned[key] = len(plan.todo)
@@ -151,6 +154,11 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.kept.append(row)
             plan.missing_kept += 1
     return plan
+
+
+def _asked(item: MediaItem, questions: dict[str, str] | None) -> dict[str, str] | None:
+    """The questions (name -> text) `item` is asked: its own set's, or the run's."""
+    return questions if item.prompt_set is None else {question.name: question.text for question in item.prompt_set}
 
 
 def _unanswered(row: dict[str, Any], questions: dict[str, str] | None) -> tuple[str, ...]:
@@ -198,7 +206,8 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
                 else "retry error" if row["error"] is not None else f"ask {', '.join(asked or ())}",
                 "questions to ask" if row is not None and row["key"] == item.stable_key and row["error"] is None
                 else None)
-            for question in asked if asked is not None else questions:
+            every = questions if item.prompt_set is None else tuple(question.name for question in item.prompt_set)
+            for question in asked if asked is not None else every:
                 counts["ask", question] += 1
     for path in discovery.skipped_paths:
         add("skip", path, f"not media ({skipped_kind(path)})", "not media")
