@@ -258,7 +258,7 @@ class Captioner:
             finished[decoded.index] = _error_result(decoded, decoded.error or "not processed")
             return
         queued = _Queued(decoded, time.perf_counter(), rows=len(decoded.prompts))
-        seed = self.settings.sampling.row_seed(decoded.item.stable_key)
+        seed = self.settings.sampling.row_seed(decoded.item.sampling_key)
         limits = {question.name: question.max_new_tokens for question in self.settings.prompt_set}
         first = None
         for position, prompt in enumerate(decoded.prompts):

@@ -128,7 +128,7 @@ def caption(
     out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv; '-' streams JSON Lines to stdout.", show_default=False)] = None,
     out_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR instead of one --out file (continued like --out).", show_default=False)] = None,
     shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
-    manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt.", show_default=False)] = None,
+    manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
     path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
     keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output (a name taken by an output column gets the prefix input_).", show_default=False)] = None,
     null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
@@ -507,7 +507,8 @@ def merge_command(
     except (MergeError, OutputLockedError, OutputWriteError, OSError) as error:
         _fail(str(error))
     failed = sum(row["error"] is not None for row in merged.rows)
-    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {out} ({plural(len(merged.rows), 'row')}, "
+    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {out} "
+               f"({plural(len(merged.columns.file_rows(merged.rows)), 'row')}, "
                f"{failed} failed)", err=True)
 
 

@@ -46,15 +46,15 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
     column = _path_column(table, path_column, path)
     kept = _kept_columns(table, keep_columns, path)
     renamed = {name: RENAMED_PREFIX + name for name in kept if name in reserved}
-    prompts = table.column(PROMPT_COLUMN).to_pylist() if PROMPT_COLUMN in table.column_names else None
-    if prompts is not None and not pa.types.is_string(table.schema.field(PROMPT_COLUMN).type) \
+    row_prompts = table.column(PROMPT_COLUMN).to_pylist() if PROMPT_COLUMN in table.column_names else None
+    if row_prompts is not None and not pa.types.is_string(table.schema.field(PROMPT_COLUMN).type) \
             and not pa.types.is_large_string(table.schema.field(PROMPT_COLUMN).type):
         raise ManifestError(f"{path}: the '{PROMPT_COLUMN}' column holds {table.schema.field(PROMPT_COLUMN).type}, "
                             f"not text")
-    if prompts is not None and PROMPTS_COLUMN in table.column_names:
+    if row_prompts is not None and PROMPTS_COLUMN in table.column_names:
         raise ManifestError(f"{path}: the '{PROMPT_COLUMN}' and '{PROMPTS_COLUMN}' columns do not go together; "
                             f"make each row's prompt one of its questions")
-    prompt_sets = table.column(PROMPTS_COLUMN).to_pylist() if PROMPTS_COLUMN in table.column_names else None
+    row_prompt_sets = table.column(PROMPTS_COLUMN).to_pylist() if PROMPTS_COLUMN in table.column_names else None
     kept_values = {name: table.column(name).to_pylist() for name in kept}
     base = path.parent.resolve()
     discovery = Discovery()
@@ -68,10 +68,10 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
             raise ManifestError(f"{path}: row {row_number} repeats the path of row {first_row[media_path]} "
                                 f"({value}); give each file one row")
         first_row[media_path] = row_number
-        prompt = prompts[index] if prompts is not None else None
+        prompt = row_prompts[index] if row_prompts is not None else None
         columns = {renamed.get(name, name): values[index] for name, values in kept_values.items()}
         try:
-            prompt_set = row_prompt_set(prompt_sets[index]) if prompt_sets is not None else None
+            prompt_set = row_prompt_set(row_prompt_sets[index]) if row_prompt_sets is not None else None
         except PromptSetError as error:
             raise ManifestError(f"{path}: row {row_number}, column '{PROMPTS_COLUMN}': {error}") from None
         discovery.add(media_path, key_mode, prompt if prompt and prompt.strip() else None, columns, prompt_set)

@@ -28,7 +28,7 @@ ANSWER_SUFFIXES = ("_prompt", "_prompt_tokens", "_generated_tokens", "_finish_re
 TOKEN_IDS_SUFFIX = "_generated_ids"
 # The row's own columns with a set (outputs.schema asserts it): a name must not take one of them.
 ROW_COLUMNS = frozenset({"path", "key", "media_type", "model", "num_frames", "frame_indices", "width", "height",
-                         "duration_s", "decoder", "error", "elapsed_s", "size_bytes", "mtime", "sha256"})
+                         "duration_s", "decoder", "error", "elapsed_s", "size_bytes", "mtime", "sha256", "question"})
 # The single prompt's columns, which a set replaces: not names of questions (readers tell the two apart by
 # them), except `caption`, the natural name of a set's caption.
 SINGLE_PROMPT_COLUMNS = frozenset({"prompt", "prompt_tokens", "generated_tokens", "finish_reason", "generated_ids"})
@@ -53,10 +53,12 @@ class Question:
 
 def check_prompt_set(questions: tuple[Question, ...]) -> None:
     """Refuse names that are not lowercase identifiers, repeat, or take another column; empty texts."""
-    taken: dict[str, str] = {}
+    taken: dict[str, str] = {}   # column -> the question giving it
+    names: set[str] = set()
     for question in questions:
-        if question.name in taken:
+        if question.name in names:
             raise PromptSetError(f"question {question.name!r} is given twice")
+        names.add(question.name)
         if not NAME.fullmatch(question.name):
             raise PromptSetError(f"question name {question.name!r}: use lowercase letters, digits and _, starting "
                                  f"with a letter (it names output columns)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext, suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from functools import partial
 from pathlib import Path
@@ -37,6 +37,7 @@ from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .results import CaptionResult
+from .prompt_sets import PromptSetError, check_prompt_set
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings
 from .sources import Discovery, MediaItem, discover
 from .text import one_line
@@ -186,6 +187,9 @@ class CaptionRun:
             raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
                                 "manifest's prompts as questions of the set, or leave the set out")
         inputs, settings = _with_own_prompt_sets(inputs, settings)
+        if settings.long and not settings.caption.prompt_set:
+            raise SettingsError("{long} lays out the answers of several questions, a row per question: ask them "
+                                "with {prompt_set} or a manifest's prompts column")
         self.settings = settings
         questions = settings.caption.prompt_set
         self.questions = {question.name: question.text for question in questions} or None
@@ -419,12 +423,21 @@ def _with_own_prompt_sets(inputs: Discovery, settings: RunSettings) -> tuple[Dis
     for item in items:
         for question in item.prompt_set or ():
             named.setdefault(question.name, question)
-    return replace(inputs, items=items), replace(settings, caption=replace(caption, prompt_set=tuple(named.values())))
+    try:
+        check_prompt_set(tuple(named.values()))
+    except PromptSetError as error:   # each row's set is fine alone, not with the others' (a and a_prompt)
+        raise SettingsError("the questions of the manifest's prompts column and {prompt_set} together: "
+                            + str(error).replace("{", "{{").replace("}", "}}")) from None
+    settings = replace(settings, caption=replace(caption, prompt_set=tuple(named.values())))
+    return replace(inputs, items=items), settings
 
 
 def run_provenance(captioning: Captioning, settings: RunSettings) -> dict[str, Any]:
     """How a run's captions were made, stored with its output; "settings" must match to continue it."""
-    return {**captioning.provenance(), "settings": resume_settings(settings, captioning.resolved_settings())}
+    # The run's set, which a manifest's rows may have widened beyond a shared captioner's (each row's own texts
+    # are in its NAME_prompt columns).
+    return {**captioning.provenance(), "prompt_set": [asdict(question) for question in settings.caption.prompt_set]
+            or None, "settings": resume_settings(settings, captioning.resolved_settings())}
 
 
 def _stopped_by(stop: BaseException) -> tuple[Status, str]:

@@ -222,9 +222,6 @@ class RunSettings:
                 raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
         if self.flush_seconds < 0:
             raise SettingsError(f"{{flush_seconds}} {_shown(self.flush_seconds)}: give 0 or more")
-        if self.long and not self.caption.prompt_set:
-            raise SettingsError("{long} lays out the answers of a {prompt_set}, one row per question; without a set "
-                                "each item has one answer and one row already")
 
     def check_streamable(self) -> None:
         """Refuse the settings that continue an output file, for a run that streams its rows instead."""

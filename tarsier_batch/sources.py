@@ -15,6 +15,8 @@ from .media import MediaType, media_type_of
 from .prompt_sets import Question
 from .text import printable
 
+PROMPT_SET_KEY = "|prompts-sha256:"   # in an item's key, before the digest of its own prompt set
+
 KeyMode = Literal["path", "sha256"]
 KEY_MODES: tuple[KeyMode, ...] = ("path", "sha256")
 
@@ -55,6 +57,12 @@ class MediaItem:
     @property
     def stable_key(self) -> str:
         return self.key or self.path
+
+    @property
+    def sampling_key(self) -> str:
+        """What its sampling stream derives from: its key without its own prompt set's part, so that a question of
+        the set draws what the question asked alone (`--prompt`) draws."""
+        return self.stable_key.split(PROMPT_SET_KEY)[0]
 
     @property
     def row_path(self) -> str:
@@ -136,8 +144,9 @@ def new_item(path: str, key_mode: KeyMode | None, prompt: str | None = None,
     key = item_key(path, key_mode, facts)
     if prompt is not None:
         key += "|prompt-sha256:" + _digest(prompt)
-    if prompt_set is not None:
-        key += "|prompts-sha256:" + _digest("\0".join(f"{question.name}\0{question.text}" for question in prompt_set))
+    if prompt_set is not None:   # in name order: a JSON object's order is not the row's (a struct's fields are shared)
+        key += PROMPT_SET_KEY + _digest("\0".join(f"{question.name}\0{question.text}"
+                                                   for question in sorted(prompt_set, key=lambda q: q.name)))
     return MediaItem(path, media_type, prompt, key, facts, columns or {}, prompt_set=prompt_set)
 
 

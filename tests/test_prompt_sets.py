@@ -255,7 +255,7 @@ def test_long_layout_in_text_formats_the_stream_and_an_undecodable_file(tmp_path
     assert [(Path(row["path"]).name, row["question"]) for row in rows] == \
         [("ball.gif", "caption"), ("ball.gif", "tags"), ("broken.mp4", "caption"), ("broken.mp4", "tags")]
     assert all(row["error"] is None and row["generated_tokens"] == 4 for row in rows[:2])
-    assert all(row["error"] and row["caption"] is None and row["finish_reason"] is None for row in rows[2:])
+    assert all(row["error"] and row["caption"] is None and row["finish_reason"] == "error" for row in rows[2:])
     # Resumed: nothing to do (the failed file is retried only with --retry-errors), the file as it was.
     again = runner.invoke(app, [*args, "-o", str(out), "--dry-run"])
     assert "skip 2 (2 done earlier)" in again.output, again.output
@@ -286,7 +286,8 @@ def test_long_shards_merge_into_one_long_output(tmp_path: Path, tiny_model_dir: 
 def test_long_without_a_prompt_set_is_refused_at_once(tmp_path: Path) -> None:
     done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "-o", str(tmp_path / "o.parquet"), "--model", "nope",
                                "--long"])
-    assert done.exit_code == 2 and "--long lays out the answers of a --ask/--prompts" in done.output, done.output
+    assert done.exit_code == 2 and "--long lays out the answers of several questions, a row per question: ask " \
+        "them with --ask/--prompts or a manifest's prompts column" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1
 
 
@@ -381,3 +382,53 @@ def test_prompts_cells_read_from_json_lines_objects_and_parquet_maps(tmp_path: P
         assert [item.prompt_set for item in items] == \
             [(Question("tags", "Tags?"), Question("mood", "Calm?")), (Question("mood", "Calm?"),), None], manifest
         assert "|prompts-sha256:" in items[0].key and "|prompts" not in items[2].key   # a row's own set is in its key
+
+
+def test_a_column_named_question_does_not_make_a_wide_output_long(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The layout is recorded in the provenance, not guessed from columns: a VQA manifest's kept `question`
+    column (renamed input_question) survives a run with nothing to do, answers and all."""
+    manifest = tmp_path / "vqa.csv"
+    manifest.write_text("path,question\n" + "".join(f"{path},what is it?\n" for path in FILES))
+    out = tmp_path / "out.parquet"
+    args = ["caption", "--manifest", str(manifest), "--keep-columns", "all", "-o", str(out), "--model",
+            str(tiny_model_dir), "--max-new-tokens", "4", "-q"]
+    assert runner.invoke(app, args).exit_code == 0
+    before = pq.read_table(out).to_pylist()
+    assert before[0]["input_question"] == "what is it?" and all(row["caption"] for row in before)
+    assert runner.invoke(app, args).exit_code == 0 and pq.read_table(out).to_pylist() == before
+
+
+def test_every_manifest_row_with_its_own_set_may_be_long_and_its_key_ignores_question_order(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    manifest = manifest_with_own_sets(tmp_path, ['{"b": "Tags?", "a": "Describe."}', '{"a": "Describe."}',
+                                                 '{"a": "Describe."}'])
+    out = tmp_path / "out.jsonl"
+    args = ["caption", "--manifest", str(manifest), "-o", str(out), "--model", str(tiny_model_dir),
+            "--max-new-tokens", "4", "-q", "--long"]
+    assert runner.invoke(app, args).exit_code == 0
+    rows = long_rows(out)
+    assert [(Path(row["path"]).name, row["question"]) for row in rows] == \
+        [(FILES[0].name, "b"), (FILES[0].name, "a"), (FILES[1].name, "a"), (FILES[2].name, "a")]
+    # The same questions in another order: the same row (its key does not depend on the order).
+    manifest_with_own_sets(tmp_path, ['{"a": "Describe.", "b": "Tags?"}', '{"a": "Describe."}', '{"a": "Describe."}'])
+    assert "skip 3 (3 done earlier)" in runner.invoke(app, [*args, "--dry-run"]).output
+
+
+def test_a_question_added_to_a_file_that_now_fails_keeps_the_earlier_answer_and_the_error(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    args = ["caption", str(FILES[1]), "-o", str(out), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "-q",
+            "--long", "--ask", "a=Describe."]
+    assert runner.invoke(app, args).exit_code == 0
+    [first] = long_rows(out)
+    # Asked a new question, the picture now fails to decode (over the pixel cap): the earlier answer stays, the
+    # new question's row is the error, and reading the file back gives the item its error (the report counts it).
+    assert runner.invoke(app, [*args, "--ask", "b=Tags?", "--max-image-pixels", "1"]).exit_code == 1
+    kept, failed = long_rows(out)
+    assert kept | {"elapsed_s": 0} == first | {"elapsed_s": 0}   # the item's time is this run's
+    assert (failed["question"], failed["finish_reason"], failed["caption"]) == ("b", "error", None)
+    assert "--max-image-pixels" in failed["error"]
+    from tarsier_batch.review.results import figures, load_results
+
+    results = load_results(out)
+    assert figures(results).failed == 1 and results.rows[0]["a"] == first["caption"]

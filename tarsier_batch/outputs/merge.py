@@ -40,18 +40,14 @@ class ShardOutput:
     def shard(self) -> dict[str, Any]:
         return self.provenance["shard"]
 
-    @property
-    def questions(self) -> tuple[str, ...]:
-        return tuple((self.provenance.get("settings") or {}).get("prompt_set") or ())
-
-    @property
+    @cached_property
     def columns(self) -> OutputColumns:
-        return OutputColumns.of_schema(self.table.schema, self.questions)
+        return OutputColumns.of_schema(self.table.schema, self.provenance)
 
     @cached_property
     def rows(self) -> list[dict[str, Any]]:
         """One per item, whichever layout the file has."""
-        return self.columns.item_rows(self.table)
+        return self.columns.item_rows(self.table, self.columns.long)
 
 
 @dataclass

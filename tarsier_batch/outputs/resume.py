@@ -108,23 +108,23 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     """
     plan = Plan()
     # Items with their own prompt set have it in their key: a key asks the same questions whatever the path.
-    asked_by_key = {item.stable_key: _asked(item, questions) for item in items}
+    questions_by_key = {item.stable_key: _asked(item, questions) for item in items}
     captioned_content = {row["key"]: row for row in stored.rows.values()
-                         if row["error"] is None and not _unanswered(row, asked_by_key.get(row["key"], questions))}
+                         if row["error"] is None and not _unanswered(row, questions_by_key.get(row["key"], questions))}
     planned: dict[str, int] = {}   # key -> its item's place in `todo`
     for item in items:
         key = item.stable_key
-        asked = asked_by_key[key]
+        item_questions = questions_by_key[key]
         row = stored.rows.get(item.row_path)
         if row is not None and row["key"] == key:
             retry = retry_errors and row["error"] is not None
-            unanswered = _unanswered(row, asked)
-            if (asked and not unanswered) or not (retry or (row["error"] is None and unanswered)):
+            unanswered = _unanswered(row, item_questions)
+            if (item_questions and not unanswered) or not (retry or (row["error"] is None and unanswered)):
                 plan.done[item.row_path] = row
                 continue
             plan.retried += retry
             plan.earlier[item.row_path] = row
-            if asked:
+            if item_questions:
                 item = replace(item, questions=unanswered)
         elif row is not None:
             plan.changed += 1
@@ -137,7 +137,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             first = plan.todo[planned[key]]
             if first.questions is not None and first.questions != item.questions:
                 asked = None if item.questions is None else \
-                    tuple(name for name in asked or () if name in first.questions + item.questions)
+                    tuple(name for name in item_questions or () if name in first.questions + item.questions)
                 plan.todo[planned[key]] = replace(first, questions=asked)
         else:
             planned[key] = len(plan.todo)

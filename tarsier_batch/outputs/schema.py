@@ -14,6 +14,7 @@ from ..sources import MediaItem
 
 # Key-value metadata of the final Parquet file.
 PROVENANCE_KEY = "tarsier_batch"          # how the captions were made (includes the resume settings)
+LAYOUT_KEY = "layout"                     # in the provenance: "long" for a row per (item, question) (`--long`)
 SUMMARY_KEY = "tarsier_batch_summary"     # counts and rates of the run that wrote the file
 
 _COLUMNS: list[tuple[str, pa.DataType]] = [
@@ -43,7 +44,7 @@ _QUESTION_COLUMN = ("question", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
 _MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder")
-RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN])
+RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN, _QUESTION_COLUMN])
 # With a prompt set, each question's columns take the place of these (its answer, in `caption`'s place).
 _ANSWER_COLUMNS = ("caption", "prompt", "prompt_tokens", "generated_tokens", "finish_reason")
 _ANSWER_TYPES = dict(zip(("",) + ANSWER_SUFFIXES, (pa.string(), pa.string(), pa.int32(), pa.int32(), pa.string())))
@@ -64,13 +65,14 @@ class OutputColumns:
     long: bool = False
 
     @classmethod
-    def of_schema(cls, schema: pa.Schema, questions: tuple[str, ...] = ()) -> OutputColumns:
-        """The columns of results written with `schema` (what `tarsier merge` writes back); a long layout's
-        questions are not in its schema: `questions` names them."""
-        names = set(schema.names)
-        if _QUESTION_COLUMN[0] in names:
-            single = cls.of_schema(schema.remove(schema.get_field_index(_QUESTION_COLUMN[0])))
+    def of_schema(cls, schema: pa.Schema, provenance: dict[str, Any]) -> OutputColumns:
+        """The columns of results written with `schema` and `provenance` (what `tarsier merge` writes back); the
+        long layout's questions are not in its schema but in the provenance's settings."""
+        if is_long(provenance):
+            single = cls.of_schema(schema.remove(schema.get_field_index(_QUESTION_COLUMN[0])), {})
+            questions = tuple((provenance.get("settings") or {}).get("prompt_set") or ())
             return replace(single, questions=questions, long=True)
+        names = set(schema.names)
         questions = () if "finish_reason" in names else \
             tuple(name for name in schema.names if name + "_finish_reason" in names)
         fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]} | \
@@ -106,12 +108,12 @@ class OutputColumns:
         """`rows` (one per item) as the output file holds them."""
         return [answer for row in rows for answer in self._long_rows(row)] if self.long else rows
 
-    def item_rows(self, table: pa.Table) -> list[dict[str, Any]]:
+    def item_rows(self, table: pa.Table, long: bool) -> list[dict[str, Any]]:
         """The rows of an output file read with `read_schema()`, one per item: as they are (without the other
-        layout's columns, which text formats read as empty), or joined from the long layout's rows per question
-        (an item's rows are together; its error is the one its failed rows carry)."""
+        layout's columns, which text formats read as empty), or joined from the `long` layout's rows per
+        question (its error is the one its failed rows carry)."""
         wide = self.schema().names
-        if not is_long(table):
+        if not long:
             return table.drop_columns([name for name in self.read_schema().names
                                        if name not in wide and name in table.column_names]).to_pylist()
         single = _single_answer_columns(self.with_token_ids)
@@ -129,20 +131,18 @@ class OutputColumns:
         return list(items.values())
 
     def _long_rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """An item's row as one row per question it has an answer to; an item that failed before any question
-        was answered (its media did not decode), one error row per question. A failed question's row carries
-        the item's error, which names it."""
+        """An item's row as one row per question it was asked (answered, or failed: finish reason "error"). A
+        failed question's row carries the item's error, which says why."""
         answer_columns = {column for question in self.questions
                           for column in _question_columns(question, self.with_token_ids)}
         common = {name: value for name, value in row.items() if name not in answer_columns}
-        answered = [question for question in self.questions if row.get(question + "_finish_reason") is not None]
         rows = []
-        for question in answered or (self.questions if row.get("error") else ()):
+        for question in self.questions:
             values = dict(zip(_single_answer_columns(self.with_token_ids),
                               (row.get(column) for column in _question_columns(question, self.with_token_ids))))
-            failed = values["finish_reason"] in (None, "error")
-            rows.append({**common, _QUESTION_COLUMN[0]: question, **values,
-                         "error": common.get("error") if failed else None})
+            if values["finish_reason"] is not None:
+                rows.append({**common, _QUESTION_COLUMN[0]: question, **values,
+                             "error": common.get("error") if values["finish_reason"] == "error" else None})
         return rows
 
     def row(self, result: CaptionResult, item: MediaItem, model: str,
@@ -157,13 +157,17 @@ class OutputColumns:
             row["generated_ids"] = result.generated_ids
         if self.questions and earlier is not None and result.num_frames is None:   # decoding failed this time
             row.update({name: earlier.get(name) for name in _MEDIA_FACTS})   # what the earlier answers were made of
+        asked = item.questions if item.questions is not None else self.questions if item.prompt_set is None \
+            else tuple(question.name for question in item.prompt_set)
         for question in self.questions:
             answer = result.answers.get(question)
             columns = _question_columns(question, self.with_token_ids)
-            if answer is None:
-                row.update({column: (earlier or {}).get(column) for column in columns})
-            else:
+            if answer is not None:
                 row.update(zip(columns, _answer_values(answer)))
+            elif (earlier or {}).get(question + "_finish_reason") is not None or question not in asked:
+                row.update({column: (earlier or {}).get(column) for column in columns})
+            else:   # asked, but the item failed before any answer (its media did not decode)
+                row.update({column: "error" if column == question + "_finish_reason" else None for column in columns})
         return row
 
     def item_values(self, item: MediaItem) -> dict[str, Any]:
@@ -181,9 +185,16 @@ class OutputColumns:
         return values
 
 
-def is_long(table: pa.Table) -> bool:
-    """Does `table` (an output file read with `read_schema`) hold the long layout's rows?"""
-    return _QUESTION_COLUMN[0] in table.column_names and table.column(_QUESTION_COLUMN[0]).null_count < len(table)
+def is_long(provenance: dict[str, Any]) -> bool:
+    """Was the output of `provenance` written in the long layout? (Told by the provenance, not by a column: a kept
+    manifest column may be named like the layout's.)"""
+    return provenance.get(LAYOUT_KEY) == "long"
+
+
+def with_layout(provenance: dict[str, Any], long: bool) -> dict[str, Any]:
+    """`provenance` recording the layout the output is written in."""
+    return {**{name: value for name, value in provenance.items() if name != LAYOUT_KEY},
+            **({LAYOUT_KEY: "long"} if long else {})}
 
 
 def _question_columns(question: str, with_token_ids: bool) -> dict[str, pa.DataType]:

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from ..text import one_line
 from .formats import OutputError, OutputTarget, read_results, with_metadata
-from .schema import OutputColumns, is_long
+from .schema import OutputColumns, is_long, with_layout
 
 SETTINGS_FILE = "settings.json"
 COMPACT_EVERY = 256   # parts written, after which the work directory's parts are merged into one
@@ -78,8 +78,8 @@ class ResultStore:
         if self.target.exists():
             table, stored.provenance = _read_output(self.target, self.columns.read_schema())
             stored.settings[str(self.out)] = stored.provenance["settings"]
-            stored.long = is_long(table)
-            _take_rows(stored, self.columns.item_rows(table))
+            stored.long = is_long(stored.provenance)
+            _take_rows(stored, self.columns.item_rows(table, stored.long))
         settings_file = self.work_dir / SETTINGS_FILE
         parts = self._parts()
         if settings_file.exists() and parts:
@@ -171,6 +171,7 @@ class ResultStore:
     def commit(self, rows: list[dict[str, Any]], provenance: dict[str, Any], summary: dict[str, Any]) -> None:
         """Write `rows` (one per item) as `--out` (atomically replacing it, in its format and layout), then remove
         the work directory."""
+        provenance = with_layout(provenance, self.columns.long)
         table = pa.Table.from_pylist(self.columns.file_rows(rows),
                                      schema=with_metadata(self.columns.file_schema(), provenance, summary))
         try:

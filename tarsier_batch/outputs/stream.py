@@ -28,9 +28,9 @@ class JsonLinesStream:
         while self._next < len(self._order) and self._order[self._next] in self._waiting:
             for line in self.columns.file_rows([self._waiting.pop(self._order[self._next])]):
                 self.handle.write(json_line(line))
+                self.saved_rows += 1
             self.handle.flush()
             self._next += 1
-            self.saved_rows += 1
 
     def flush_if_due(self) -> None:
         """Rows are written as soon as their turn comes; nothing waits for a timer."""

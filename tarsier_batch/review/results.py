@@ -11,7 +11,7 @@ from typing import Any
 import pyarrow as pa
 
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
-from ..outputs.schema import OutputColumns
+from ..outputs.schema import OutputColumns, is_long
 from ..text import one_line
 
 HISTOGRAM_BINS = 12
@@ -63,7 +63,7 @@ def load_results(path: Path) -> Results:
         with_answers = columns.read_schema()
         if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
             table = read_results(OutputTarget.existing(path), with_answers)[0]
-        rows = columns.item_rows(table)   # a long layout's rows joined per item
+        rows = columns.item_rows(table, is_long(provenance))   # a long layout's rows joined per item
     except (OSError, pa.ArrowException, ValueError, KeyError, IndexError) as error:
         raise OutputError(f"cannot read {path} as results of tarsier caption ({one_line(error)})") from error
     if "path" not in table.column_names:
@@ -80,7 +80,9 @@ def answers(results: Results, row: dict[str, Any]) -> list[str | None]:
 def figures(results: Results) -> Figures:
     rows = results.rows
     failed = [row for row in rows if row.get("error")]
-    words = [len((answer or "").split()) for row in rows if not row.get("error") for answer in answers(results, row)]
+    # A question a row was not asked (a manifest row's own set) has no answer: not an answer of no words.
+    words = [len(answer.split()) for row in rows if not row.get("error") for answer in answers(results, row)
+             if answer is not None]
     errors: dict[str, list[str]] = {}
     for row in failed:
         # Decoders often name the file in their message: without it, one cause is one group.
