@@ -192,6 +192,13 @@ class CaptionRun:
                                 "with {prompt_set} or a manifest's prompts column")
         self.settings = settings
         questions = settings.caption.prompt_set
+        if len(questions) > 1 and settings.caption.pruning and settings.caption.prune_method == "fastv":
+            self.reporter.info("note: with --prune-method fastv each question prefills its whole prompt (fastv "
+                               "ranks the vision tokens by the question's last token, so no prefix is shared); "
+                               "--prune-method temporal shares it")
+        elif len(questions) > 1 and settings.caption.offload_kv:
+            self.reporter.info("note: with --offload-kv each question prefills its whole prompt (an offloaded "
+                               "prefill keeps the shared prefix off the device)")
         self.questions = {question.name: question.text for question in questions} or None
         answer_columns = {column for question in questions for column in question.columns(with_token_ids=True)}
         taken = [kept.name for kept in kept_fields if kept.name in answer_columns]
