@@ -19,7 +19,7 @@ each (EOS off). Two torch threads.
 and backwards (2n clips) through `tarsier caption` per setting: exact-caption accuracy, and against
 the unpruned captions the share of identical captions, token F1 and ROUGE-L.
 
-`selectivity`: why quality drops on the demo model. Its frames are 4 x 4 patches (a newline vector
+`selectivity`: why quality drops on the demo model. Its frames are 6 x 6 patches (a newline vector
 after each row, a separator after the frame): for --n held-out clips, the share of the patches
 showing the shape that survive against the share of background patches and of newline/separator
 vectors, at R = 0.5 and each K (a score that finds the shape keeps more of its patches).

@@ -1,7 +1,7 @@
 """Train the demo model: a small Tarsier v1 that captions the synthetic clips of tarsier_batch.demo.clips.
 
-    python tools/train_demo_model.py            # the shipped checkpoint: 2,400 steps from scratch, 28 min on 2 cores
-    python tools/train_demo_model.py --out /tmp/demo --steps 400 --geometry image_size=84   # an experiment
+    python tools/train_demo_model.py            # the shipped checkpoint: 2,400 steps from scratch, 86 min on 2 cores
+    python tools/train_demo_model.py --out /tmp/demo --steps 400 --geometry image_size=112   # an experiment
 
 From scratch or from a demo checkpoint (`--init`), on the CPU, in the checkpoint format `tarsier caption` loads. Each step draws a
 batch of fresh clips (seeds from TRAIN_SEEDS, disjoint from the held-out seeds `tarsier dev

@@ -1,4 +1,4 @@
-"""Synthetic clips with their one-sentence captions: a coloured shape moving one way over a background.
+"""Synthetic clips with their one-sentence captions: a coloured shape moving one way over a still background.
 
     clip = make_clip(seed=7)
     clip.caption            # "A blue triangle moves from right to left."
@@ -18,12 +18,16 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-SIZE = 112          # pixels, square; the demo model sees frames at 56 px
+SIZE = 112          # pixels, square; the demo model sees frames at 84 px, a 6 x 6 grid of patches
 FRAMES = 16         # frames per clip; the model samples 8
 FPS = 8
 SHAPES = ("circle", "square", "triangle")
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (50, 80, 230), "yellow": (235, 205, 40)}
 BACKGROUNDS = {"black": (15, 15, 15), "white": (245, 245, 245), "grey": (128, 128, 128)}   # not in the caption
+# The background's faint still texture, in grey levels either side of its colour: like a real
+# scene, most of every frame is a textured place that does not change, which is what temporal
+# pruning removes; faint enough that a pixel of the shape stays far from every background pixel.
+TEXTURE_LEVELS = 8
 MOTIONS = ("moves from left to right", "moves from right to left", "moves up", "moves down", "grows", "shrinks",
            "stays still")
 OPPOSITE = {"moves from left to right": "moves from right to left", "moves from right to left": "moves from left to right",
@@ -41,6 +45,7 @@ class ClipSpec:
     background: str
     start: tuple[float, float, float]
     end: tuple[float, float, float]
+    texture: tuple[float, ...] = (0.0,) * 6   # the background texture's phases and frequencies (`_texture`)
 
     @property
     def caption(self) -> str:
@@ -67,8 +72,9 @@ def clip_spec(seed: int) -> ClipSpec:
     rng = random.Random(seed)
     shape, colour = rng.choice(SHAPES), rng.choice(list(COLOURS))
     motion, background = rng.choice(MOTIONS), rng.choice(list(BACKGROUNDS))
-    # Shapes span two or more of the model's patches, so their outline is visible to it.
-    radius = rng.uniform(16, 22)
+    # A shape covers about 2 x 2 of the model's 36 patches: its outline is visible to the model, and
+    # most of the frame is still background, as in a real clip.
+    radius = rng.uniform(12, 16)
     low, high = 24.0, SIZE - 24.0          # a shape's centre stays where the whole shape is visible
     x, y = rng.uniform(low + 8, high - 8), rng.uniform(low + 8, high - 8)
     span = rng.uniform(44, high - low)
@@ -90,7 +96,8 @@ def clip_spec(seed: int) -> ClipSpec:
         start, end = (SIZE / 2, SIZE / 2, large), (SIZE / 2, SIZE / 2, small)
     else:
         start = end = (x, y, radius)
-    return ClipSpec(shape, colour, motion, background, start, end)
+    texture = tuple(rng.uniform(0, 6.283) for _ in range(3)) + tuple(rng.uniform(1.5, 4.0) for _ in range(3))
+    return ClipSpec(shape, colour, motion, background, start, end, texture)
 
 
 def make_clip(seed: int, frames: int = FRAMES) -> Clip:
@@ -107,19 +114,32 @@ def reversed_clip(clip: Clip) -> Clip:
 def draw_frame(spec: ClipSpec, t: float) -> Image.Image:
     """The frame at time `t` in [0, 1]: the shape linearly between its start and end."""
     x, y, r = (a + (b - a) * t for a, b in zip(spec.start, spec.end))
-    image = Image.new("RGB", (SIZE, SIZE), BACKGROUNDS[spec.background])
+    image = _background(spec)
     draw = ImageDraw.Draw(image)
     colour = COLOURS[spec.colour]
     if spec.shape == "circle":
         draw.ellipse((x - r, y - r, x + r, y + r), fill=colour)
     elif spec.shape == "square":
         # The square around the circle of radius r: its corners stand out from that circle by
-        # 0.4 r, which at the model's 56 px is still a few pixels (a square of side 1.8 r was
+        # 0.4 r, which the model sees as a few pixels (a square of side 1.8 r was
         # told from a circle in only two thirds of the held-out clips after 30 minutes of training).
         draw.rectangle((x - r, y - r, x + r, y + r), fill=colour)
     else:
         draw.polygon([(x, y - r), (x + r, y + r * 0.8), (x - r, y + r * 0.8)], fill=colour)
     return image
+
+
+def _background(spec: ClipSpec) -> Image.Image:
+    """The clip's still background: its colour plus a faint texture of three crossing waves (the same in every frame)."""
+    import numpy as np
+
+    phase_x, phase_y, phase_d, waves_x, waves_y, waves_d = spec.texture
+    axis = np.linspace(0, 2 * np.pi, SIZE, endpoint=False)
+    across, down = np.meshgrid(axis, axis)
+    pattern = (np.sin(waves_x * across + phase_x) + np.sin(waves_y * down + phase_y)
+               + np.sin(waves_d * (across + down) / 2 + phase_d)) / 3
+    levels = np.asarray(BACKGROUNDS[spec.background], dtype=np.float64) + TEXTURE_LEVELS * pattern[..., None]
+    return Image.fromarray(levels.clip(0, 255).round().astype(np.uint8), "RGB")
 
 
 def write_mp4(clip: Clip, path: str | Path) -> Path:
