@@ -442,3 +442,13 @@ def test_a_set_with_fastv_says_why_its_questions_do_not_share_a_prefill(tmp_path
     assert shared.exit_code == alone.exit_code == 0, alone.output
     assert "each question prefills its whole prompt (fastv ranks the vision tokens by the question's last token" \
         in alone.output and "prefills its whole prompt" not in shared.output
+
+
+def test_settings_stored_by_the_first_prompt_sets_compare_without_a_crash() -> None:
+    """Outputs of the first prompt sets stored the names alone (a list): compared as names without own limits."""
+    from tarsier_batch.outputs.resume import check_settings
+
+    check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}},
+                   {"prompt_set": {"caption": None, "objects": None, "camera": None}})
+    with pytest.raises(SettingsMismatchError, match="the questions objects are answered there and not asked now"):
+        check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}}, {"prompt_set": {"caption": None}})

@@ -27,6 +27,8 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
     (frames and repetition penalty defaults, the checkpoint revision).
     """
     for where, old in stored.items():
+        if isinstance(old.get("prompt_set"), list):   # outputs of the first prompt sets kept the names alone
+            old = {**old, "prompt_set": dict.fromkeys(old["prompt_set"])}
         greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
         differences = [_difference(name, old.get(name), now[name])
                        for name in now
