@@ -62,7 +62,9 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     expected = [str(path) for path in media_in(shared_media)] + [str(path) for path in media_in(SAMPLE_DATA)]
     assert [row["path"] for row in rows] == expected
     assert len(rows) == 9 + 13
-    assert all(row["caption"] and row["error"] is None and row["finish_reason"] in ("eos", "length") for row in rows)
+    # Random weights may end at once (EOS first: an empty caption); every file still gets its row, no error.
+    assert all(row["caption"] is not None and row["error"] is None and row["finish_reason"] in ("eos", "length")
+               for row in rows)
     assert all(row["generated_tokens"] == len(row["generated_ids"]) <= 8 for row in rows)
     by_name = {Path(row["path"]).name: row for row in rows}
     video = by_name["demo_test.mp4"]
