@@ -38,7 +38,7 @@ from .outputs.stream import JsonLinesStream
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .results import CaptionResult
 from .prompt_sets import PromptSetError, check_prompt_set
-from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings
+from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .sources import Discovery, MediaItem, discover
 from .text import one_line
 
@@ -421,8 +421,7 @@ def _with_own_prompt_sets(inputs: Discovery, settings: RunSettings) -> tuple[Dis
                             "question of the rows' sets")
     bare = next((item for item in inputs.items if item.prompt_set is None), None)
     if bare is not None and not caption.prompt_set:
-        shown = bare.path.replace("{", "{{").replace("}", "}}")   # a template: the path's braces are not fields
-        raise SettingsError(f"{shown} has no questions in the manifest's prompts column: fill its cell, "
+        raise SettingsError(f"{shown(bare.path)} has no questions in the manifest's prompts column: fill its cell, "
                             f"or give the rows without one a set with {{prompt_set}}")
     items = [item if item.prompt_set is not None else replace(item, prompt_set=caption.prompt_set)
              for item in inputs.items]
@@ -434,7 +433,7 @@ def _with_own_prompt_sets(inputs: Discovery, settings: RunSettings) -> tuple[Dis
         check_prompt_set(tuple(named.values()))
     except PromptSetError as error:   # each row's set is fine alone, not with the others' (a and a_prompt)
         raise SettingsError("the questions of the manifest's prompts column and {prompt_set} together: "
-                            + str(error).replace("{", "{{").replace("}", "}}")) from None
+                            + shown(error)) from None
     settings = replace(settings, caption=replace(caption, prompt_set=tuple(named.values())))
     return replace(inputs, items=items), settings
 

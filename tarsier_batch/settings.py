@@ -58,7 +58,7 @@ class _Words(dict):  # type: ignore[type-arg]
         return name
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """`value` as it goes into a message template (its braces are not placeholders)."""
     return str(value).replace("{", "{{").replace("}", "}}")
 
@@ -75,14 +75,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
-            raise SettingsError(f"{{max_new_tokens}} {_shown(self.max_new_tokens)}: give at least 1")
+            raise SettingsError(f"{{max_new_tokens}} {shown(self.max_new_tokens)}: give at least 1")
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise SettingsError(f"{{repetition_penalty}} {_shown(self.repetition_penalty)}: give a positive "
+            raise SettingsError(f"{{repetition_penalty}} {shown(self.repetition_penalty)}: give a positive "
                                 f"penalty (1: none)")
         if self.temperature < 0:
-            raise SettingsError(f"{{temperature}} {_shown(self.temperature)}: give 0 (greedy) or more")
+            raise SettingsError(f"{{temperature}} {shown(self.temperature)}: give 0 (greedy) or more")
         if not 0 < self.top_p <= 1:
-            raise SettingsError(f"{{top_p}} {_shown(self.top_p)}: give a probability mass in (0, 1]; "
+            raise SettingsError(f"{{top_p}} {shown(self.top_p)}: give a probability mass in (0, 1]; "
                                 f"1 keeps every token")
 
     @property
@@ -138,13 +138,13 @@ class CaptionSettings:
         try:
             check_prompt_set(self.prompt_set)
         except PromptSetError as error:
-            raise SettingsError("{prompt_set}: " + _shown(error)) from None
+            raise SettingsError("{prompt_set}: " + shown(error)) from None
         for name in ("frames", "batch_size", "workers", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
+                raise SettingsError(f"{{{name}}} {shown(value)}: give at least 1")
         if self.max_batch_tokens < 1:
-            raise SettingsError(f"{{max_batch_tokens}} {_shown(self.max_batch_tokens)}: give at least 1")
+            raise SettingsError(f"{{max_batch_tokens}} {shown(self.max_batch_tokens)}: give at least 1")
         if self.batch_size is not None and self.max_batch_tokens < self.batch_size:
             raise SettingsError(f"{{max_batch_tokens}} {self.max_batch_tokens} is below {{batch_size}} "
                                 f"{self.batch_size}: every generating item needs one position per step")
@@ -153,19 +153,19 @@ class CaptionSettings:
         for name in ("kv_cache_gb", "decode_timeout_s", "decode_memory_gb"):
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise SettingsError(f"{{{name}}} {_shown(value)}: give a positive value")
+                raise SettingsError(f"{{{name}}} {shown(value)}: give a positive value")
         self._check_pruning()
         if self.dtype not in DTYPES:
-            raise SettingsError(f"{{dtype}} {_shown(repr(self.dtype))}: use {', '.join(DTYPES)}")
+            raise SettingsError(f"{{dtype}} {shown(repr(self.dtype))}: use {', '.join(DTYPES)}")
         if not DEVICE_NAMES.fullmatch(self.device):
-            raise SettingsError(f"{{device}} {_shown(repr(self.device))}: use auto, cpu, cuda or cuda:N")
+            raise SettingsError(f"{{device}} {shown(repr(self.device))}: use auto, cpu, cuda or cuda:N")
 
     def _check_pruning(self) -> None:
         if not 0 <= self.prune_vision < 1:
-            raise SettingsError(f"{{prune_vision}} {_shown(self.prune_vision)}: give the share of vision tokens "
+            raise SettingsError(f"{{prune_vision}} {shown(self.prune_vision)}: give the share of vision tokens "
                                 f"to drop, 0 <= R < 1 (0: off)")
         if self.prune_method not in PRUNE_METHODS:
-            raise SettingsError(f"{{prune_method}} {_shown(repr(self.prune_method))}: use {', '.join(PRUNE_METHODS)}")
+            raise SettingsError(f"{{prune_method}} {shown(repr(self.prune_method))}: use {', '.join(PRUNE_METHODS)}")
         if self.prune_layer is not None and self.prune_vision == 0:
             raise SettingsError("{prune_layer} needs {prune_vision} R > 0 (pruning is off)")
         if self.prune_layer is not None and self.prune_method == "temporal":
@@ -215,13 +215,13 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         if self.key not in KEY_MODES:
-            raise SettingsError(f"{{key}} {_shown(repr(self.key))}: use {' or '.join(KEY_MODES)}")
+            raise SettingsError(f"{{key}} {shown(repr(self.key))}: use {' or '.join(KEY_MODES)}")
         for name in ("limit", "flush_rows"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise SettingsError(f"{{{name}}} {_shown(value)}: give at least 1")
+                raise SettingsError(f"{{{name}}} {shown(value)}: give at least 1")
         if self.flush_seconds < 0:
-            raise SettingsError(f"{{flush_seconds}} {_shown(self.flush_seconds)}: give 0 or more")
+            raise SettingsError(f"{{flush_seconds}} {shown(self.flush_seconds)}: give 0 or more")
 
     def check_streamable(self) -> None:
         """Refuse the settings that continue an output file, for a run that streams its rows instead."""
@@ -244,7 +244,7 @@ class RaySettings:
         if not 1 <= low <= high:
             raise SettingsError(f"{{actors}} {low}-{high}: give 1 <= MIN <= MAX actors")
         if self.gpus_per_actor < 0:
-            raise SettingsError(f"{{gpus_per_actor}} {_shown(self.gpus_per_actor)}: give 0 or more")
+            raise SettingsError(f"{{gpus_per_actor}} {shown(self.gpus_per_actor)}: give 0 or more")
 
 
 @dataclass(frozen=True)
