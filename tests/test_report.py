@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -32,12 +35,25 @@ def chromium(*args: str, tmp_path: Path) -> str:
     if not Path(CHROMIUM).exists():
         pytest.fail("the report's browser test needs Chromium: apt-get install chromium (.ci/run does)")
     profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"
-    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                           f"--user-data-dir={profile}", "--virtual-time-budget=10000", *args],
-                          capture_output=True, timeout=120)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
-    return done.stdout.decode()
+    printed, errors = tmp_path / f"{profile.name}.out", tmp_path / f"{profile.name}.err"
+    # Output to files and Chromium in a session of its own: on a timeout the whole group is killed; with
+    # pipes, a helper process that outlived the browser would keep them open and the wait would never end.
+    with printed.open("wb") as out, errors.open("wb") as err:
+        browser = subprocess.Popen([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                                    "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                                    "--disable-sync", f"--user-data-dir={profile}", "--virtual-time-budget=10000",
+                                    *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            returncode = browser.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(browser.pid, signal.SIGKILL)
+            browser.wait()
+            pytest.fail(f"Chromium did not finish within 180 s: {errors.read_text(errors='replace')[-2000:]}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(browser.pid, signal.SIGKILL)   # helpers it left behind
+    assert returncode == 0, errors.read_text(errors="replace")[-2000:]
+    return printed.read_text(errors="replace")
 
 
 def body_data(dom: str) -> dict[str, str]:
