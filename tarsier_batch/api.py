@@ -39,7 +39,7 @@ from .results import Answer, CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
 from .version import __version__
-from .workers import DecodeJob, Decoded, DecodePool, default_workers
+from .workers import DecodeJob, Decoded, DecodePool, default_workers, start_decoding_server
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
@@ -63,6 +63,8 @@ class Captioner:
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
         self.workers = settings.workers or default_workers()
         self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
+        if settings.isolate_decoding:
+            start_decoding_server()   # its imports overlap the model's load
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
         self.frames = settings.frames or self.model.processor.default_frames
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
