@@ -11,6 +11,8 @@ from tarsier_batch.families import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptioner
 from tarsier_batch.tiny import make_tiny_model
 
+pytest_plugins = ["s3_server"]   # the `s3` fixture: a real S3 API on loopback
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "sample_data"
 SHARED_MEDIA = REPO.parent / "shared" / "media"

@@ -1,0 +1,287 @@
+"""Objects at URLs (s3://, gs://, az://, hf://, http(s)://) through fsspec: naming, listing, reading, retrying.
+
+This is the only module that talks to fsspec, and it imports it lazily: a run over local files
+never pays for it. Credentials come from where each backend looks (environment, profiles,
+instance roles) and are never part of what we store or print: every URL we show or keep goes
+through `redact`, and filesystems are rebuilt from the URL in each process, never pickled (a
+pickled filesystem built with a key carries the key).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+T = TypeVar("T")
+
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+READ_ONLY_SCHEMES = frozenset({"http", "https", "hf"})
+# The optional extra that brings each scheme's fsspec backend (hf:// needs none: huggingface_hub is a dependency).
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
+          "http": "http", "https": "http"}
+# Query parameters that carry a signature or a token (S3/GCS presigned URLs, Azure SAS, generic tokens).
+_SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|sig|signature|se|st|sp|sv|sr|skoid|sktid|skt|ske|sks|skv|"
+                               r".*token.*|.*secret.*|.*password.*|.*credential.*|.*key.*|auth.*|policy|expires)$",
+                               re.IGNORECASE)
+# Store configuration that is not secret and that decoding workers must see: the fork server keeps the
+# environment it started with, so a variable set later (a test's local server) is passed on explicitly.
+_SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT)$")
+_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+# Store answers worth another try: throttling and server-side failures (HTTP 5xx, 429, timeouts).
+_TRANSIENT_CODES = frozenset({"500", "502", "503", "504", "429", "InternalError", "ServiceUnavailable", "SlowDown",
+                              "RequestTimeout", "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
+                              "TooManyRequests"})
+_TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT,
+                               errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN})
+_TRANSIENT_TYPES = ("ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
+                    "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+                    "ConnectTimeoutError", "ResponseStreamingError", "IncompleteRead", "ProtocolError")
+SPILL_TO_DISK_BYTES = int(os.environ.get("TARSIER_SPOOL_BYTES", 512 * 2**20))
+
+
+class StorageError(Exception):
+    """A URL that cannot be used as asked: an unknown scheme, a backend not installed, a read-only store."""
+
+
+@dataclass(frozen=True)
+class ObjectFacts:
+    """What identifies an object's content across runs: its size and a version (the ETag, or else the mtime)."""
+
+    size_bytes: int | None
+    version: str | None
+    mtime_ns: int | None = None
+
+
+def is_url(text: str) -> bool:
+    """Whether `text` names an object in a store rather than a local path (file:// is a local path)."""
+    match = _SCHEME.match(text)
+    return match is not None and match.group(1).lower() != "file"
+
+
+def scheme(url: str) -> str:
+    match = _SCHEME.match(url)
+    return match.group(1).lower() if match else ""
+
+
+def redact(url: str) -> str:
+    """`url` without what grants access: user:password@ and signature or token query parameters.
+
+    Signed values are replaced, not dropped, so the URL still shows they were there; the result
+    stays the same when a URL is signed again, so a resumed run recognises its rows.
+    """
+    if not is_url(url):
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = parts.query
+    if query and scheme(url) in ("http", "https"):
+        query = urlencode([(name, "REDACTED" if _SECRET_PARAMETER.match(name) else value)
+                           for name, value in parse_qsl(query, keep_blank_values=True)], safe="/:")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """`text` (an error message) with every URL in it redacted."""
+    return re.sub(r"[a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+", lambda match: redact(match.group(0)), text)
+
+
+def url_name(url: str) -> str:
+    """The object's name: the last path component, without query or fragment."""
+    return urlsplit(url).path.rstrip("/").rpartition("/")[2]
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem that serves `url` and the path within it.
+
+    A scheme whose backend is not installed raises StorageError naming the extra to install.
+    """
+    import fsspec.core
+
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as error:
+        extra = EXTRAS.get(scheme(url))
+        hint = f": pip install 'tarsier-batch[{extra}]'" if extra else ""
+        raise StorageError(f"{scheme(url)}:// needs a storage backend that is not installed{hint}") from error
+    except ValueError as error:
+        raise StorageError(f"{redact(url)}: {error}") from error
+
+
+def environment() -> dict[str, str]:
+    """The store settings of this process that other processes must see (endpoints, regions; never credentials)."""
+    return {name: value for name, value in os.environ.items() if _SHARED_ENVIRONMENT.match(name)}
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether trying again may succeed: a dropped connection, a timeout, throttling or a server-side failure."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (ConnectionError, TimeoutError)):
+            return True
+        if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        if type(current).__name__ in _TRANSIENT_TYPES:
+            return True
+        response = getattr(current, "response", None)   # botocore's ClientError
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = str(response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+            if code in _TRANSIENT_CODES or status in _TRANSIENT_CODES:
+                return True
+        status = getattr(current, "status", None)   # aiohttp (http(s)://)
+        if isinstance(status, int) and (status >= 500 or status == 429):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def with_retries(call: Callable[[], T], delays_s: tuple[float, ...] = _RETRY_DELAYS_S) -> T:
+    """`call()`, tried again after each delay while it fails with a transient error."""
+    for delay in delays_s:
+        try:
+            return call()
+        except Exception as error:  # noqa: BLE001 - anything not transient is raised at once
+            if not is_transient(error):
+                raise
+        time.sleep(delay)   # backoff between tries of a real store, not synchronisation
+    return call()
+
+
+def object_facts(info: dict[str, Any]) -> ObjectFacts:
+    """Size and version from an fsspec `info()`/`find(detail=True)` entry (backends name them differently)."""
+    size = info.get("size")
+    version = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("generation")
+    modified = info.get("LastModified") or info.get("last_modified") or info.get("mtime") or info.get("updated")
+    mtime_ns = None
+    if hasattr(modified, "timestamp"):
+        mtime_ns = int(modified.timestamp() * 1e9)
+    elif isinstance(modified, (int, float)):
+        mtime_ns = int(modified * 1e9)
+    if version is not None:
+        version = str(version).strip('"')
+    elif mtime_ns is not None:
+        version = f"mtime:{mtime_ns}"
+    return ObjectFacts(int(size) if size is not None else None, version, mtime_ns)
+
+
+def stat_url(url: str) -> ObjectFacts | None:
+    """The facts of the object at `url`; None if there is none (a folder-like prefix is not an object)."""
+    fs, path = filesystem(url)
+    try:
+        info = with_retries(lambda: fs.info(path))
+    except FileNotFoundError:
+        return None
+    if info.get("type") == "directory":
+        return None
+    return object_facts(info)
+
+
+def list_objects(url: str, recursive: bool = True) -> list[tuple[str, ObjectFacts]] | None:
+    """The objects under the prefix `url`, as (url, facts), sorted; None if `url` lists nothing.
+
+    A prefix behaves like a folder: it matches whole path components only (`clips` lists
+    `clips/a.mp4`, not `clips2/b.mp4`), and objects whose path below it has a component that
+    starts with '.' are hidden, as hidden files are in a local folder. Glob patterns
+    (`s3://b/**/*.mp4`) list what they match.
+    """
+    import fsspec.core
+
+    fs, path = filesystem(url)
+    protocol = scheme(url)
+    if fsspec.core.has_magic(path):
+        found = with_retries(lambda: fs.glob(path, detail=True))
+        base = path[:re.search(r"[*?\[]", path).start()].rpartition("/")[0]
+    else:
+        base = path.rstrip("/")
+        found = with_retries(lambda: fs.find(base, detail=True, maxdepth=None if recursive else 1))
+    listed = []
+    for key, info in found.items():
+        if info.get("type") == "directory" or key.endswith("/"):
+            continue
+        below = key[len(base):].lstrip("/") if key.startswith(base) else key
+        if any(part.startswith(".") for part in below.split("/")):
+            continue
+        listed.append((_url_of(fs, protocol, key), object_facts(info)))
+    return sorted(listed) or None
+
+
+def _url_of(fs: Any, protocol: str, path: str) -> str:
+    unstripped = fs.unstrip_protocol(path)
+    return unstripped if unstripped.startswith(protocol + "://") else f"{protocol}://{path}"
+
+
+class Spooled:
+    """An unnamed file holding an object's bytes, open as a path (`/proc/self/fd/N`) that decoders can open.
+
+    Small objects live in memory (`memfd_create`), bigger ones in an unnamed file on disk
+    (`O_TMPFILE` in $TMPDIR). Neither has a name on disk, so the kernel frees it when the last
+    descriptor closes, also when the process is killed: nothing is left to clean up.
+    """
+
+    def __init__(self, size_hint: int | None, name: str = "tarsier-object"):
+        self.fd = _unnamed_file(size_hint, name)
+        self.path = f"/proc/self/fd/{self.fd}"
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+
+    def truncate(self) -> None:
+        """Empty it (a retried download starts again)."""
+        os.ftruncate(self.fd, 0)
+        os.lseek(self.fd, 0, os.SEEK_SET)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "Spooled":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _unnamed_file(size_hint: int | None, name: str) -> int:
+    if (size_hint or 0) <= SPILL_TO_DISK_BYTES and hasattr(os, "memfd_create"):
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    directory = tempfile.gettempdir()
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except (AttributeError, OSError):   # no O_TMPFILE (this filesystem or platform): unlink at once instead
+        descriptor, path = tempfile.mkstemp(prefix=".tarsier-", dir=directory)
+        os.unlink(path)
+        return descriptor
+
+
+def fetch(url: str, size_hint: int | None = None, chunk_bytes: int = 4 * 2**20) -> Spooled:
+    """The object at `url`, downloaded (one streaming read, tried again on transient errors) into a `Spooled`.
+
+    A missing object raises FileNotFoundError; any other failure the backend's error.
+    """
+    fs, path = filesystem(url)
+    spooled = Spooled(size_hint, url_name(url)[:200] or "tarsier-object")
+
+    def download() -> None:
+        spooled.truncate()
+        with fs.open(path, "rb", block_size=chunk_bytes, cache_type="none") as remote:
+            while chunk := remote.read(chunk_bytes):
+                spooled.write(chunk)
+
+    try:
+        with_retries(download)
+    except BaseException:
+        spooled.close()
+        raise
+    return spooled

@@ -1,0 +1,100 @@
+"""A real S3 API on loopback for the tests: moto's server in a subprocess, on a port it picks itself.
+
+Used as a pytest plugin (conftest's `pytest_plugins`). The server prints the port it bound on
+stderr, so there is no race for a free port; its request log is drained by a thread (so the pipe
+never fills) and kept, so that tests can count the requests a run made.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+# Static credentials for the local server, set before any fork server starts (its children keep the
+# environment it started with). They are fake: moto accepts any.
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing-key-id")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing-secret-key")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+_READY = re.compile(rb"Running on (http://127\.0\.0\.1:\d+)")
+_REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
+_START_TIMEOUT_S = 60
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    process: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+    _log_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket (one per test, so tests do not see each other's objects)."""
+        import boto3
+
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint).create_bucket(Bucket=name)
+        return name
+
+    def requests(self, method: str, path_part: str) -> int:
+        """How many `method` requests the server has answered whose path contains `path_part`."""
+        with self._log_lock:
+            lines = list(self.log)
+        return sum(1 for line in lines for match in [_REQUEST.search(line)]
+                   if match and match.group(1) == method and path_part in match.group(2))
+
+    def _drain(self) -> None:
+        for raw in self.process.stderr:
+            with self._log_lock:
+                self.log.append(raw.decode("utf-8", "replace"))
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    endpoint = _wait_for_port(process)
+    server = S3Server(endpoint, process)
+    threading.Thread(target=server._drain, daemon=True, name="moto-log").start()
+    try:
+        yield server
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _wait_for_port(process: subprocess.Popen) -> str:
+    """The server's URL, from its first lines on stderr (a timer kills it if it never says)."""
+    timer = threading.Timer(_START_TIMEOUT_S, process.kill)
+    timer.start()
+    seen = b""
+    try:
+        for raw in process.stderr:
+            seen += raw
+            match = _READY.search(raw)
+            if match:
+                return match.group(1).decode()
+    finally:
+        timer.cancel()
+    raise RuntimeError(f"moto's S3 server did not start: {seen.decode('utf-8', 'replace')[-2000:]}")
+
+
+@pytest.fixture
+def s3(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The local S3 server, made this process's endpoint (and that of the processes it starts)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint)
+    return s3_server
