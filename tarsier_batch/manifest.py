@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 import pyarrow as pa
 
+from . import storage
 from .prompt_sets import PromptSetError, row_prompt_set
 from .sources import Discovery, KeyMode
 
@@ -63,7 +64,8 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
         row_number = index + 1
         if not isinstance(value, str) or not value.strip():
             raise ManifestError(f"{path}: row {row_number} has no path in column '{column}'")
-        media_path = os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+        url = storage.is_url(value.strip())
+        media_path = value.strip() if url else os.path.abspath(os.path.join(base, os.path.expanduser(value)))
         if media_path in first_row:
             raise ManifestError(f"{path}: row {row_number} repeats the path of row {first_row[media_path]} "
                                 f"({value}); give each file one row")
@@ -74,9 +76,41 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
             prompt_set = row_prompt_set(row_prompt_sets[index]) if row_prompt_sets is not None else None
         except PromptSetError as error:
             raise ManifestError(f"{path}: row {row_number}, column '{PROMPTS_COLUMN}': {error}") from None
-        discovery.add(media_path, key_mode, prompt if prompt and prompt.strip() else None, columns, prompt_set)
+        own_prompt = prompt if prompt and prompt.strip() else None
+        if url:   # its facts (for the key) from the store: one request per row
+            facts = _object_facts(path, row_number, media_path) if key_mode else None
+            discovery.add_object(media_path, facts, key_mode, own_prompt, columns, prompt_set)
+        else:
+            discovery.add(media_path, key_mode, own_prompt, columns, prompt_set)
     fields = [pa.field(renamed.get(name, name), table.schema.field(name).type) for name in kept]
     return Manifest(discovery, fields, renamed)
+
+
+def _object_facts(path: Path, row_number: int, url: str) -> storage.ObjectFacts | None:
+    """The facts of a row's object (None: there is none, its row will say so)."""
+    try:
+        return storage.stat_url(url)
+    except storage.StorageError as error:
+        raise ManifestError(f"{path}: row {row_number}: {error}") from None
+    except (OSError, ValueError) as error:
+        raise ManifestError(f"{path}: row {row_number}: cannot read {storage.redact(url)}: "
+                            f"{storage.redact_text(str(error))}") from None
+
+
+def sibling_columns(discovery: Discovery, keep_columns: str, reserved: frozenset[str]) -> Manifest:
+    """The items of WebDataset shards with their siblings' texts (by extension: `json`, `txt`, ...) kept as columns:
+    "all" or comma-separated extensions. A kept extension named like an output column gets the prefix input_."""
+    found = sorted({name for item in discovery.items for name in item.columns})
+    wanted = found if keep_columns.strip() == "all" else [name.strip() for name in keep_columns.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in found]
+    if unknown:
+        raise ManifestError(f"--keep-columns: no member of the shards has the sibling {', '.join(unknown)} "
+                            f"(found: {', '.join(found) or 'none'})")
+    renamed = {name: RENAMED_PREFIX + name for name in wanted if name in reserved}
+    items = [replace(item, columns={renamed.get(name, name): item.columns.get(name) for name in wanted})
+             for item in discovery.items]
+    fields = [pa.field(renamed.get(name, name), pa.string()) for name in wanted]
+    return Manifest(replace(discovery, items=items), fields, renamed)
 
 
 def check_manifest_path(path: Path) -> None:

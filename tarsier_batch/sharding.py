@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .storage import is_url, redact
+from .tars import split_member_path
 from .text import printable
 
 if TYPE_CHECKING:
@@ -50,7 +52,9 @@ class Shard:
         return f"{self.index}/{self.count}"
 
     def holds(self, item: MediaItem) -> bool:
-        return shard_of(item.path, self.count) == self.index
+        # A WebDataset shard's members stay together, so that each process streams whole tars.
+        split = split_member_path(item.path) if item.member is not None else None
+        return shard_of(split[0] if split is not None else item.path, self.count) == self.index
 
     def provenance(self, items: Sequence[MediaItem], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         """What `tarsier merge` needs of this shard's output: which shard, and where each row goes.
@@ -65,6 +69,7 @@ class Shard:
 
 
 def shard_of(path: str, count: int) -> int:
-    """The shard (0 to `count` - 1) of the file at `path`."""
-    resolved = printable(os.path.realpath(path)).encode("utf-8", "surrogateescape")
+    """The shard (0 to `count` - 1) of the file or object at `path`."""
+    named = redact(path) if is_url(path) else os.path.realpath(path)
+    resolved = printable(named).encode("utf-8", "surrogateescape")
     return int.from_bytes(hashlib.sha256(resolved).digest()[:8], "big") % count

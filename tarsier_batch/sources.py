@@ -1,18 +1,23 @@
-"""Find the media to caption from files, directories, glob patterns and stdin, each with a stable key."""
+"""Find the media to caption from files, directories, glob patterns, stdin, object-store URLs and WebDataset
+shards, each with a stable key."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import os
 import stat
+from collections.abc import Iterator
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from . import storage, tars
 from .media import MediaType, media_type_of
 from .prompt_sets import Question
+from .tars import TarMember
 from .text import printable
 
 PROMPT_SET_KEY = "|prompts-sha256:"   # in an item's key, before the digest of its own prompt set
@@ -53,6 +58,11 @@ class MediaItem:
     questions: tuple[str, ...] | None = None
     # Its own prompt set (a manifest's `prompts` column), in place of the run's (None: the run's).
     prompt_set: tuple[Question, ...] | None = None
+    # A member of a WebDataset shard: `path` is "shard#member" and this says where its bytes are.
+    member: TarMember | None = field(default=None, compare=False)
+    shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
+    # The member's bytes, read ahead by the decoding pool's shard reader on their way to a worker.
+    content: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def stable_key(self) -> str:
@@ -66,8 +76,8 @@ class MediaItem:
 
     @property
     def row_path(self) -> str:
-        """The path as stored in its output row (undecodable bytes escaped)."""
-        return printable(self.path)
+        """The path as stored in its output row (undecodable bytes escaped, a URL without its credentials)."""
+        return printable(storage.redact(self.path))
 
 
 @dataclass
@@ -93,33 +103,147 @@ class Discovery:
         else:
             self.items.append(item)
 
+    def add_object(self, url: str, facts: storage.ObjectFacts | None, key_mode: KeyMode | None,
+                   prompt: str | None = None, columns: dict[str, Any] | None = None,
+                   prompt_set: tuple[Question, ...] | None = None) -> None:
+        """List the object at `url` (its `facts` from the listing; None: not found) as an item, or count it as
+        skipped if it is not named like media."""
+        media_type = media_type_of(storage.url_name(url))
+        if media_type is None:
+            self.skipped[skipped_kind(storage.url_name(url))] += 1
+            self.skipped_paths.append(storage.redact(url))
+            return
+        if not key_mode:
+            self.items.append(MediaItem(url, media_type, prompt, columns=columns or {}, prompt_set=prompt_set))
+            return
+        shown = printable(storage.redact(url))
+        key = f"{shown}|unavailable" if facts is None else f"{shown}|{facts.size_bytes}|{facts.version}"
+        file = FileFacts() if facts is None else FileFacts(facts.size_bytes, facts.mtime_ns)
+        self.items.append(MediaItem(url, media_type, prompt, _with_prompt_keys(key, prompt, prompt_set), file,
+                                    columns or {}, prompt_set=prompt_set))
+
 
 def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None = None,
-             key_mode: KeyMode | None = None) -> Discovery:
-    """Expand inputs in the order given; each directory or pattern contributes its files sorted.
+             key_mode: KeyMode | None = None, tar_index_cache: Path | None = None) -> Discovery:
+    """Expand inputs in the order given; each directory, prefix or pattern contributes its files sorted.
 
     Paths are made absolute (symlinks are kept, not resolved: each distinct path is its own
     item, so 60 links to one clip give 60 rows). Hidden files and folders (names starting with
     '.') inside directories are ignored. A path reached twice is listed once. Unsupported files
     are counted by extension, not listed.
 
+    A URL (s3://, gs://, az://, hf://, http(s)://) names one object, or a prefix listed like a
+    folder, or a glob pattern. A `.tar` file or object (also as a brace pattern such as
+    `shards/{00000..00099}.tar`) is a WebDataset shard: each media member is an item, its path
+    `shard.tar#member`, and the text of its sibling members (same key, e.g. `.json`) is kept in
+    the item's columns under their extension (see `manifest.sibling_columns`).
+
     `piped` replaces each `-` in `inputs` (paths read from stdin). A piped path, or a path named
     like media on the command line, that does not exist (any more) is kept: it becomes an error
     row rather than stopping the run. A missing path not named like media, or a glob that
     matches nothing, raises InputNotFoundError: most likely a typo.
 
-    With `key_mode`, every item gets its stable key (`item_key`).
+    With `key_mode`, every item gets its stable key (`item_key`; for an object, its ETag).
     """
     found = Discovery()
     seen: set[str] = set()
     for entry, from_stdin in _entries(inputs, piped or []):
-        for path in _expand(entry, recursive, found.unreadable, from_stdin):
-            path = os.path.abspath(path)
+        for path, facts in _expand_entry(entry, recursive, found.unreadable, from_stdin, key_mode):
+            if not storage.is_url(path):
+                path = os.path.abspath(path)
             if path in seen:
                 continue
             seen.add(path)
-            found.add(path, key_mode)
+            if _is_shard(path):
+                _add_shard(found, path, key_mode, tar_index_cache)
+            elif facts is not None or storage.is_url(path):
+                found.add_object(path, facts, key_mode)
+            else:
+                found.add(path, key_mode)
     return found
+
+
+def _is_shard(path: str) -> bool:
+    name = storage.url_name(path) if storage.is_url(path) else path
+    return name.lower().endswith(".tar")
+
+
+def _expand_entry(entry: str, recursive: bool, unreadable: list[str], from_stdin: bool,
+                  key_mode: KeyMode | None) -> list[tuple[str, storage.ObjectFacts | None]]:
+    """What one input names: (path or URL, the object's facts when a listing gave them)."""
+    if storage.is_url(entry):
+        if key_mode == "sha256":
+            raise InputNotFoundError(f"--key sha256 reads every file to hash it; for {storage.redact(entry)} the "
+                                     f"store's ETag identifies the content: use --key path")
+        return [found for url in _braced(entry) for found in _expand_url(url, recursive, from_stdin)]
+    return [(path, None) for pattern in _braced(entry) for path in _expand(pattern, recursive, unreadable, from_stdin)]
+
+
+def _braced(entry: str) -> list[str]:
+    """`entry`'s brace pattern expanded (`{00000..00099}`, `{a,b}`), unless it has no braces or is a local file
+    named so (a file may have braces in its name)."""
+    if "{" not in entry or (not storage.is_url(entry) and os.path.lexists(entry)):
+        return [entry]
+    try:
+        return tars.expand_braces(entry)
+    except ValueError as error:
+        raise InputNotFoundError(f"{storage.redact(entry)}: {error}") from None
+
+
+def _expand_url(url: str, recursive: bool, from_stdin: bool) -> list[tuple[str, storage.ObjectFacts | None]]:
+    """One object, or the objects under a prefix or matching a pattern, sorted; a URL named like media or a shard
+    that names nothing is kept (its row says so)."""
+    import fsspec.core
+
+    shown = storage.redact(url)
+    try:
+        if not fsspec.core.has_magic(url.partition("://")[2]):
+            facts = storage.stat_url(url)
+            if facts is not None:
+                return [(url, facts)]
+        listed = storage.list_objects(url, recursive)
+    except storage.StorageError as error:
+        raise InputNotFoundError(str(error)) from None
+    except (OSError, ValueError) as error:   # refused, unreachable: the store's reason
+        raise InputNotFoundError(f"cannot list {shown}: {storage.redact_text(str(error)) or type(error).__name__}"
+                                 ) from None
+    if listed:
+        return list(listed)
+    if from_stdin or media_type_of(storage.url_name(url)) is not None or _is_shard(url):
+        return [(url, None)]
+    raise InputNotFoundError(f"nothing found at {shown}")
+
+
+def _add_shard(found: Discovery, shard: str, key_mode: KeyMode | None, cache_dir: Path | None) -> None:
+    """The media members of a WebDataset shard as items, in tar order; other members counted as skipped unless they
+    are a media member's siblings."""
+    if key_mode == "sha256":
+        raise InputNotFoundError(f"--key sha256 does not apply to the members of {storage.redact(shard)}: use "
+                                 f"--key path (a member's key is the shard's version, its name and its size)")
+    try:
+        index = tars.list_shard(shard, cache_dir if cache_dir is not None else tars.default_cache_dir())
+    except FileNotFoundError:
+        raise InputNotFoundError(f"shard not found: {storage.redact(shard)}") from None
+    except (tars.ShardError, OSError) as error:
+        found.unreadable.append(f"{storage.redact(shard)}: {storage.redact_text(str(error))}")
+        return
+    sibling_keys = set(index.siblings)
+    for member in index.members:
+        media_type = media_type_of(member.name)
+        if media_type is None:
+            split = tars.wds_key(member.name)
+            if split is None or split[0] not in sibling_keys:
+                found.skipped[skipped_kind(member.name)] += 1
+                found.skipped_paths.append(tars.member_path(shard, member.name))
+            continue
+        path = tars.member_path(shard, member.name)
+        split = tars.wds_key(member.name)
+        columns = dict(index.siblings.get(split[0], {})) if split is not None else {}
+        facts = FileFacts(member.size, member.mtime * 10**9)
+        key = f"{printable(storage.redact(shard))}|{index.version}#{printable(member.name)}|{member.size}" \
+            if key_mode else None
+        found.items.append(MediaItem(path, media_type, key=key, facts=facts, columns=columns, member=member,
+                                     shard_version=index.version))
 
 
 def skipped_kind(path: str) -> str:
@@ -141,13 +265,18 @@ def new_item(path: str, key_mode: KeyMode | None, prompt: str | None = None,
     if not key_mode:
         return MediaItem(path, media_type, prompt, columns=columns or {}, prompt_set=prompt_set)
     facts = file_facts(path, key_mode)
-    key = item_key(path, key_mode, facts)
+    key = _with_prompt_keys(item_key(path, key_mode, facts), prompt, prompt_set)
+    return MediaItem(path, media_type, prompt, key, facts, columns or {}, prompt_set=prompt_set)
+
+
+def _with_prompt_keys(key: str, prompt: str | None, prompt_set: tuple[Question, ...] | None) -> str:
+    """`key` with the digest of the item's own prompt or prompt set, if it has one."""
     if prompt is not None:
         key += "|prompt-sha256:" + _digest(prompt)
     if prompt_set is not None:   # in name order: a JSON object's order is not the row's (a struct's fields are shared)
         key += PROMPT_SET_KEY + _digest("\0".join(f"{question.name}\0{question.text}"
                                                    for question in sorted(prompt_set, key=lambda q: q.name)))
-    return MediaItem(path, media_type, prompt, key, facts, columns or {}, prompt_set=prompt_set)
+    return key
 
 
 def _digest(text: str) -> str:
@@ -237,3 +366,45 @@ def _walk(directory: str, recursive: bool, unreadable: list[str]) -> list[str]:
         files += [os.path.join(root, name) for name in dirs if listed(name, True)]
         dirs[:] = [name for name in dirs if not name.startswith(".") and media_type_of(name) is None]
     return sorted(files)
+
+
+def row_source_exists(row_path: str) -> bool:
+    """Whether what an output row was made from is still there: its file, its object, or its member's shard (a
+    store that cannot be asked keeps the row)."""
+    split = tars.split_member_path(row_path)
+    source = split[0] if split is not None else row_path
+    if not storage.is_url(source):
+        return os.path.lexists(source)
+    try:
+        return storage.stat_url(source) is not None
+    except Exception:  # noqa: BLE001 - unreachable or refused: not proof that it is gone
+        return True
+
+
+@contextlib.contextmanager
+def readable_copy(item: MediaItem) -> Iterator[str]:
+    """A path the decoders can open for `item`: its own path, or an unnamed local copy of an object or a shard's
+    member (freed on leaving, also if the process is killed: see `storage.Spooled`)."""
+    if item.member is None and not storage.is_url(item.path):
+        yield item.path
+        return
+    if item.member is not None:
+        content = item.content
+        if content is None:   # not read ahead by a pool: read this member alone
+            shard = tars.split_member_path(item.path)
+            assert shard is not None, item.path
+            with tars.ShardReader(shard[0], item.shard_version) as reader:
+                content = reader.read(item.member)
+        spooled = storage.Spooled(len(content), item.member.name.rpartition("/")[2][:200] or "member")
+        try:
+            spooled.write(content)
+        except BaseException:
+            spooled.close()
+            raise
+    else:
+        try:
+            spooled = storage.fetch(item.path, item.facts.size_bytes)
+        except FileNotFoundError:
+            raise ValueError("no such object in the store") from None
+    with spooled:
+        yield spooled.path

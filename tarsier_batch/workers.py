@@ -49,14 +49,15 @@ from pathlib import Path
 import torch
 from pebble import ProcessExpired, ProcessPool
 
-from . import catalog
+from . import catalog, storage
 from .faults import misbehave, worker_faults
 from .fork_server import quiet_fork_server
 from .families.base import ProcessedPrompt, Processor
 from .families.temporal import drop_static_vision
 from .media import MAX_IMAGE_PIXELS, Media
+from .member_lane import MemberLane
 from .prompt_sets import Question
-from .sources import MediaItem
+from .sources import MediaItem, readable_copy
 from .text import one_line
 
 MAX_DEFAULT_WORKERS = 4
@@ -76,6 +77,9 @@ class DecodeJob:
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
     temporal_pruning: float = 0.0   # the share of vision vectors dropped for repeating the previous frame
     prompt_set: tuple[Question, ...] = ()   # several questions per item instead of one instruction
+    # Object-store settings (endpoints, regions; never credentials) of the process that made the job: a worker
+    # comes from a fork server that kept the environment of when it started.
+    storage_environment: dict[str, str] = field(default_factory=storage.environment)
 
 
 @dataclass
@@ -132,7 +136,8 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     start = time.perf_counter()
     try:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
-        media = job.processor.load_media(item.path, item.media_type, job.frames, job.max_image_pixels)
+        with readable_copy(item) as path:
+            media = job.processor.load_media(path, item.media_type, job.frames, job.max_image_pixels)
         questions = [question for question in (item.prompt_set if item.prompt_set is not None else job.prompt_set)
                      if item.questions is None or question.name in item.questions]
         texts = [question.text for question in questions] or [item.prompt or job.instruction]
@@ -140,9 +145,15 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     except Exception as error:  # any decoder failure is this item's problem only
         if _is_out_of_memory(error):
             raise
-        return Decoded(index, item, time.perf_counter() - start, error=one_line(error))
-    return Decoded(index, item, time.perf_counter() - start, replace(media, frames=[]), prompts,
+        return Decoded(index, _without_content(item), time.perf_counter() - start,
+                       error=storage.redact_text(one_line(error)))
+    return Decoded(index, _without_content(item), time.perf_counter() - start, replace(media, frames=[]), prompts,
                    questions=tuple(question.name for question in questions))
+
+
+def _without_content(item: MediaItem) -> MediaItem:
+    """`item` without the bytes it may have carried to the worker (they must not travel back)."""
+    return item if item.content is None else replace(item, content=None)
 
 
 def _prompts(job: DecodeJob, media: Media, texts: list[str | None]) -> list[ProcessedPrompt]:
@@ -192,6 +203,8 @@ class DecodePool:
         self._closed = False
         self._threads: ThreadPoolExecutor | None = None
         self._processes: ProcessPool | None = None
+        self._members: MemberLane | None = None   # reads shard members, started by the first one
+        self._member_futures: dict[str, Future[Decoded]] = {}   # by the member item's path, while it is read
         if isolate:
             # Pickled here, once: an unpicklable processor fails now, in the caller, and torch's
             # multiprocessing reducers (shared memory for tensors) never see the job.
@@ -213,6 +226,16 @@ class DecodePool:
             if self._closed:
                 raise RuntimeError("the decoding pool is shut down")
             self._pending[decoded] = (index, item, started)
+            if item.member is not None and item.content is None:
+                self._member_futures[item.path] = decoded
+                if self._members is None:
+                    self._members = MemberLane(self._member_read, self._member_failed)
+                self._members.read(item)
+                return decoded
+        self._start(decoded, index, item)
+        return decoded
+
+    def _start(self, decoded: Future[Decoded], index: int, item: MediaItem) -> None:
         try:
             task = self._schedule(index, item)
         except BaseException:
@@ -220,7 +243,27 @@ class DecodePool:
                 self._pending.pop(decoded, None)
             raise
         task.add_done_callback(partial(self._task_done, decoded))
-        return decoded
+
+    def _member_read(self, item: MediaItem) -> None:
+        """A shard member's bytes arrived (on the lane's thread): decode it."""
+        with self._lock:
+            decoded = self._member_futures.pop(item.path, None)
+            entry = self._pending.get(decoded) if decoded is not None else None
+        if decoded is None or entry is None:   # shut down meanwhile
+            self._members.release(item)
+            return
+        try:
+            self._start(decoded, entry[0], item)
+        except RuntimeError:   # the pool was shut down between the check and the call (`_start` let go of it)
+            self._members.release(item)
+            decoded.set_result(Decoded(entry[0], entry[1], 0.0, error=STOPPED))
+
+    def _member_failed(self, item: MediaItem, message: str) -> None:
+        with self._lock:
+            decoded = self._member_futures.pop(item.path, None)
+            entry = self._pending.get(decoded) if decoded is not None else None
+        if decoded is not None and entry is not None:
+            self._settle(decoded, Decoded(entry[0], entry[1], time.perf_counter() - entry[2], error=message))
 
     def shutdown(self) -> None:
         """Drop queued items and stop the workers at once, killing busy or hung ones; idempotent.
@@ -230,6 +273,8 @@ class DecodePool:
         """
         with self._lock:
             self._closed = True
+        if self._members is not None:
+            self._members.close()
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
         if self._processes is not None:
@@ -281,15 +326,24 @@ class DecodePool:
     def _task_done(self, decoded: Future[Decoded], task: Future[bytes] | Future[Decoded]) -> None:
         """Settle `decoded` from its task (on the pool's thread); shutdown may have settled it first."""
         with self._lock:
-            entry = self._pending.pop(decoded, None)
+            entry = self._pending.get(decoded)
         if entry is None:
             return
         index, item, started = entry
+        if item.member is not None and self._members is not None:
+            self._members.release(item)
         try:
             outcome = self._outcome(task, index, item, started)
         except BaseException as error:  # never leave a future waiting (e.g. a result that cannot be unpickled)
             outcome = Decoded(index, item, time.perf_counter() - started,
                               error=f"the decoded item could not be received ({one_line(error)})")
+        self._settle(decoded, outcome)
+
+    def _settle(self, decoded: Future[Decoded], outcome: Decoded) -> None:
+        """Give `decoded` its outcome, unless shutdown settled it first."""
+        with self._lock:
+            if self._pending.pop(decoded, None) is None:
+                return
         decoded.set_result(outcome)
 
     def _outcome(self, task: Future[bytes] | Future[Decoded], index: int, item: MediaItem,
@@ -410,6 +464,7 @@ def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tupl
     try:
         torch.set_num_threads(1)  # the cores belong to the model and the other workers
         _job = pickle.loads(job)
+        os.environ.update(_job.storage_environment)
         if memory_limit_bytes:
             _, hard = resource.getrlimit(resource.RLIMIT_DATA)
             limit = memory_limit_bytes if hard == resource.RLIM_INFINITY else min(memory_limit_bytes, hard)

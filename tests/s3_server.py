@@ -27,6 +27,7 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 
 _READY = re.compile(rb"Running on (http://127\.0\.0\.1:\d+)")
 _REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")   # werkzeug colours some log lines (206, 404)
 _START_TIMEOUT_S = 60
 
 
@@ -55,7 +56,7 @@ class S3Server:
     def _drain(self) -> None:
         for raw in self.process.stderr:
             with self._log_lock:
-                self.log.append(raw.decode("utf-8", "replace"))
+                self.log.append(_COLOUR.sub("", raw.decode("utf-8", "replace")))
 
 
 @pytest.fixture(scope="session")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..sources import Discovery, MediaItem, skipped_kind
+from ..sources import Discovery, MediaItem, row_source_exists, skipped_kind
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.
@@ -97,7 +96,7 @@ class Plan:
 
 
 def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = False, prune_missing: bool = False,
-             exists: Callable[[str], bool] = os.path.lexists, questions: dict[str, str] | None = None) -> Plan:
+             exists: Callable[[str], bool] = row_source_exists, questions: dict[str, str] | None = None) -> Plan:
     """Match this run's items to the stored rows by path and key.
 
     An item whose path has a row with the same key is done (unless the row is an error and
@@ -175,7 +174,7 @@ def _shown(value: Any) -> str:
 
 
 def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: set[str],
-                  questions: tuple[str, ...] = (), exists: Callable[[str], bool] = os.path.lexists
+                  questions: tuple[str, ...] = (), exists: Callable[[str], bool] = row_source_exists
                   ) -> tuple[list[tuple[str, str, str]], Counter[tuple[str, str]]]:
     """What a run would do with each input, for --dry-run: (action, path, reason) lines, and counts.
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import storage
 from ..api import Captioner, decode_pool
 from ..checkpoints import resolve_model
 from ..families import load_processor
@@ -74,9 +75,11 @@ class RayCaptioning:
         self.settings, self.ray, self.reporter = settings, ray_settings, reporter
         address = ray_settings.address
         if not ray.is_initialized():
+            # Our own settings and the object stores' endpoints and regions (never credentials: each node
+            # has its own, from its environment, profile or instance role) reach every task and actor.
             ray.init(address=None if address == "local" else address, log_to_driver=False,
-                     runtime_env={"env_vars": {name: value for name, value in os.environ.items()
-                                               if name.startswith("TARSIER")}})
+                     runtime_env={"env_vars": {**{name: value for name, value in os.environ.items()
+                                                  if name.startswith("TARSIER")}, **storage.environment()}})
         if ray_settings.gpus_per_actor > 0 and ray.cluster_resources().get("GPU", 0) == 0:
             raise RayResourceError(f"the Ray cluster at {address} has no GPUs; pass --device cpu (or "
                                    f"--ray-gpus-per-worker 0) to caption on its CPUs")

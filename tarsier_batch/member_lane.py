@@ -1,0 +1,93 @@
+"""The decoding pool's reader of WebDataset shards: each shard streamed once, members handed on in tar order.
+
+Only one reader can follow a shard's stream, and items reach the pool in input order (the
+members of a shard together, in tar order), so one thread serves them all: it keeps the current
+shard's stream open and reads each member as its turn comes, so a run over a shard costs one
+GET of it on an object store, not one request per member. The bytes read ahead but not yet
+decoded are bounded, so a fast store cannot fill memory while the workers are busy.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+
+from . import storage, tars
+from .sources import MediaItem
+from .text import one_line
+
+READ_AHEAD_BYTES = 256 * 2**20   # member bytes read but not yet decoded (one bigger member still passes alone)
+_JOIN_TIMEOUT_S = 30
+
+
+class MemberLane:
+    """Reads members for the pool on one thread: `hand_on(item_with_bytes)` or `fail(item, message)` per item.
+
+    `release(item)` gives back an item's share of the read-ahead bound once it is decoded.
+    """
+
+    def __init__(self, hand_on: Callable[[MediaItem], None], fail: Callable[[MediaItem, str], None],
+                 read_ahead_bytes: int = READ_AHEAD_BYTES):
+        self._hand_on, self._fail = hand_on, fail
+        self._read_ahead_bytes = read_ahead_bytes
+        self._queue: queue.SimpleQueue[MediaItem | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._room = threading.Condition()
+        self._in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="tarsier-shard-reader", daemon=True)
+        self._thread.start()
+
+    def read(self, item: MediaItem) -> None:
+        """Queue a shard member (`item.member` set) to be read and handed on."""
+        self._queue.put(item)
+
+    def release(self, item: MediaItem) -> None:
+        with self._room:
+            self._in_flight -= item.member.size if item.member is not None else 0
+            self._room.notify_all()
+
+    def close(self) -> None:
+        """Stop reading (a read under way stops within a chunk); items still queued are left to the caller."""
+        self._stop.set()
+        with self._room:
+            self._room.notify_all()
+        self._queue.put(None)
+        self._thread.join(timeout=_JOIN_TIMEOUT_S)
+
+    def _run(self) -> None:
+        reader: tars.ShardReader | None = None
+        reading = ""
+        try:
+            while (item := self._queue.get()) is not None and not self._stop.is_set():
+                shard, _ = tars.split_member_path(item.path) or (item.path, "")
+                if reader is None or reading != shard:
+                    if reader is not None:
+                        reader.close()
+                    reader, reading = tars.ShardReader(shard, item.shard_version, stop=self._stop), shard
+                if not self._wait_for_room(item):
+                    return
+                try:
+                    content = reader.read(item.member)
+                except tars.ReadStopped:
+                    return
+                except Exception as error:  # this member's problem (or its shard's): its row says why
+                    self.release(item)
+                    reader.close()
+                    reader = None   # reopened for the next member
+                    self._fail(item, f"cannot read it from its shard: {storage.redact_text(one_line(error))}")
+                    continue
+                self._hand_on(replace(item, content=content))
+        finally:
+            if reader is not None:
+                reader.close()
+
+    def _wait_for_room(self, item: MediaItem) -> bool:
+        """Take `item`'s bytes from the read-ahead bound, waiting while it is full; False once stopped."""
+        size = item.member.size
+        with self._room:
+            while self._in_flight and self._in_flight + size > self._read_ahead_bytes and not self._stop.is_set():
+                self._room.wait()
+            self._in_flight += size
+        return not self._stop.is_set()

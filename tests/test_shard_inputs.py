@@ -1,0 +1,98 @@
+"""Shard members through the decoding pool: read once in tar order, a crash costs its member only, a shard that
+changed after it was listed fails its members (never decodes the wrong bytes), nothing leaks, whole tars per
+--shard."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tarsier_batch.families import load_processor
+from tarsier_batch.sharding import Shard
+from tarsier_batch.sources import discover
+from tarsier_batch.workers import DecodeJob, DecodePool
+
+SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
+MEDIA = ["ball_h264.mp4", "still.png", "ball.gif", "ball_short.mkv"]
+
+
+def write_tar(path: Path, names: list[str], prefix: str = "") -> Path:
+    with tarfile.open(path, "w") as tar:
+        for number, name in enumerate(names):
+            data = (SAMPLE_DATA / name).read_bytes()
+            info = tarfile.TarInfo(f"{prefix}{number:05d}.{name.rsplit('.', 1)[1]}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def own_index_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def job(tiny_model_dir: Path) -> DecodeJob:
+    return DecodeJob(load_processor(tiny_model_dir), 4, None)
+
+
+def decode_all(job: DecodeJob, items: list, isolate: bool = True) -> list:
+    with DecodePool(job, 2, isolate=isolate, timeout_s=60 if isolate else None) as pool:
+        futures = [pool.submit(index, item) for index, item in enumerate(items)]
+        return [future.result(timeout=120) for future in futures]
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_members_decode_as_their_files_do(job: DecodeJob, tmp_path: Path, isolate: bool) -> None:
+    shard = write_tar(tmp_path / "a.tar", MEDIA)
+    members = decode_all(job, discover([str(shard)]).items, isolate)
+    files = decode_all(job, discover([str(SAMPLE_DATA / name) for name in MEDIA]).items, isolate)
+    assert [one.error for one in members] == [None] * len(MEDIA)
+    for member, file in zip(members, files):
+        assert member.media.frame_indices == file.media.frame_indices
+        assert member.prompt.pixel_values.equal(file.prompt.pixel_values)
+        assert member.item.content is None   # the bytes do not travel back
+
+
+def test_a_crashing_member_costs_only_itself_and_nothing_leaks(job: DecodeJob, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    shard = write_tar(tmp_path / "a.tar", MEDIA)
+    monkeypatch.setenv("TARSIER_BATCH_FAULT", "segfault:#00001.png")
+    descriptors = len(os.listdir("/proc/self/fd"))
+    decoded = decode_all(job, discover([str(shard)]).items)
+    assert [one.error is None for one in decoded] == [True, False, True, True]
+    assert "crashed" in decoded[1].error
+    assert len(os.listdir("/proc/self/fd")) <= descriptors + 1   # (+1: the fork server's pipe, if it started now)
+
+
+def test_a_shard_changed_after_listing_fails_its_members_instead_of_decoding_other_bytes(
+        job: DecodeJob, tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "a.tar", MEDIA[:2])
+    items = discover([str(shard)]).items
+    write_tar(shard, MEDIA[2:])   # same name, other content
+    decoded = decode_all(job, items)
+    assert all(one.error is not None and "changed since it was listed" in one.error for one in decoded)
+
+
+def test_a_truncated_shard_is_reported_not_silently_dropped(tmp_path: Path) -> None:
+    shard = write_tar(tmp_path / "a.tar", MEDIA)
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    found = discover([str(shard)])
+    assert found.unreadable and str(shard) in found.unreadable[0]
+
+
+def test_a_shard_of_the_run_holds_whole_tars(tmp_path: Path) -> None:
+    shards = [write_tar(tmp_path / f"{number:05d}.tar", MEDIA, prefix=f"s{number}-") for number in range(6)]
+    items = discover([str(path) for path in shards]).items
+    holders = {}
+    for item in items:
+        tar = item.path.split("#")[0]
+        owners = [index for index in range(3) if Shard(index, 3).holds(item)]
+        assert len(owners) == 1
+        assert holders.setdefault(tar, owners[0]) == owners[0]   # every member of a tar in the same shard
+    assert len(set(holders.values())) > 1   # and the tars spread over the shards
