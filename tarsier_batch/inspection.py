@@ -17,9 +17,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from . import storage, tars
 from .catalog import TARSIER, FamilyInfo, families, family_of_config
 from .fork_server import quiet_fork_server
 from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
+from .sources import item_of_path, readable_copy
 from .text import one_line, printable
 
 DECODE_TIMEOUT_S = 120.0
@@ -99,7 +101,9 @@ def family_for(model: str) -> FamilyInfo:
 
 def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
                  timeout_s: float = DECODE_TIMEOUT_S) -> Inspection:
-    """Everything `tarsier inspect` prints about `path`."""
+    """Everything `tarsier inspect` prints about `path` (a file, an object's URL, or a shard's `shard.tar#member`)."""
+    if storage.is_url(path) or tars.split_member_path(path) is not None:
+        return _inspect_copy(path, family, frames, timeout_s)
     found = Inspection(printable(os.path.abspath(path)), family=family.name,
                        frames_asked=frames or family.default_frames)
     media_type = media_type_of(path)
@@ -112,6 +116,24 @@ def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
     except OSError:
         pass
     found.__dict__.update(_in_child(_decode_facts, (path, media_type, family, found.frames_asked), timeout_s))
+    return found
+
+
+def _inspect_copy(path: str, family: FamilyInfo, frames: int | None, timeout_s: float) -> Inspection:
+    """`inspect_file` of an object or a shard's member, read into a local copy first."""
+    found = Inspection(printable(storage.redact(path)), family=family.name, frames_asked=frames or family.default_frames)
+    try:
+        item = item_of_path(path)
+        if item is None:
+            name = tars.split_member_path(path)[1] if tars.split_member_path(path) else storage.url_name(path)
+            found.problem = f"not media: {Path(name).suffix.lower() or 'no extension'} files are skipped by caption"
+            return found
+        found.media_type, found.size_bytes = item.media_type.value, item.facts.size_bytes
+        with readable_copy(item) as local:
+            found.__dict__.update(_in_child(_decode_facts, (local, item.media_type, family, found.frames_asked),
+                                            timeout_s))
+    except (OSError, ValueError, tars.ShardError, storage.StorageError) as error:
+        found.problem = storage.redact_text(str(error) or one_line(error))
     return found
 
 

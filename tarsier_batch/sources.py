@@ -227,8 +227,13 @@ def _add_shard(found: Discovery, shard: str, key_mode: KeyMode | None, cache_dir
     except (tars.ShardError, OSError) as error:
         found.unreadable.append(f"{storage.redact(shard)}: {storage.redact_text(str(error))}")
         return
+    if index.problem is not None:   # its members before the problem are listed; a member cut short fails when read
+        found.unreadable.append(f"{storage.redact(shard)}: {index.problem}; the members after it are not listed")
     sibling_keys = set(index.siblings)
-    for member in index.members:
+    last_copy = {member.name: member for member in index.members}   # a name held twice: the later copy counts, as
+    for member in index.members:                                     # when the tar is extracted
+        if last_copy[member.name] is not member:
+            continue
         media_type = media_type_of(member.name)
         if media_type is None:
             split = tars.wds_key(member.name)
@@ -379,6 +384,32 @@ def row_source_exists(row_path: str) -> bool:
         return storage.stat_url(source) is not None
     except Exception:  # noqa: BLE001 - unreachable or refused: not proof that it is gone
         return True
+
+
+def item_of_path(path: str) -> MediaItem | None:
+    """The item that a path, URL or output row's path (`shard.tar#member`) names, for commands that read one item
+    (inspect, report); None if it is not named like media. A member is found in its shard's (cached) index; a
+    missing shard, member or object raises FileNotFoundError."""
+    split = tars.split_member_path(path)
+    if split is not None:
+        shard, name = split
+        index = tars.list_shard(shard, tars.default_cache_dir())
+        member = next((member for member in reversed(index.members) if member.name == name), None)
+        if member is None:
+            raise FileNotFoundError(f"{storage.redact(shard)} has no member {name!r}")
+        media_type = media_type_of(name)
+        return None if media_type is None else MediaItem(
+            path, media_type, facts=FileFacts(member.size, member.mtime * 10**9), member=member,
+            shard_version=index.version)
+    if storage.is_url(path):
+        media_type = media_type_of(storage.url_name(path))
+        if media_type is None:
+            return None
+        facts = storage.stat_url(path)
+        if facts is None:
+            raise FileNotFoundError(f"no such object: {storage.redact(path)}")
+        return MediaItem(path, media_type, facts=FileFacts(facts.size_bytes, facts.mtime_ns))
+    return new_item(path, None)
 
 
 @contextlib.contextmanager

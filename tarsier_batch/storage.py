@@ -219,7 +219,7 @@ def _url_of(fs: Any, protocol: str, path: str) -> str:
 
 
 class Spooled:
-    """An unnamed file holding an object's bytes, open as a path (`/proc/self/fd/N`) that decoders can open.
+    """An unnamed file holding an object's bytes, open as a path (`/proc/PID/fd/N`) that decoders can open.
 
     Small objects live in memory (`memfd_create`), bigger ones in an unnamed file on disk
     (`O_TMPFILE` in $TMPDIR). Neither has a name on disk, so the kernel frees it when the last
@@ -228,7 +228,8 @@ class Spooled:
 
     def __init__(self, size_hint: int | None, name: str = "tarsier-object"):
         self.fd = _unnamed_file(size_hint, name)
-        self.path = f"/proc/self/fd/{self.fd}"
+        # By process id, not /proc/self: a child process (a decoder under a timeout) can open it too.
+        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)

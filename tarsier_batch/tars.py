@@ -76,6 +76,9 @@ class ShardIndex:
     version: str
     members: tuple[TarMember, ...]
     siblings: dict[str, dict[str, str]]
+    # Why the listing stopped before the shard's end (cut short, a damaged header): the members before are listed,
+    # and the one cut (if its header was read) fails when it is read. None: listed to its end.
+    problem: str | None = None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -257,7 +260,8 @@ def default_cache_dir() -> Path:
 def list_shard(shard: str, cache_dir: Path | None = None) -> ShardIndex:
     """The index of a shard, read from headers only, or from `cache_dir` when the shard is unchanged.
 
-    Raises FileNotFoundError for a missing shard and ShardError for one that is not a tar or is cut short.
+    Raises FileNotFoundError for a missing shard and ShardError for one that is not a tar at all; a shard cut
+    short or damaged after its first member gives the members before (`ShardIndex.problem` says why), never cached.
     """
     if cache_dir is None:
         return _read_index(shard)
@@ -266,27 +270,38 @@ def list_shard(shard: str, cache_dir: Path | None = None) -> ShardIndex:
     if cached is not None:
         return cached
     index = _read_index(shard)
-    _store_index(_cache_file(cache_dir, shard, index.version), index)
+    if index.problem is None:
+        _store_index(_cache_file(cache_dir, shard, index.version), index)
     return index
 
 
 def _read_index(shard: str) -> ShardIndex:
     stream, version = _open_shard(shard, LIST_BLOCK)
+    members: list[TarMember] = []
+    texts: dict[str, dict[str, str]] = {}
+    problem = None
     with stream:
         try:
             with tarfile.open(fileobj=stream, mode="r:") as tar:
-                members, texts = _scan(tar)
+                try:
+                    _scan(tar, members, texts)
+                except tarfile.TarError as error:
+                    if not members:
+                        raise
+                    problem = f"cut short or damaged after member {printable(members[-1].name)!r} ({error})"
                 end = tar.offset
         except tarfile.TarError as error:
             raise ShardError(f"{printable(shard)}: not a tar file, or cut short ({error})") from error
-        _check_end(shard, stream, end)
-    return ShardIndex(shard, version, tuple(members), _siblings_of_media(members, texts))
+        if problem is None:
+            problem = _damaged_end(stream, end)
+    if problem is not None and not members:
+        raise ShardError(f"{printable(shard)}: {problem}")
+    return ShardIndex(shard, version, tuple(members), _siblings_of_media(members, texts), problem)
 
 
-def _scan(tar: tarfile.TarFile) -> tuple[list[TarMember], dict[str, dict[str, str]]]:
-    """The regular-file members in tar order, and the text of every small non-media member by key."""
-    members = []
-    texts: dict[str, dict[str, str]] = {}
+def _scan(tar: tarfile.TarFile, members: list[TarMember], texts: dict[str, dict[str, str]]) -> None:
+    """Add the regular-file members in tar order to `members`, and the text of every small non-media member by key
+    to `texts` (as they come: what came before a damaged header stays)."""
     for info in tar:
         # The data of a GNU sparse member is not the file's bytes, so it cannot be read by offset.
         if not info.isreg() or info.issparse():
@@ -297,7 +312,6 @@ def _scan(tar: tarfile.TarFile) -> tuple[list[TarMember], dict[str, dict[str, st
             text = _text_of(tar, info)
             if text is not None:
                 texts.setdefault(key[0], {})[key[1]] = text
-    return members, texts
 
 
 def _text_of(tar: tarfile.TarFile, info: tarfile.TarInfo) -> str | None:
@@ -308,15 +322,14 @@ def _text_of(tar: tarfile.TarFile, info: tarfile.TarInfo) -> str | None:
     return None if b"\0" in data else data.decode("utf-8", errors="replace")
 
 
-def _check_end(shard: str, stream: BinaryIO, end: int) -> None:
-    """Refuse a shard whose listing stopped at a damaged or cut header rather than at its end.
+def _damaged_end(stream: BinaryIO, end: int) -> str | None:
+    """Why the listing stopped before the shard's end, if it did (None: a proper end).
 
     `tarfile` ends its iteration quietly at a bad header after the first one, which would drop the
     remaining members without a word. A proper end is the end of the file or zero blocks.
     """
     stream.seek(end)
-    if stream.read(tarfile.BLOCKSIZE).strip(b"\0"):
-        raise ShardError(f"{printable(shard)}: a damaged or cut tar header at byte {end}")
+    return f"a damaged or cut tar header at byte {end}" if stream.read(tarfile.BLOCKSIZE).strip(b"\0") else None
 
 
 def _siblings_of_media(members: list[TarMember], texts: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:

@@ -78,12 +78,18 @@ def test_a_shard_changed_after_listing_fails_its_members_instead_of_decoding_oth
     assert all(one.error is not None and "changed since it was listed" in one.error for one in decoded)
 
 
-def test_a_truncated_shard_is_reported_not_silently_dropped(tmp_path: Path) -> None:
+def test_a_truncated_shard_keeps_what_came_before_the_cut(job: DecodeJob, tmp_path: Path) -> None:
+    """A download cut short: the members before the cut decode, the cut one is an error row, and the run says the
+    rest of the shard could not be listed."""
     shard = write_tar(tmp_path / "a.tar", MEDIA)
-    data = shard.read_bytes()
-    shard.write_bytes(data[: len(data) // 2])
+    whole = discover([str(shard)]).items
+    shard.write_bytes(shard.read_bytes()[:whole[2].member.offset_data + 100])   # in the third member's data
     found = discover([str(shard)])
-    assert found.unreadable and str(shard) in found.unreadable[0]
+    assert [item.path for item in found.items] == [item.path for item in whole[:3]]
+    assert len(found.unreadable) == 1 and found.unreadable[0].startswith(f"{shard}: ")
+    decoded = decode_all(job, found.items)
+    assert [one.error is None for one in decoded] == [True, True, False]
+    assert "before the end of member" in decoded[2].error
 
 
 def test_a_shard_of_the_run_holds_whole_tars(tmp_path: Path) -> None:

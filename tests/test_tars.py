@@ -209,25 +209,42 @@ def cut_points(shard: Path) -> dict[str, int]:
     """Places to cut `shard` (GNU format, one 512-byte header per member): in a member's data, in a header."""
     members = list_shard(str(shard)).members
     second_header = members[1].offset_data - tarfile.BLOCKSIZE
-    return {"in member data": members[1].offset_data + 500, "in a later header": second_header + 100,
+    return {"in member data": members[0].offset_data + 500, "in a later header": second_header + 100,
             "in the first header": 100, "empty": 0}
 
 
-@pytest.mark.parametrize("where", ["in member data", "in a later header", "in the first header", "empty"])
-def test_a_cut_shard_is_refused(shard: Path, where: str) -> None:
+@pytest.mark.parametrize("where", ["in the first header", "empty"])
+def test_a_shard_cut_before_its_first_member_is_refused(shard: Path, where: str) -> None:
     cut = shard.with_name("cut.tar")
     cut.write_bytes(shard.read_bytes()[:cut_points(shard)[where]])
     with pytest.raises(ShardError, match=f"^{re.escape(str(cut))}: "):
         list_shard(str(cut))
 
 
-def test_a_damaged_header_or_a_non_tar_is_refused(shard: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("where, listed", [("in member data", 1), ("in a later header", 1)])
+def test_a_shard_cut_later_lists_the_members_before_the_cut_and_is_not_cached(
+        shard: Path, tmp_path: Path, where: str, listed: int) -> None:
+    """What was written before the cut is captioned; the member cut in its data is listed (reading it fails)."""
+    whole = list_shard(str(shard))
+    cut = shard.with_name("cut.tar")
+    cut.write_bytes(shard.read_bytes()[:cut_points(shard)[where]])
+    index = list_shard(str(cut), tmp_path / "cache")
+    assert index.members == whole.members[:listed]
+    assert index.problem is not None and ("cut" in index.problem or "damaged" in index.problem)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    if where == "in member data":
+        with pytest.raises(ShardError, match="before the end of member"), ShardReader(str(cut)) as reader:
+            reader.read(index.members[0])
+
+
+def test_a_damaged_header_stops_the_listing_there_and_a_non_tar_is_refused(shard: Path, tmp_path: Path) -> None:
     damaged = bytearray(shard.read_bytes())
-    third_header = list_shard(str(shard)).members[2].offset_data - tarfile.BLOCKSIZE
+    whole = list_shard(str(shard))
+    third_header = whole.members[2].offset_data - tarfile.BLOCKSIZE
     damaged[third_header:third_header + 16] = b"not a tar header"
     (tmp_path / "damaged.tar").write_bytes(bytes(damaged))
-    with pytest.raises(ShardError, match=f"damaged.tar: a damaged or cut tar header at byte {third_header}"):
-        list_shard(str(tmp_path / "damaged.tar"))
+    index = list_shard(str(tmp_path / "damaged.tar"))
+    assert index.members == whole.members[:2] and index.problem == f"a damaged or cut tar header at byte {third_header}"
     (tmp_path / "text.tar").write_text("just some text, not a tar archive\n" * 40)
     with pytest.raises(ShardError, match="text.tar: not a tar file"):
         list_shard(str(tmp_path / "text.tar"))
@@ -448,11 +465,11 @@ def test_a_url_shard_index_is_cached_by_version(shard: Path, memory: tuple, tmp_
     assert list_shard(url, tmp_path / "cache") == first
 
 
-def test_a_cut_url_shard_is_refused(shard: Path, memory: tuple) -> None:
+def test_a_cut_url_shard_lists_what_came_before_the_cut(shard: Path, memory: tuple) -> None:
     fs, root = memory
     fs.pipe_file(f"{root}/cut.tar", shard.read_bytes()[:cut_points(shard)["in a later header"]])
-    with pytest.raises(ShardError, match="a damaged or cut tar header"):
-        list_shard(f"memory://{root}/cut.tar")
+    index = list_shard(f"memory://{root}/cut.tar")
+    assert index.members == list_shard(str(shard)).members[:1] and "damaged or cut" in index.problem
 
 
 def test_importing_tars_loads_neither_fsspec_nor_torch() -> None:

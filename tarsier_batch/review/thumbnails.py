@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from PIL import Image
 
 from ..fork_server import quiet_fork_server
 from ..media import MediaType, load_media
+from ..sources import MediaItem, item_of_path, readable_copy
+from ..storage import environment, is_url, redact_text
+from ..tars import split_member_path
 from ..text import one_line
 
 JPEG_QUALITY = 70
@@ -31,6 +35,8 @@ class StripJob:
     media_type: str
     indices: tuple[int, ...]
     height: int
+    # Object-store endpoints and regions of the process that asked (the fork server's children keep its environment).
+    storage_environment: dict[str, str] = field(default_factory=environment)
 
 
 @dataclass
@@ -96,11 +102,16 @@ def make_strip(job: StripJob) -> Strip:
         width = max(1, round(frame.width * job.height / frame.height))
         return frame.convert("RGB").resize((width, job.height), Image.Resampling.BILINEAR)
 
+    os.environ.update(job.storage_environment)
     try:
-        media = load_media(job.path, MediaType(job.media_type), len(indices), frame_transform=small,
-                           sampler=lambda total, wanted: [index for index in indices if index < total])
+        # An object or a shard's member is read into a local copy first; a file is read where it is.
+        item = item_of_path(job.path) if is_url(job.path) or split_member_path(job.path) else None
+        item = item or MediaItem(job.path, MediaType(job.media_type))
+        with readable_copy(item) as path:
+            media = load_media(path, MediaType(job.media_type), len(indices), frame_transform=small,
+                               sampler=lambda total, wanted: [index for index in indices if index < total])
     except Exception as error:  # the file changed, vanished or no longer decodes: say so on the page
-        return Strip(problem=str(error) if isinstance(error, ValueError) else one_line(error))
+        return Strip(problem=redact_text(str(error) if isinstance(error, ValueError) else one_line(error)))
     frames: list[Any] = media.frames
     if not frames:
         return Strip(problem="no frame at the recorded indices (the file changed?)")
