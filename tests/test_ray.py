@@ -6,8 +6,10 @@ with `python -m pytest -m ray` after `pip install -e ".[test,ray]"` (.ci/run doe
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -35,14 +37,15 @@ def ray_rows(out_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
+def cluster(tmp_path_factory: pytest.TempPathFactory, s3_server):
     """A local Ray cluster on 2 CPUs; its workers get the fault hooks for the items named FAULT_SUBSTRING
-    (the captioning actor dies once) and CRASH_SUBSTRING (the decoder segfaults)."""
+    (the captioning actor dies once) and CRASH_SUBSTRING (the decoder segfaults), and the local S3 server as their
+    endpoint (as a real cluster's nodes get theirs from their own environment)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     marker = tmp_path_factory.mktemp("fault") / "died"
     ray.init(num_cpus=2, log_to_driver=False, runtime_env={"env_vars": {
         "TARSIER_BATCH_RAY_FAULT": f"die-once:{FAULT_SUBSTRING}:{marker}",
-        "TARSIER_BATCH_FAULT": f"segfault:{CRASH_SUBSTRING}"}})
+        "TARSIER_BATCH_FAULT": f"segfault:{CRASH_SUBSTRING}", "AWS_ENDPOINT_URL": s3_server.endpoint}})
     yield marker
     ray.shutdown()
 
@@ -302,3 +305,33 @@ def test_a_prompt_set_on_ray_writes_the_single_process_rows_and_resumes_with_a_n
     assert all(row["camera_prompt"] == "How does the camera move?" and row["camera_generated_tokens"] for row in grown)
     asked = sum(row["camera_generated_tokens"] for row in grown)
     assert f"items/s, {asked} tokens" in more.output   # only the new question was asked
+
+
+@pytest.mark.ray
+def test_ray_reads_objects_and_shards_from_a_store_without_a_shared_path(cluster: Path, tiny_model_dir: Path, s3,
+                                                                         tmp_path: Path, monkeypatch) -> None:
+    """Inputs only in the store (objects and a WebDataset shard): the rows a single run writes, and a rerun resumes."""
+    import boto3
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    bucket = s3.new_bucket()
+    client = boto3.client("s3", endpoint_url=s3.endpoint)
+    for name in ("still.png", "ball.gif"):
+        client.upload_file(str(SAMPLE_DATA / name), bucket, f"in/{name}")
+    shard = io.BytesIO()
+    with tarfile.open(fileobj=shard, mode="w") as tar:
+        for key, name in (("a", "ball_h264.mp4"), ("b", "portrait.JPG")):
+            tar.add(SAMPLE_DATA / name, arcname=f"{key}.{name.rsplit('.', 1)[1]}")
+    client.put_object(Bucket=bucket, Key="in/shard.tar", Body=shard.getvalue())
+    inputs = [f"s3://{bucket}/in/"]
+    single = tmp_path / "single.parquet"
+    assert caption(tiny_model_dir, *inputs, "-o", str(single), "--quiet").exit_code == 0
+    expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+    assert [row["path"] for row in expected] == [f"s3://{bucket}/in/ball.gif", f"s3://{bucket}/in/shard.tar#a.mp4",
+                                                 f"s3://{bucket}/in/shard.tar#b.JPG", f"s3://{bucket}/in/still.png"]
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    assert ray_rows(out) == expected
+    again = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 4" in again.output, again.output
