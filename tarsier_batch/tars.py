@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
+from . import storage
 from .media import media_type_of
 from .text import printable
 
@@ -449,17 +450,27 @@ class ShardReader:
 
     def _reopen(self, offset: int) -> None:
         self.close()
-        # An 8 MiB readahead file: after the seek, each read past its buffer is one ranged GET of
-        # the next 8 MiB (for s3fs, pinned to the ETag by If-Match); it needs no backend-specific
-        # streaming call, and one request per 8 MiB is a small cost next to the transfer itself.
-        stream, version = _open_shard(self.shard, STREAM_BLOCK)
+        if _is_url(self.shard):
+            # One streamed read from `offset` (for S3 a single GET, pinned to the version by If-Match,
+            # so a shard replaced mid-read fails instead of mixing two versions' bytes).
+            version = shard_version(self.shard)
+            self._check_version(version)
+            stream = storage.open_stream(self.shard, offset, version, STREAM_BLOCK)
+        else:
+            stream, version = _open_shard(self.shard, STREAM_BLOCK)
+            try:
+                self._check_version(version)
+            except ShardError:
+                stream.close()
+                raise
+            stream.seek(offset)
         self.opens += 1
+        self._stream, self._position = stream, offset
+
+    def _check_version(self, version: str) -> None:
         if self.version is not None and version != self.version:
-            stream.close()
             raise ShardError(f"{printable(self.shard)}: the shard changed since it was listed "
                              f"(version {self.version}, now {version}); list it again")
-        stream.seek(offset)
-        self._stream, self._position = stream, offset
 
     def _take(self, count: int, member: TarMember, keep: bool) -> bytes:
         """Read `count` bytes in chunks, checking `stop` before each; return them if `keep`."""
