@@ -28,6 +28,7 @@ from .manifest import Manifest, ManifestError, check_manifest_path, read_manifes
 from .media import MAX_IMAGE_PIXELS
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
+from .outputs.remote import RemoteOutput
 from .outputs.resume import SettingsMismatchError
 from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
@@ -38,6 +39,7 @@ from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, Caption
                        SamplingParams, SettingsError)
 from .sharding import Shard, ShardError
 from .sources import Discovery, InputNotFoundError, discover
+from .storage import StorageError, is_url
 from .version import __version__
 
 T = TypeVar("T")
@@ -82,6 +84,7 @@ Examples:
   find /data -name '*.mp4' -print0 | tarsier caption - -0 -o today.parquet
   tarsier caption clips/ -o - --model tiny-random-tarsier2 | jq -r .caption
   tarsier caption --manifest videos.csv --keep-columns all -o captions.jsonl
+  tarsier caption ./videos -o s3://bucket/captions.parquet
   tarsier caption --config nightly.toml --dry-run
 
 \b
@@ -125,8 +128,8 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
 @app.command(epilog=EXAMPLES, no_args_is_help=True)
 def caption(
     inputs: Annotated[Optional[list[str]], typer.Argument(metavar="INPUTS", hidden=True, show_default=False)] = None,  # described in the docstring: help would show a Python type
-    out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv; '-' streams JSON Lines to stdout.", show_default=False)] = None,
-    out_dir: Annotated[Optional[Path], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR instead of one --out file (continued like --out).", show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
+    out_dir: Annotated[Optional[str], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead of one --out file (continued like --out).", show_default=False)] = None,
     shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
     path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
@@ -186,8 +189,9 @@ def caption(
     """
     console = Console(stderr=True, soft_wrap=True)
     stream = out == "-"
-    target = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
+    output = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
                           null_separated, stream)
+    target = output.target if isinstance(output, RemoteOutput) else output
     shard_spec = _parse_shard(shard)
     settings = _settings(
         CaptionSettings, model=model, prompt=prompt, prompt_set=_prompt_set(prompts, ask or []), frames=frames,
@@ -215,7 +219,7 @@ def caption(
     log = LineLog(file=log_handle)
     reporter = _CliReporter(console, quiet, log)
     try:
-        run = CaptionRun(found, sys.stdout if stream else target, settings, reporter,
+        run = CaptionRun(found, sys.stdout if stream else output, settings, reporter,
                          load=_on_ray(ray_settings, reporter) if ray_settings else None,
                          source=f"--manifest {manifest}" if manifest else " ".join(inputs or []))
         nothing = run.no_media()
@@ -233,7 +237,7 @@ def caption(
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
     except LoadingCrashed as error:
         traceback.print_exception(error.__cause__ or error)
-        console.print(f"tarsier: crashed while loading the model ({error}); {target.path} was not changed",
+        console.print(f"tarsier: crashed while loading the model ({error}); {target.shown} was not changed",
                       highlight=False, markup=False)
         raise typer.Exit(EXIT_CRASHED) from None
     finally:
@@ -242,9 +246,9 @@ def caption(
     raise typer.Exit(code)
 
 
-def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard_rows: int | None,
+def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_rows: int | None,
                  manifest: Path | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
-                 stream: bool) -> OutputTarget:
+                 stream: bool) -> OutputTarget | RemoteOutput:
     """Answer a wrong combination of inputs and outputs at once, before anything is read, loaded or imported
     (the settings check their own rules: `settings.py`)."""
     if (out is None) == (out_dir is None):
@@ -262,15 +266,26 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: Path | None, shard
         _fail("give INPUTS or --manifest, not both")
     if null_separated and "-" not in inputs:
         _fail("-0 reads NUL-separated paths from stdin; add '-' to INPUTS")
-    target = OutputTarget(out_dir, shard_rows or SHARD_ROWS) if out_dir is not None else OutputTarget(Path(out or "-"))
+    output = _output(out_dir, shard_rows or SHARD_ROWS) if out_dir is not None else _output(out or "-")
     try:
         if manifest is not None:
             check_manifest_path(manifest)
         if not stream:
-            target.check()
+            (output.target if isinstance(output, RemoteOutput) else output).check()
     except (ManifestError, OutputError) as error:
         _fail(str(error))
-    return target
+    return output
+
+
+def _output(location: str, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
+    """The output at `location`: a local path, or an object store URL staged locally. A read-only scheme
+    (http, https, hf) or a missing storage backend stops the command here, before anything is loaded."""
+    if not is_url(location):
+        return OutputTarget(Path(location), shard_rows)
+    try:
+        return RemoteOutput(location, shard_rows)
+    except (OutputError, StorageError) as error:
+        _fail(str(error))
 
 
 # The settings' fields as the CLI names them (a field not listed is its flag with dashes).
@@ -477,7 +492,7 @@ def inspect_command(
 @app.command("merge", no_args_is_help=True)
 def merge_command(
     folder: Annotated[Path, typer.Argument(metavar="FOLDER", show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The merged results: .parquet, .jsonl or .csv (replaced atomically if it exists).", show_default=False)],
+    out: Annotated[str, typer.Option("--out", "-o", metavar="FILE", help="The merged results: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL (replaced atomically if it exists).", show_default=False)],
 ) -> None:
     """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one results file, in input order.
 
@@ -488,26 +503,27 @@ def merge_command(
     """
     from .outputs.merge import MergeError, merge_shards
 
-    target = OutputTarget(out)
+    output = _output(out)
+    remote = output if isinstance(output, RemoteOutput) else None
+    target = remote.target if remote is not None else output
     try:
         target.check()
     except OutputError as error:
         _fail(str(error))
-    if out.resolve().parent == folder.resolve() and out.suffix.lower() == ".parquet":
+    if remote is None and target.path.resolve().parent == folder.resolve() and target.path.suffix.lower() == ".parquet":
         _fail(f"--out {out} is inside {folder}: a later merge would read it as a shard; write it elsewhere")
-    lock = OutputLock(out)
     try:
         merged = merge_shards(folder)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-        try:
+        if remote is None:
+            target.path.parent.mkdir(parents=True, exist_ok=True)
+        with remote.held() if remote is not None else OutputLock(target.path):
             ResultStore(target, merged.columns).commit(merged.rows, merged.provenance, merged.summary)
-        finally:
-            lock.release()
+            if remote is not None:
+                remote.publish()
     except (MergeError, OutputLockedError, OutputWriteError, OSError) as error:
         _fail(str(error))
     failed = sum(row["error"] is not None for row in merged.rows)
-    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {out} "
+    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {target.shown} "
                f"({plural(len(merged.columns.file_rows(merged.rows)), 'row')}, "
                f"{failed} failed)", err=True)
 

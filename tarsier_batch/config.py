@@ -19,6 +19,8 @@ from typing import Any
 
 import click
 
+from .storage import is_url
+
 
 class ConfigError(Exception):
     """The config file cannot be read or names a flag the command does not have."""
@@ -54,8 +56,10 @@ def config_defaults(path: Path, command: click.Command, section: str,
 def _resolved(value: Any, param: click.Parameter, base: Path, is_path: bool) -> Any:
     if is_path:
         def resolve(text: Any) -> Any:
-            # '-' means stdin/stdout, never a file in the config's folder.
-            return text if not isinstance(text, str) or text == "-" else str(base / Path(text).expanduser())
+            # '-' means stdin/stdout, never a file in the config's folder; a URL is no path at all.
+            if not isinstance(text, str) or text == "-" or is_url(text):
+                return text
+            return str(base / Path(text).expanduser())
         return [resolve(item) for item in value] if isinstance(value, list) else resolve(value)
     if isinstance(value, list) and not param.multiple and param.nargs == 1:
         return ",".join(str(item) for item in value)   # keep-columns = ["a", "b"]

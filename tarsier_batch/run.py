@@ -31,6 +31,7 @@ from .job import CaptionJob
 from .manifest import Manifest
 from .outputs.formats import OutputTarget
 from .outputs.lock import OutputLock
+from .outputs.remote import RemoteOutput, UploadError
 from .outputs.resume import Plan, check_settings, describe_plan, plan_run
 from .outputs.schema import OutputColumns
 from .outputs.store import OutputWriteError, ResultStore, StoredRows
@@ -40,6 +41,7 @@ from .results import CaptionResult
 from .prompt_sets import PromptSetError, check_prompt_set
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .sources import Discovery, MediaItem, discover
+from .storage import is_url
 from .text import one_line
 
 if TYPE_CHECKING:
@@ -145,15 +147,17 @@ class CaptionRun:
     """Caption `inputs` into `out`, continuing what earlier runs over `out` left.
 
     `inputs`: paths (files, folders, globs), a `Discovery` or a `Manifest` (its kept columns go
-    into the rows). `out`: a .parquet, .jsonl or .csv path, an `OutputTarget` (a folder of
-    shards), or an open text stream that gets JSON Lines in input order and keeps nothing to
-    continue. `captioner`: a model loaded earlier, to share between runs (its settings are the
+    into the rows). `out`: a .parquet, .jsonl or .csv path or object store URL (s3://, gs://,
+    az://), an `OutputTarget` (a folder of shards) or a `RemoteOutput` (shards at a URL), or an
+    open text stream that gets JSON Lines in input order and keeps nothing to continue.
+    `captioner`: a model loaded earlier, to share between runs (its settings are the
     run's caption settings). `load`: what makes the `Captioning` from the caption settings, when
     there is something to caption (default: load the model here; `runners.ray.connect`: a Ray
     cluster). `source` names the inputs in messages.
     """
 
-    def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest, out: str | Path | OutputTarget | TextIO,
+    def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest,
+                 out: str | Path | OutputTarget | RemoteOutput | TextIO,
                  settings: RunSettings | None = None, reporter: RunReporter | None = None,
                  captioner: Captioner | None = None, load: Callable[[CaptionSettings], Captioning] | None = None,
                  source: str | None = None):
@@ -166,9 +170,13 @@ class CaptionRun:
         if load is None and settings.caption.isolate_decoding:
             check_main_is_guarded()   # now, not once the model is loaded
         self.stream = out if hasattr(out, "write") else None
+        self.remote = RemoteOutput(out) if isinstance(out, str) and is_url(out) else \
+            out if isinstance(out, RemoteOutput) else None
         if self.stream is not None:
             settings.check_streamable()
             self.target = None
+        elif self.remote is not None:
+            self.target = self.remote.target   # the staged copy; the store works on it as on any local output
         else:
             self.target = out if isinstance(out, OutputTarget) else OutputTarget(Path(out))  # type: ignore[arg-type]
         kept_fields = []
@@ -210,8 +218,7 @@ class CaptionRun:
         self.all_items = inputs.items
         shard = settings.shard
         self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
-        self.store = ResultStore(self.target, self.columns, settings.flush_rows, settings.flush_seconds) \
-            if self.target is not None else None
+        self.store = self._store(self.target) if self.target is not None else None
         self.outcome: RunOutcome | None = None   # how the run ended, once it has
 
     @property
@@ -229,7 +236,11 @@ class CaptionRun:
     def describe(self) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], int]]:
         """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
         (action, path, reason) lines, and counts by (action, kind of reason)."""
-        stored = self._stored()
+        if self.remote is None or self.settings.overwrite:
+            stored = self._stored(self.store)
+        else:
+            with self.remote.peek() as copy:
+                stored = self._stored(self._store(copy.target))
         plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
                         questions=self.questions)
         limit = self.settings.limit
@@ -263,13 +274,15 @@ class CaptionRun:
             return
         with self._locked():
             try:
-                stored = self._stored()
+                if self.remote is not None:   # under the lock: what the store holds now is the truth
+                    self.remote.pull(outputs=not self.settings.overwrite)
+                stored = self._stored(self.store)
                 plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
                         questions=self.questions)
                 self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
                 status, reason = _stopped_by(stop)
-                where = self.target.path if self.target is not None else "the stream"
+                where = self.target.shown if self.target is not None else "the stream"
                 self.outcome = RunOutcome(status, f"{reason}; {where} was not changed; run the same command again "
                                                   f"to continue")
 
@@ -279,18 +292,25 @@ class CaptionRun:
     def _locked(self) -> Iterator[None]:
         if self.target is None:
             yield
-            return
-        lock = OutputLock(self.target.path)
-        self.target.path.parent.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
-        try:
-            yield
-        finally:
-            lock.release()
+        elif self.remote is not None:
+            with self.remote.held():
+                if self.remote.lock.taken_over:
+                    self.reporter.warning(f"warning: took over the lock of {self.remote.shown} from "
+                                          f"{self.remote.lock.taken_over}: its lease ran out (a run that died?)")
+                yield
+        else:
+            self.target.path.parent.mkdir(parents=True, exist_ok=True)
+            with OutputLock(self.target.path):
+                yield
 
-    def _stored(self) -> StoredRows:
+    def _store(self, target: OutputTarget) -> ResultStore:
+        remote = self.remote
+        return ResultStore(target, self.columns, self.settings.flush_rows, self.settings.flush_seconds,
+                           on_written=remote.written if remote else None, on_removed=remote.removed if remote else None)
+
+    def _stored(self, store: ResultStore | None) -> StoredRows:
         """What earlier runs left (nothing when overwriting or streaming), checked against these settings."""
-        stored = StoredRows() if self.settings.overwrite or self.store is None else self.store.read()
+        stored = StoredRows() if self.settings.overwrite or store is None else store.read()
         check_settings(stored.settings, resume_settings(self.settings))
         return stored
 
@@ -369,15 +389,19 @@ class CaptionRun:
         if self.store is None:
             return RunOutcome(status, f"{reason}; {plural(job.store.saved_rows, 'row')} went to stdout", stats,
                               error=error)
+        unsent = 0   # rows saved in parts that did not reach the object store
         try:
             self.store.flush()
+            if self.remote is not None:
+                self.remote.drain()
             lost = ""
         except OutputWriteError as write_error:
             lost = f"; {write_error}"
-        saved = self.store.saved_rows + stats.already_done
+            unsent = write_error.rows if isinstance(write_error, UploadError) else 0
+        saved = self.store.saved_rows - unsent + stats.already_done
         return RunOutcome(status, f"{reason}{lost}; {plural(saved, 'finished row')} {'is' if saved == 1 else 'are'} "
-                                  f"saved in {self.store.work_dir} and {self.store.out} was not changed; run the "
-                                  f"same command again to resume", stats, error=error)
+                                  f"saved in {self.store.work_shown} and {self.store.out_shown} was not changed; run "
+                                  f"the same command again to resume", stats, error=error)
 
     def _write_output(self, job: CaptionJob, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:
         """Write the output with every row (unless nothing changed); the outcome carries the summary.
@@ -397,13 +421,15 @@ class CaptionRun:
             if not unchanged:
                 try:
                     store.commit(rows, provenance, {"complete": True, **stats.as_dict()})
+                    if self.remote is not None:
+                        self.remote.publish()
                 except OutputWriteError as error:
                     return RunOutcome(Status.CRASHED, f"crashed ({error}); the finished rows are saved in "
-                                      f"{store.work_dir}; free space and run the same command again to write "
-                                      f"{store.out}", stats, error=error)
+                                      f"{store.work_shown}; free space and run the same command again to write "
+                                      f"{store.out_shown}", stats, error=error)
             counted = plural(len(rows), 'row') if not self.columns.long else \
                 f"{plural(len(rows), 'item')}, a row per question"
-            written = f"{store.out} ({counted}{', unchanged' if unchanged else ''})"
+            written = f"{store.out_shown} ({counted}{', unchanged' if unchanged else ''})"
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
         summary = summary_rows(stats, written, skipped)
         return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)

@@ -34,10 +34,15 @@ class OutputError(Exception):
 
 @dataclass(frozen=True)
 class OutputTarget:
-    """Where the results go: one file (its format by suffix) or, with `shard_rows`, a folder of shards."""
+    """Where the results go: one file (its format by suffix) or, with `shard_rows`, a folder of shards.
+
+    `url` is the object store URL (redacted) whose local staging copy `path` is (`remote.RemoteOutput`):
+    messages name the output by it, never by a cache folder the user did not give.
+    """
 
     path: Path
     shard_rows: int | None = None
+    url: str | None = None
 
     @classmethod
     def existing(cls, path: Path) -> OutputTarget:
@@ -52,6 +57,17 @@ class OutputTarget:
     @property
     def format(self) -> str:
         return self.kind.name
+
+    @property
+    def shown(self) -> str:
+        """How messages name the output: its URL (redacted) when it goes to an object store, else its path."""
+        return self.url or str(self.path)
+
+    def shown_beside(self, name: str) -> str:
+        """How messages name the file `name` beside the output (in its folder, or under its URL's prefix)."""
+        if self.url is None:
+            return str(self.path.parent / name)
+        return f"{self.url.rstrip('/').rpartition('/')[0]}/{name}"
 
     def check(self) -> None:
         """Answer a wrong --out or --out-dir before any work."""
@@ -69,7 +85,7 @@ class OutputTarget:
             raise OutputError(f"--out {self.path} is a directory; give a file name such as "
                               f"{self.path / 'results.parquet'}, or use --out-dir with --shard-rows")
         if self.path.suffix.lower() not in FORMATS:
-            raise OutputError(f"--out {self.path}: unknown format {self.path.suffix or '(no suffix)'!r}; "
+            raise OutputError(f"--out {self.shown}: unknown format {self.path.suffix or '(no suffix)'!r}; "
                               f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
 
     def exists(self) -> bool:

@@ -1,13 +1,24 @@
-"""One run at a time per output: an advisory lock file beside `--out`."""
+"""One run at a time per output: an advisory lock file beside `--out`, or a leased lock object beside a URL."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
 import socket
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
+
+from ..storage import filesystem, redact, with_retries
+
+LEASE_ENV = "TARSIER_LOCK_LEASE_S"
+DEFAULT_LEASE_S = 60.0
+_ATTEMPTS = 3   # to take a lock whose object changes under us (its holder finishing, another run taking it over)
+_JOIN_TIMEOUT_S = 10.0
 
 
 class OutputLockedError(Exception):
@@ -72,3 +83,138 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (held.st_dev, held.st_ino) == (on_disk.st_dev, on_disk.st_ino)
+
+
+class RemoteLock:
+    """One run at a time per output at a URL: an object `.<name>.tarsier.lock` beside it, created only if absent.
+
+    No store lock dies with its process, so the object carries a lease: its body (JSON) names the
+    holder and when the lease ends, and a daemon thread renews it every third of the lease. A run
+    that dies (even by `kill -9`) stops renewing, and the next run takes the lock over once the lease
+    has run out. Creating uses `If-None-Match: *` and every later write `If-Match` on the ETag last
+    seen, so of two runs that find the same expired lease only one takes it, and a holder whose lease
+    was taken over while it was paused learns it (`check`) instead of overwriting the new holder's
+    work. Expiry is judged on this host's clock against the holder's: keep clocks in sync (NTP).
+    """
+
+    def __init__(self, url: str, lease_s: float | None = None):
+        self.fs, path = filesystem(url)
+        parent, _, name = path.rstrip("/").rpartition("/")
+        self.path = f"{parent}/.{name}.tarsier.lock"
+        self.shown = redact(url)
+        self.lease_s = lease_s or float(os.environ.get(LEASE_ENV) or DEFAULT_LEASE_S)
+        self.taken_over: str | None = None   # the holder whose expired lease this lock took over
+        self.lost: str | None = None         # why the lock is no longer ours (taken over while we held it)
+        self._etag: str | None = None
+        self._since = ""
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise OutputLockedError naming the live holder."""
+        self._since = time.strftime("%Y-%m-%d %H:%M:%S")
+        for _ in range(_ATTEMPTS):
+            try:
+                self._etag = self._write(create=True)
+                break
+            except FileExistsError:
+                pass
+            try:
+                body, etag = self._read()
+            except FileNotFoundError:   # released between our create and our read
+                continue
+            if float(body.get("lease_until", 0)) > time.time():
+                raise OutputLockedError(f"another run is writing {self.shown} ({_holder(body)}); wait for it to "
+                                        f"finish or use another output")
+            try:
+                self._etag = self._write(if_match=etag)
+            except OSError as error:
+                if not _lost_race(error):
+                    raise
+                continue   # another run took it over first: look again
+            self.taken_over = _holder(body)
+            break
+        else:
+            raise OutputLockedError(f"another run is taking {self.shown}; try again")
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, daemon=True, name="tarsier-lock-lease")
+        self._renewer.start()
+
+    def check(self) -> None:
+        """Raise OutputLockedError if another run took the lock over (our lease ran out unrenewed)."""
+        if self.lost is not None:
+            raise OutputLockedError(self.lost)
+
+    def release(self) -> None:
+        """Stop renewing and delete the object (unless another run holds it now)."""
+        if self._renewer is None:
+            return
+        self._stop.set()
+        self._renewer.join(_JOIN_TIMEOUT_S)
+        self._renewer = None
+        if self.lost is None:
+            with_retries(lambda: self.fs.rm_file(self.path))
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                self._etag = self._write(if_match=self._etag)
+                continue
+            except OSError as error:
+                if not _lost_race(error) and not isinstance(error, FileNotFoundError):
+                    continue   # a store that failed to answer: the next renewal may, well within the lease
+            except Exception:  # noqa: BLE001 - likewise: this thread must outlive a failed request
+                continue
+            try:
+                body, etag = self._read()
+            except FileNotFoundError:
+                body, etag = {}, ""
+            except Exception:  # noqa: BLE001
+                continue
+            if self._is_ours(body):   # a retried write that had landed: the lease is ours, at its new ETag
+                self._etag = etag
+                continue
+            self.lost = (f"the lock of {self.shown} was taken over by {_holder(body) if body else 'another run'} "
+                         f"(this run's lease of {self.lease_s:g} s ran out unrenewed); the output was not written")
+            return
+
+    def _write(self, create: bool = False, if_match: str | None = None) -> str:
+        """Write our body: only if there is no lock (`create`), or only over the version `if_match`; the new ETag."""
+        body = {"pid": os.getpid(), "host": socket.gethostname(), "since": self._since,
+                "lease_s": self.lease_s, "lease_until": time.time() + self.lease_s}
+        data = json.dumps(body).encode()
+        condition: dict[str, Any] = {"mode": "create"} if create else {"IfMatch": if_match}
+        answer = with_retries(lambda: self.fs.pipe_file(self.path, data, **condition))
+        return str((answer or {}).get("ETag", ""))
+
+    def _is_ours(self, body: dict[str, Any]) -> bool:
+        return (body.get("pid"), body.get("host"), body.get("since")) == (os.getpid(), socket.gethostname(),
+                                                                          self._since)
+
+    def _read(self) -> tuple[dict[str, Any], str]:
+        """The lock's body and ETag. The ETag is read first: the body is then as new as it or newer, and a
+        newer body is a fresh lease (every write renews), so an expired body is never paired with a later ETag."""
+        info = with_retries(lambda: self.fs.info(self.path, refresh=True))
+        data = with_retries(lambda: self.fs.cat_file(self.path))
+        try:
+            body = json.loads(data)
+        except ValueError:
+            body = {}   # not a lock this tool wrote: treated as expired, and taken over with a warning
+        return body if isinstance(body, dict) else {}, str(info.get("ETag", ""))
+
+    def __enter__(self) -> RemoteLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.release()
+
+
+def _holder(body: dict[str, Any]) -> str:
+    return f"pid {body.get('pid', '?')} on {body.get('host', 'an unknown host')}, since {body.get('since', '?')}"
+
+
+def _lost_race(error: OSError) -> bool:
+    """Whether a conditional write failed on its condition (s3fs: EINVAL for 412 Precondition Failed)."""
+    return isinstance(error, FileExistsError) or error.errno == errno.EINVAL

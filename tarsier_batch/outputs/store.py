@@ -55,15 +55,29 @@ class StoredRows:
     unreadable_parts: list[str] = field(default_factory=list)           # "name: reason"
 
 
+def work_name(output_name: str) -> str:
+    """The name of the hidden work directory beside the output named `output_name`."""
+    return f".{output_name}.tarsier"
+
+
 class ResultStore:
-    """The output (a file, or a folder of shards) and its work directory of part files."""
+    """The output (a file, or a folder of shards) and its work directory of part files.
+
+    `on_written` and `on_removed` are told of each file of the work directory written (a part, the
+    settings) and of parts removed, after the fact, so that a mirror (`remote.RemoteOutput`, an object
+    store) can follow; they must return at once: they are called where rows are saved.
+    """
 
     def __init__(self, target: OutputTarget, columns: OutputColumns, flush_rows: int = FLUSH_ROWS,
-                 flush_seconds: float = FLUSH_SECONDS, clock: Callable[[], float] = time.monotonic):
+                 flush_seconds: float = FLUSH_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 on_written: Callable[[Path], None] | None = None,
+                 on_removed: Callable[[list[Path]], None] | None = None):
         target.check()
         self.target = target
         self.out = target.path
-        self.work_dir = self.out.parent / f".{self.out.name}.tarsier"
+        self.work_dir = self.out.parent / work_name(self.out.name)
+        self.out_shown, self.work_shown = target.shown, target.shown_beside(work_name(self.out.name))
+        self._on_written, self._on_removed = on_written, on_removed
         self.columns = columns
         self.schema = columns.schema()   # of the rows and the part files: one row per item
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
@@ -77,14 +91,14 @@ class ResultStore:
         stored = StoredRows()
         if self.target.exists():
             table, stored.provenance = _read_output(self.target, self.columns.read_schema())
-            stored.settings[str(self.out)] = stored.provenance["settings"]
+            stored.settings[self.out_shown] = stored.provenance["settings"]
             stored.long = is_long(stored.provenance)
             _take_rows(stored, self.columns.item_rows(table, stored.long))
         settings_file = self.work_dir / SETTINGS_FILE
         parts = self._parts()
         if settings_file.exists() and parts:
             stored.provenance = json.loads(settings_file.read_text())
-            stored.settings[str(self.work_dir)] = stored.provenance["settings"]
+            stored.settings[self.work_shown] = stored.provenance["settings"]
         stored.parts = len(parts)
         for part in parts:
             try:
@@ -99,6 +113,7 @@ class ResultStore:
         `provenance` (with the resume settings under "settings") is stored for the next run.
         """
         if fresh:
+            self._removed(self._parts())
             shutil.rmtree(self.work_dir, ignore_errors=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
@@ -112,6 +127,7 @@ class ResultStore:
     def record_provenance(self, provenance: dict[str, Any]) -> None:
         """Keep `provenance` in the work directory: the output's, when a later run resumes it."""
         write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
+        self._written(self.work_dir / SETTINGS_FILE)
 
     def add(self, row: dict[str, Any]) -> None:
         """Queue a finished row: saved with the next part (`flush_if_due`; at once if it fills one).
@@ -137,13 +153,14 @@ class ResultStore:
         if not self._pending:
             return
         rows, self._pending = self._pending, []
-        name = f"part-{time.time_ns():020d}-{os.getpid()}.parquet"
+        part = self._new_part()
         table = pa.Table.from_pylist(rows, schema=self.schema)
         try:
-            write_atomically(self.work_dir / name, lambda path: pq.write_table(table, path))
+            write_atomically(part, lambda path: pq.write_table(table, path))
         except OSError as error:
-            raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_dir}: "
+            raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_shown}: "
                                    f"{error.strerror or error}") from error
+        self._written(part)
         self.saved_rows += len(rows)
         self._last_save = self._clock()
         self._parts_written += 1
@@ -154,15 +171,16 @@ class ResultStore:
         """Merge the work directory's parts into one: slow rows, each saved at once, would leave a part per row
         (100,000 files on a long run, each read again on resume). The merged part is written before the
         others are removed: a crash in between leaves rows twice, and the newest row of a path wins."""
-        parts = self._parts()
+        parts, merged = self._parts(), self._new_part()
         try:
             table = pa.concat_tables(pq.read_table(part) for part in parts)
-            write_atomically(self.work_dir / f"part-{time.time_ns():020d}-{os.getpid()}.parquet",
-                             lambda path: pq.write_table(table, path))
+            write_atomically(merged, lambda path: pq.write_table(table, path))
         except (OSError, pa.ArrowException):
             return   # compacting is an economy: the parts stay as they are
+        self._written(merged)   # told first: a mirror holds the merged part before it drops the others
         for part in parts:
             part.unlink(missing_ok=True)
+        self._removed(parts)
 
     @property
     def pending_rows(self) -> int:
@@ -177,7 +195,7 @@ class ResultStore:
         try:
             self.target.kind.write(self.target, table, provenance, summary, self._replace)
         except OSError as error:
-            raise OutputWriteError(f"cannot write {self.out}: {error.strerror or error}") from error
+            raise OutputWriteError(f"cannot write {self.out_shown}: {error.strerror or error}") from error
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def _replace(self, path: Path, write: Callable[[Path], None]) -> None:
@@ -186,16 +204,26 @@ class ResultStore:
     def _parts(self) -> list[Path]:
         return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
 
+    def _new_part(self) -> Path:
+        return self.work_dir / f"part-{time.time_ns():020d}-{os.getpid()}.parquet"
+
+    def _written(self, path: Path) -> None:
+        if self._on_written is not None:
+            self._on_written(path)
+
+    def _removed(self, paths: list[Path]) -> None:
+        if self._on_removed is not None and paths:
+            self._on_removed(paths)
+
 
 def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any]]:
-    out = target.path
     try:
         table, provenance, _ = read_results(target, schema)
     except (OSError, pa.ArrowException, ValueError, KeyError) as error:
-        raise OutputError(f"{out} exists but is not readable {target.format} results of tarsier-batch "
+        raise OutputError(f"{target.shown} exists but is not readable {target.format} results of tarsier-batch "
                           f"({one_line(error)}); pass --overwrite to replace it") from error
     if "settings" not in provenance or "key" not in table.column_names:
-        raise OutputError(f"{out} exists but was not written by this version of tarsier-batch, so it cannot "
+        raise OutputError(f"{target.shown} exists but was not written by this version of tarsier-batch, so it cannot "
                           f"be continued; pass --overwrite to replace it")
     return table, provenance
 
@@ -229,4 +257,4 @@ def _fsync_directory(directory: Path) -> None:
             os.close(descriptor)
 
 
-__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "write_atomically"]
+__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "work_name", "write_atomically"]

@@ -1,0 +1,267 @@
+"""Outputs at object store URLs, against a real S3 API on loopback (moto): written whole, resumed, locked."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pyarrow.parquet as pq
+import pytest
+import s3fs
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
+from tarsier_batch.outputs.lock import LEASE_ENV, OutputLockedError, RemoteLock
+
+from conftest import SAMPLE_DATA
+
+runner = CliRunner()
+SAMPLES = ["ball.gif", "portrait.JPG", "still.png"]
+STABLE = ["path", "key", "caption", "num_frames", "frame_indices", "generated_tokens", "finish_reason", "error"]
+WAIT_S = 120
+
+
+def caption(*args: str):
+    return runner.invoke(app, ["caption", *args])
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    """The rows without timings, which differ between runs."""
+    return [{name: row[name] for name in STABLE} for row in rows]
+
+
+def store() -> s3fs.S3FileSystem:
+    """A client of its own, with no listing cache: it sees what the runs wrote."""
+    return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+
+
+def keys(bucket: str) -> list[str]:
+    listed = boto3.client("s3").list_objects_v2(Bucket=bucket).get("Contents", [])
+    return sorted(entry["Key"] for entry in listed)
+
+
+def no_secret(*texts: str | bytes) -> None:
+    secret = os.environ["AWS_SECRET_ACCESS_KEY"]
+    for text in texts:
+        assert secret not in (text.decode("utf-8", "replace") if isinstance(text, bytes) else text)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("in")
+    for name in SAMPLES:
+        shutil.copy(SAMPLE_DATA / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(inputs: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The rows a run over the same inputs writes to a local file."""
+    out = tmp_path_factory.mktemp("reference") / "r.parquet"
+    result = caption(str(inputs), "--model", str(tiny_model_dir), "--max-new-tokens", "3", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    return stable(pq.read_table(out).to_pylist())
+
+
+@pytest.fixture
+def args(inputs: Path, tiny_model_dir: Path) -> list[str]:
+    return [str(inputs), "--model", str(tiny_model_dir), "--max-new-tokens", "3"]
+
+
+@pytest.fixture
+def staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The cache folder the runs stage outputs in (each test its own)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "tarsier-batch" / "staging"
+
+
+def nothing_staged(staging: Path) -> bool:
+    return not staging.exists() or not any(staging.iterdir())
+
+
+def test_parquet_at_a_url_is_the_local_run_s_rows_with_nothing_left_behind(s3, args: list[str], staging: Path,
+                                                                           reference: list[dict],
+                                                                           tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/r.parquet"
+    log = tmp_path / "run.log"
+    result = caption(*args, "-o", url, "--log-file", str(log))
+    assert result.exit_code == 0, result.output
+    assert f"{url} (3 rows)" in result.output and str(staging) not in result.output
+    assert keys(bucket) == ["r.parquet"]   # no part objects, no settings, no lock object
+    assert s3.requests("PUT", f"/{bucket}/r.parquet") == 1   # the output arrived whole, in one PUT
+    assert stable(pq.read_table(f"{bucket}/r.parquet", filesystem=store()).to_pylist()) == reference
+    assert nothing_staged(staging)
+    no_secret(result.output, log.read_text(), store().cat_file(f"{bucket}/r.parquet"))
+
+
+def test_jsonl_at_a_url_is_continued_and_previewed_from_the_store(s3, args: list[str], staging: Path,
+                                                                 reference: list[dict]) -> None:
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/r.jsonl"
+    first = caption(*args, "-o", url)
+    assert first.exit_code == 0, first.output
+    assert keys(bucket) == ["r.jsonl", "r.jsonl.meta.json"]
+    rows = [json.loads(line) for line in store().cat_file(f"{bucket}/r.jsonl").decode().splitlines()]
+    assert [(row["path"], row["caption"]) for row in rows] == [(row["path"], row["caption"]) for row in reference]
+    meta = store().cat_file(f"{bucket}/r.jsonl.meta.json")
+    assert json.loads(meta)["tarsier_batch"]["settings"]["max_new_tokens"] == 3
+    # Continued from the objects alone (the staging folder is gone): nothing to do, nothing rewritten.
+    again = caption(*args, "-o", url)
+    assert again.exit_code == 0 and "captioned 0" in again.output and f"{url} (3 rows, unchanged)" in again.output
+    preview = caption(*args, "-o", url, "--dry-run")
+    assert preview.exit_code == 0 and preview.output.count("skip\t") == 3, preview.output
+    assert s3.requests("PUT", f"/{bucket}/r.jsonl") == 2   # the meta file, then the rows: once each
+    assert keys(bucket) == ["r.jsonl", "r.jsonl.meta.json"] and nothing_staged(staging)
+    no_secret(first.output, again.output, preview.output, meta, store().cat_file(f"{bucket}/r.jsonl"))
+
+
+def test_out_dir_at_a_url_writes_shards_and_drops_those_beyond_a_new_count(s3, args: list[str], staging: Path,
+                                                                          reference: list[dict]) -> None:
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/shards/"
+    first = caption(*args, "--out-dir", url, "--shard-rows", "2")
+    assert first.exit_code == 0, first.output
+    assert keys(bucket) == ["shards/part-00000.parquet", "shards/part-00001.parquet"]
+    fs = store()
+    assert stable(pq.read_table(f"{bucket}/shards", filesystem=fs).to_pylist()) == reference
+    fewer = caption(*args, "--out-dir", url, "--shard-rows", "3", "--overwrite")
+    assert fewer.exit_code == 0, fewer.output
+    assert keys(bucket) == ["shards/part-00000.parquet"]
+    assert stable(pq.read_table(f"{bucket}/shards", filesystem=store()).to_pylist()) == reference
+    fs.pipe_file(f"{bucket}/shards/notes.txt", b"mine")
+    refused = caption(*args, "--out-dir", url)
+    assert refused.exit_code == 2 and f"--out-dir {url} holds other objects (notes.txt)" in refused.output
+    assert nothing_staged(staging)
+
+
+def parts(bucket: str, output: str = "r.parquet") -> list[str]:
+    return [key for key in keys(bucket) if key.startswith(f".{output}.tarsier/part-")]
+
+
+def started_until_parts(args: list[str], bucket: str, count: int) -> subprocess.Popen:
+    """`tarsier caption ARGS` in a process group of its own, once `count` part objects are in the bucket.
+
+    The last input hangs its decoder, so the run is still going then; a short lease lets a later run
+    take over the lock of a killed one soon.
+    """
+    env = {**os.environ, "TARSIER_BATCH_FAULT": f"hang:{SAMPLES[-1]}", LEASE_ENV: "1"}
+    run = subprocess.Popen([sys.executable, "-m", "tarsier_batch.cli", "caption", *args, "--flush-rows", "1"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(parts(bucket)) < count:
+            assert run.poll() is None, f"the run ended first: {run.communicate(timeout=10)}"
+            assert time.monotonic() < deadline, f"no {count} part objects after {WAIT_S} s"
+            time.sleep(0.05)
+    except BaseException:
+        stop(run, signal.SIGKILL)
+        raise
+    return run
+
+
+def stop(run: subprocess.Popen, signal_number: int) -> tuple[str, str]:
+    """Send `signal_number` to the run (SIGKILL: to its process group, fork server and hung decoder too)."""
+    if signal_number == signal.SIGKILL:
+        os.killpg(run.pid, signal.SIGKILL)
+    else:
+        run.send_signal(signal_number)
+    try:
+        return run.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)   # whatever of the group outlived the run
+
+
+def rows_in(bucket: str, keys_: list[str]) -> int:
+    fs = store()
+    return sum(pq.read_table(f"{bucket}/{key}", filesystem=fs).num_rows for key in keys_)
+
+
+def test_a_run_killed_mid_way_is_resumed_from_its_uploaded_parts(s3, args: list[str], staging: Path,
+                                                                reference: list[dict]) -> None:
+    """kill -9 once rows reached the store, then run again: only the rest is captioned."""
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/r.parquet"
+    killed = started_until_parts([*args, "-o", url, "--quiet"], bucket, 2)
+    stop(killed, signal.SIGKILL)
+    saved = rows_in(bucket, parts(bucket))
+    assert 2 <= saved < 3 and "r.parquet" not in keys(bucket)
+    lease = json.loads(store().cat_file(f"{bucket}/.r.parquet.tarsier.lock"))
+    time.sleep(max(0.0, lease["lease_until"] - time.time()))   # the dead run's lease runs out
+    resumed = caption(*args, "-o", url)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"took over the lock of {url} from pid {killed.pid} on " in resumed.output
+    assert f"captioned {3 - saved}" in resumed.output and f"done earlier {saved}" in resumed.output
+    assert stable(pq.read_table(f"{bucket}/r.parquet", filesystem=store()).to_pylist()) == reference
+    assert keys(bucket) == ["r.parquet"] and nothing_staged(staging)
+
+
+def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(s3, args: list[str], staging: Path) -> None:
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/r.parquet"
+    run = started_until_parts([*args, "-o", url], bucket, 1)
+    _, stderr = stop(run, signal.SIGTERM)
+    assert run.returncode == 143, stderr
+    said = re.search(r"tarsier: terminated; (\d+) finished rows? (?:is|are) saved in (\S+) and (\S+) was not changed",
+                     stderr)
+    assert said is not None, stderr
+    saved = int(said.group(1))
+    assert said.group(2, 3) == (f"s3://{bucket}/.r.parquet.tarsier", url)
+    assert rows_in(bucket, parts(bucket)) == saved >= 1   # every row the message counts is in the store
+    assert ".r.parquet.tarsier.lock" not in keys(bucket) and nothing_staged(staging)
+
+
+def test_a_locked_output_exits_75_naming_its_holder_whose_lease_is_renewed(s3, args: list[str], staging: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/r.parquet"
+    with RemoteLock(url):
+        locked = caption(*args, "-o", url)
+    assert locked.exit_code == 75
+    assert locked.output.startswith(f"Error: another run is writing {url} (pid {os.getpid()} on ")
+    assert "loading" not in locked.output and keys(bucket) == []   # released: the object is gone
+    monkeypatch.setenv(LEASE_ENV, "0.6")
+    holder = RemoteLock(url)
+    holder.acquire()
+    try:
+        first = json.loads(store().cat_file(f"{bucket}/.r.parquet.tarsier.lock"))["lease_until"]
+        time.sleep(max(0.0, first + 0.2 - time.time()))   # past the first lease: only renewals keep it
+        with pytest.raises(OutputLockedError, match=f"pid {os.getpid()} on "):
+            RemoteLock(url).acquire()
+    finally:
+        holder.release()
+    assert keys(bucket) == [] and not any(thread.name == "tarsier-lock-lease" for thread in threading.enumerate())
+
+
+def test_merge_writes_the_joined_shards_to_a_url(s3, args: list[str], staging: Path, reference: list[dict],
+                                                 tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    for index in range(2):
+        shard = caption(*args, "--shard", f"{index}/2", "-o", str(tmp_path / "shards" / f"shard-{index}.parquet"))
+        assert shard.exit_code == 0, shard.output
+    url = f"s3://{bucket}/merged.parquet"
+    merged = runner.invoke(app, ["merge", str(tmp_path / "shards"), "-o", url])
+    assert merged.exit_code == 0 and f"merged 2 shards into {url} (3 rows, " in merged.output, merged.output
+    assert keys(bucket) == ["merged.parquet"] and nothing_staged(staging)
+    assert stable(pq.read_table(f"{bucket}/merged.parquet", filesystem=store()).to_pylist()) == reference
+
+
+@pytest.mark.parametrize(("flag", "url"), [("--out", "https://example.com/r.parquet"),
+                                           ("--out-dir", "hf://datasets/someone/captions")])
+def test_a_read_only_url_is_refused_at_once(flag: str, url: str, tmp_path: Path) -> None:
+    # A missing input and model: reaching either would end the command with another error.
+    result = caption(str(tmp_path / "missing"), "--model", str(tmp_path / "no-model"), flag, url)
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [f"Error: {flag} {url}: {url.split(':')[0]}:// is read-only; write to "
+                                          f"s3://, gs://, az:// or a local path"]
