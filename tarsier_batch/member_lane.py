@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from . import storage, tars
 from .sources import MediaItem
@@ -23,25 +24,26 @@ _JOIN_TIMEOUT_S = 30
 
 
 class MemberLane:
-    """Reads members for the pool on one thread: `hand_on(item_with_bytes)` or `fail(item, message)` per item.
+    """Reads members for the pool on one thread: `hand_on(item_with_bytes, ticket)` or `fail(item, ticket, message)`
+    per item, `ticket` being what `read` was given with it.
 
     `release(item)` gives back an item's share of the read-ahead bound once it is decoded.
     """
 
-    def __init__(self, hand_on: Callable[[MediaItem], None], fail: Callable[[MediaItem, str], None],
+    def __init__(self, hand_on: Callable[[MediaItem, Any], None], fail: Callable[[MediaItem, Any, str], None],
                  read_ahead_bytes: int = READ_AHEAD_BYTES):
         self._hand_on, self._fail = hand_on, fail
         self._read_ahead_bytes = read_ahead_bytes
-        self._queue: queue.SimpleQueue[MediaItem | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[MediaItem, Any] | None] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._room = threading.Condition()
         self._in_flight = 0
         self._thread = threading.Thread(target=self._run, name="tarsier-shard-reader", daemon=True)
         self._thread.start()
 
-    def read(self, item: MediaItem) -> None:
-        """Queue a shard member (`item.member` set) to be read and handed on."""
-        self._queue.put(item)
+    def read(self, item: MediaItem, ticket: Any) -> None:
+        """Queue a shard member (`item.member` set) to be read and handed on with `ticket`."""
+        self._queue.put((item, ticket))
 
     def release(self, item: MediaItem) -> None:
         with self._room:
@@ -60,7 +62,8 @@ class MemberLane:
         reader: tars.ShardReader | None = None
         reading = ""
         try:
-            while (item := self._queue.get()) is not None and not self._stop.is_set():
+            while (entry := self._queue.get()) is not None and not self._stop.is_set():
+                item, ticket = entry
                 shard, _ = tars.split_member_path(item.path) or (item.path, "")
                 if reader is None or reading != shard:
                     if reader is not None:
@@ -76,9 +79,9 @@ class MemberLane:
                     self.release(item)
                     reader.close()
                     reader = None   # reopened for the next member
-                    self._fail(item, f"cannot read it from its shard: {storage.redact_text(one_line(error))}")
+                    self._fail(item, ticket, f"cannot read it from its shard: {storage.redact_text(one_line(error))}")
                     continue
-                self._hand_on(replace(item, content=content))
+                self._hand_on(replace(item, content=content), ticket)
         finally:
             if reader is not None:
                 reader.close()

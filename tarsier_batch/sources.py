@@ -62,7 +62,7 @@ class MediaItem:
     member: TarMember | None = field(default=None, compare=False)
     shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
     # The member's bytes, read ahead by the decoding pool's shard reader on their way to a worker.
-    content: bytes | None = field(default=None, repr=False, compare=False)
+    content: bytearray | None = field(default=None, repr=False, compare=False)
 
     @property
     def stable_key(self) -> str:

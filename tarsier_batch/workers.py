@@ -204,7 +204,6 @@ class DecodePool:
         self._threads: ThreadPoolExecutor | None = None
         self._processes: ProcessPool | None = None
         self._members: MemberLane | None = None   # reads shard members, started by the first one
-        self._member_futures: dict[str, Future[Decoded]] = {}   # by the member item's path, while it is read
         if isolate:
             # Pickled here, once: an unpicklable processor fails now, in the caller, and torch's
             # multiprocessing reducers (shared memory for tensors) never see the job.
@@ -227,10 +226,9 @@ class DecodePool:
                 raise RuntimeError("the decoding pool is shut down")
             self._pending[decoded] = (index, item, started)
             if item.member is not None and item.content is None:
-                self._member_futures[item.path] = decoded
                 if self._members is None:
                     self._members = MemberLane(self._member_read, self._member_failed)
-                self._members.read(item)
+                self._members.read(item, decoded)
                 return decoded
         self._start(decoded, index, item)
         return decoded
@@ -244,12 +242,11 @@ class DecodePool:
             raise
         task.add_done_callback(partial(self._task_done, decoded))
 
-    def _member_read(self, item: MediaItem) -> None:
+    def _member_read(self, item: MediaItem, decoded: Future[Decoded]) -> None:
         """A shard member's bytes arrived (on the lane's thread): decode it."""
         with self._lock:
-            decoded = self._member_futures.pop(item.path, None)
-            entry = self._pending.get(decoded) if decoded is not None else None
-        if decoded is None or entry is None:   # shut down meanwhile
+            entry = self._pending.get(decoded)
+        if entry is None:   # shut down meanwhile
             self._members.release(item)
             return
         try:
@@ -258,11 +255,10 @@ class DecodePool:
             self._members.release(item)
             decoded.set_result(Decoded(entry[0], entry[1], 0.0, error=STOPPED))
 
-    def _member_failed(self, item: MediaItem, message: str) -> None:
+    def _member_failed(self, item: MediaItem, decoded: Future[Decoded], message: str) -> None:
         with self._lock:
-            decoded = self._member_futures.pop(item.path, None)
-            entry = self._pending.get(decoded) if decoded is not None else None
-        if decoded is not None and entry is not None:
+            entry = self._pending.get(decoded)
+        if entry is not None:
             self._settle(decoded, Decoded(entry[0], entry[1], time.perf_counter() - entry[2], error=message))
 
     def shutdown(self) -> None:
