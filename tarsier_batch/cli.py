@@ -24,7 +24,7 @@ from rich.traceback import Traceback
 from .catalog import DEFAULT_MODEL, families, family_named
 from .checkpoints import DEMO_ALIAS, ModelNotFoundError
 from .config import ConfigError, config_defaults
-from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest
+from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
 from .media import MAX_IMAGE_PIXELS
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
@@ -133,7 +133,7 @@ def caption(
     shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
     manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
     path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
-    keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output (a name taken by an output column gets the prefix input_).", show_default=False)] = None,
+    keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output; with WebDataset shards, their members' sibling files by extension (json,txt). A name taken by an output column gets the prefix input_.", show_default=False)] = None,
     null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
@@ -259,9 +259,8 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
     if manifest is None:
         if not inputs:
             _fail("give INPUTS (files, folders, globs, '-' for stdin) or --manifest FILE")
-        for flag, value in (("--path-column", path_column), ("--keep-columns", keep_columns)):
-            if value is not None:
-                _fail(f"{flag} needs --manifest")
+        if path_column is not None:
+            _fail("--path-column needs --manifest")
     elif inputs:
         _fail("give INPUTS or --manifest, not both")
     if null_separated and "-" not in inputs:
@@ -353,7 +352,9 @@ def _find_items(inputs: list[str], manifest: Path | None, path_column: str | Non
     try:
         if manifest is not None:
             return read_manifest(manifest, key, RESERVED_NAMES, path_column, keep_columns)
-        return discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
+        found = discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
+        # Without a manifest, the kept columns are the shards' sibling files (`key.json` beside `key.mp4`).
+        return sibling_columns(found, keep_columns, RESERVED_NAMES) if keep_columns is not None else found
     except (InputNotFoundError, ManifestError, OSError) as error:
         _fail(str(error))
 

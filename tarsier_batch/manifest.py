@@ -100,6 +100,9 @@ def _object_facts(path: Path, row_number: int, url: str) -> storage.ObjectFacts 
 def sibling_columns(discovery: Discovery, keep_columns: str, reserved: frozenset[str]) -> Manifest:
     """The items of WebDataset shards with their siblings' texts (by extension: `json`, `txt`, ...) kept as columns:
     "all" or comma-separated extensions. A kept extension named like an output column gets the prefix input_."""
+    if not any(item.member is not None for item in discovery.items):
+        raise ManifestError("--keep-columns needs --manifest (its columns) or WebDataset shards among the inputs "
+                            "(their sibling files)")
     found = sorted({name for item in discovery.items for name in item.columns})
     wanted = found if keep_columns.strip() == "all" else [name.strip() for name in keep_columns.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in found]

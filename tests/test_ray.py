@@ -310,7 +310,8 @@ def test_a_prompt_set_on_ray_writes_the_single_process_rows_and_resumes_with_a_n
 @pytest.mark.ray
 def test_ray_reads_objects_and_shards_from_a_store_without_a_shared_path(cluster: Path, tiny_model_dir: Path, s3,
                                                                          tmp_path: Path, monkeypatch) -> None:
-    """Inputs only in the store (objects and a WebDataset shard): the rows a single run writes, and a rerun resumes."""
+    """Inputs and output only in the store (objects, a WebDataset shard, a Parquet object): the rows a single run
+    writes, and a rerun resumes."""
     import boto3
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -329,9 +330,10 @@ def test_ray_reads_objects_and_shards_from_a_store_without_a_shared_path(cluster
     expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
     assert [row["path"] for row in expected] == [f"s3://{bucket}/in/ball.gif", f"s3://{bucket}/in/shard.tar#a.mp4",
                                                  f"s3://{bucket}/in/shard.tar#b.JPG", f"s3://{bucket}/in/still.png"]
-    out = tmp_path / "ray-out"
-    done = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    out = f"s3://{bucket}/captions.parquet"   # nothing of the run on a path the cluster shares
+    done = caption(tiny_model_dir, *inputs, "--ray", "local", "-o", out)
     assert done.exit_code == 0, done.output
-    assert ray_rows(out) == expected
-    again = caption(tiny_model_dir, *inputs, "--ray", "local", "--out-dir", str(out))
+    body = client.get_object(Bucket=bucket, Key="captions.parquet")["Body"].read()
+    assert pq.read_table(io.BytesIO(body)).drop(["elapsed_s"]).to_pylist() == expected
+    again = caption(tiny_model_dir, *inputs, "--ray", "local", "-o", out)
     assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 4" in again.output, again.output

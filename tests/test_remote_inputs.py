@@ -1,0 +1,208 @@
+"""Inputs in an object store (a real S3 API: moto's server on loopback) and in WebDataset shards, local and remote.
+
+Captions are compared with those of the same files on local disk (the demo model, which really captions), so a
+member or object decoded from the wrong bytes, or in the wrong place, fails.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import boto3
+import pyarrow.parquet as pq
+import pytest
+import webdataset
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
+from tarsier_batch.review.thumbnails import StripJob, make_strip
+from tarsier_batch.sources import discover, readable_copy
+from tarsier_batch.tars import ShardError
+
+SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
+CLIPS = ["demo_blue_square_moves_down.mp4", "demo_green_square_shrinks.mp4", "demo_yellow_circle_grows.mp4"]
+runner = CliRunner()
+
+
+def caption(*args: str) -> list[dict]:
+    result = runner.invoke(app, ["caption", *args, "--model", "demo", "--quiet"])
+    assert result.exit_code in (0, 1), result.output
+    out = args[args.index("-o") + 1]
+    return pq.read_table(out).to_pylist()
+
+
+@pytest.fixture(scope="module")
+def local_captions(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> caption, of the clips on local disk."""
+    out = tmp_path_factory.mktemp("local") / "r.parquet"
+    rows = caption(*(str(SAMPLE_DATA / name) for name in CLIPS), str(SAMPLE_DATA / "still.png"), "-o", str(out))
+    return {Path(row["path"]).name: row["caption"] for row in rows}
+
+
+@pytest.fixture(autouse=True)
+def own_index_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def upload(s3, bucket: str, key: str, body: bytes) -> None:
+    boto3.client("s3", endpoint_url=s3.endpoint).put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def test_a_prefix_captions_as_the_files_do_and_resumes(s3, tmp_path: Path, local_captions: dict[str, str]) -> None:
+    bucket = s3.new_bucket()
+    for name in CLIPS:
+        upload(s3, bucket, f"clips/{name}", (SAMPLE_DATA / name).read_bytes())
+    upload(s3, bucket, "clips/.hidden/x.mp4", (SAMPLE_DATA / CLIPS[0]).read_bytes())
+    upload(s3, bucket, "clips/notes.txt", b"not media")
+    out = tmp_path / "r.parquet"
+    rows = caption(f"s3://{bucket}/clips", "-o", str(out))
+    assert [row["path"] for row in rows] == [f"s3://{bucket}/clips/{name}" for name in CLIPS]
+    assert [row["caption"] for row in rows] == [local_captions[name] for name in CLIPS]
+    assert all(row["error"] is None and row["size_bytes"] == (SAMPLE_DATA / Path(row["path"]).name).stat().st_size
+               for row in rows)
+
+    gets = s3.requests("GET", f"/{bucket}/clips/")
+    again = runner.invoke(app, ["caption", f"s3://{bucket}/clips", "-o", str(out), "--model", "demo"])
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 3" in again.output, again.output
+    assert s3.requests("GET", f"/{bucket}/clips/") == gets   # nothing fetched again
+
+    upload(s3, bucket, f"clips/{CLIPS[1]}", (SAMPLE_DATA / CLIPS[2]).read_bytes())   # new content, new ETag
+    rows = caption(f"s3://{bucket}/clips", "-o", str(out))
+    assert [row["caption"] for row in rows] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]],
+                                                local_captions[CLIPS[2]]]
+
+
+def test_a_missing_object_is_an_error_row_and_credentials_stay_out(s3, tmp_path: Path, monkeypatch) -> None:
+    bucket = s3.new_bucket()
+    upload(s3, bucket, "a.png", (SAMPLE_DATA / "still.png").read_bytes())
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-that-must-not-leak")
+    out = tmp_path / "r.jsonl"
+    result = runner.invoke(app, ["caption", f"s3://{bucket}/a.png", f"s3://{bucket}/gone.mp4", "-o", str(out),
+                                 "--model", "demo"])
+    assert result.exit_code == 1, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["error"] is None and rows[0]["caption"]
+    assert rows[1]["path"] == f"s3://{bucket}/gone.mp4" and "no such object" in rows[1]["error"]
+    for text in [out.read_text(), out.with_name("r.jsonl.meta.json").read_text(), result.output]:
+        assert "s3cr3t-that-must-not-leak" not in text
+    nothing = runner.invoke(app, ["caption", f"s3://{bucket}/nothing-here", "-o", str(tmp_path / "n.parquet"),
+                                  "--model", "demo"])
+    assert nothing.exit_code == 2 and "nothing found at s3://" in nothing.output
+
+
+def write_shard(path: Path, samples: list[tuple[str, str]], with_webdataset: bool = False) -> list[str]:
+    """A WebDataset shard: per sample (key, clip name) the clip as `<key>.<ext>` and a JSON sibling; a stray
+    README member too. Returns the member names of the clips."""
+    members = []
+    if with_webdataset:
+        with webdataset.TarWriter(str(path)) as sink:
+            for key, name in samples:
+                ext = name.rsplit(".", 1)[1]
+                sink.write({"__key__": key, ext: (SAMPLE_DATA / name).read_bytes(),
+                            "json": json.dumps({"source": name}).encode()})
+                members.append(f"{key}.{ext}")
+        return members
+    with tarfile.open(path, "w") as tar:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1_700_000_000
+            tar.addfile(info, io.BytesIO(data))
+        add("README", b"a stray member")
+        for key, name in samples:
+            add(f"{key}.{name.rsplit('.', 1)[1]}", (SAMPLE_DATA / name).read_bytes())
+            add(f"{key}.json", json.dumps({"source": name}).encode())
+            members.append(f"{key}.{name.rsplit('.', 1)[1]}")
+    return members
+
+
+def test_local_shards_caption_their_members_with_siblings_kept(tmp_path: Path, local_captions: dict[str, str]
+                                                                ) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    first = write_shard(shards / "00000.tar", [("s0", CLIPS[0]), ("s1", "still.png")])
+    second = write_shard(shards / "00001.tar", [("s2", CLIPS[2])], with_webdataset=True)
+    out = tmp_path / "r.parquet"
+    rows = caption(str(shards / "{00000..00001}.tar"), "-o", str(out), "--keep-columns", "json")
+    assert [row["path"] for row in rows] == [f"{shards}/00000.tar#{first[0]}", f"{shards}/00000.tar#{first[1]}",
+                                             f"{shards}/00001.tar#{second[0]}"]
+    assert [row["caption"] for row in rows] == [local_captions[CLIPS[0]], local_captions["still.png"],
+                                                local_captions[CLIPS[2]]]
+    assert [json.loads(row["json"])["source"] for row in rows] == [CLIPS[0], "still.png", CLIPS[2]]
+    found = discover([str(shards)])
+    assert len(found.items) == 3 and dict(found.skipped) == {"(no extension)": 1}   # README; the JSONs are siblings
+
+
+def test_a_remote_shard_is_read_with_one_request(s3, tmp_path: Path, local_captions: dict[str, str]) -> None:
+    bucket = s3.new_bucket()
+    members = write_shard(tmp_path / "00000.tar", [("a", CLIPS[0]), ("b", CLIPS[1]), ("c", CLIPS[2])])
+    upload(s3, bucket, "wds/00000.tar", (tmp_path / "00000.tar").read_bytes())
+    url = f"s3://{bucket}/wds/00000.tar"
+    discover([url])   # lists it (its headers) into the index cache
+    listed = s3.requests("GET", "/wds/00000.tar")
+    rows = caption(f"s3://{bucket}/wds/", "-o", str(tmp_path / "r.parquet"))
+    assert [row["path"] for row in rows] == [f"{url}#{name}" for name in members]
+    assert [row["caption"] for row in rows] == [local_captions[name] for name in CLIPS]
+    assert s3.requests("GET", "/wds/00000.tar") - listed == 1   # the index came from the cache; one streamed read
+
+
+def test_inspect_and_report_read_objects_and_members(s3, tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    members = write_shard(tmp_path / "00000.tar", [("a", CLIPS[0]), ("b", "still.png")])
+    upload(s3, bucket, "wds/00000.tar", (tmp_path / "00000.tar").read_bytes())
+    upload(s3, bucket, "clip.mp4", (SAMPLE_DATA / CLIPS[1]).read_bytes())
+    local = runner.invoke(app, ["inspect", "--json", "--model", "demo", str(SAMPLE_DATA / CLIPS[1])])
+    for target in [f"s3://{bucket}/clip.mp4", f"s3://{bucket}/wds/00000.tar#{members[0]}",
+                   f"{tmp_path / '00000.tar'}#{members[0]}"]:
+        shown = runner.invoke(app, ["inspect", "--json", "--model", "demo", target])
+        assert shown.exit_code == 0, shown.output
+        facts = json.loads(shown.output)
+        assert facts["path"] == target and facts["problem"] is None
+        assert facts["frame_indices"] == json.loads(local.output)["frame_indices"]
+    missing = runner.invoke(app, ["inspect", f"s3://{bucket}/wds/00000.tar#nope.mp4"])
+    assert missing.exit_code == 1 and "has no member 'nope.mp4'" in missing.output
+
+    for path, media_type in [(f"s3://{bucket}/wds/00000.tar#{members[0]}", "video"),
+                             (f"s3://{bucket}/wds/00000.tar#{members[1]}", "image"),
+                             (f"s3://{bucket}/clip.mp4", "video")]:
+        strip = make_strip(StripJob(path, media_type, (0, 1) if media_type == "video" else (0,), 32))
+        assert strip.uri is not None and strip.uri.startswith("data:image/jpeg"), strip.problem
+
+
+def test_shards_in_the_store_into_a_parquet_object_and_resumed(s3, tmp_path: Path,
+                                                               local_captions: dict[str, str]) -> None:
+    """The README's walkthrough: a prefix of shards in, a Parquet object out, run again to resume."""
+    bucket = s3.new_bucket()
+    for number, samples in enumerate([[("a", CLIPS[0]), ("b", CLIPS[1])], [("c", CLIPS[2]), ("d", "still.png")]]):
+        write_shard(tmp_path / f"{number:05d}.tar", samples)
+        upload(s3, bucket, f"wds/{number:05d}.tar", (tmp_path / f"{number:05d}.tar").read_bytes())
+    out = f"s3://{bucket}/captions.parquet"
+    first = runner.invoke(app, ["caption", f"s3://{bucket}/wds/{{00000..00001}}.tar", "--model", "demo", "-o", out,
+                                "--keep-columns", "json"])
+    assert first.exit_code == 0, first.output
+    rows = read_object(s3, bucket, "captions.parquet")
+    assert [row["caption"] for row in rows] == [local_captions[name] for name in [*CLIPS, "still.png"]]
+    assert rows[3]["path"] == f"s3://{bucket}/wds/00001.tar#d.png" and json.loads(rows[3]["json"]) == \
+        {"source": "still.png"}
+    again = runner.invoke(app, ["caption", f"s3://{bucket}/wds/", "--model", "demo", "-o", out, "--keep-columns",
+                                "json"])
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 4" in again.output, again.output
+    assert read_object(s3, bucket, "captions.parquet") == rows
+
+
+def read_object(s3, bucket: str, key: str) -> list[dict]:
+    body = boto3.client("s3", endpoint_url=s3.endpoint).get_object(Bucket=bucket, Key=key)["Body"].read()
+    return [{**row, "elapsed_s": None} for row in pq.read_table(io.BytesIO(body)).to_pylist()]
+
+
+def test_a_shard_replaced_in_the_store_after_listing_fails_its_reads(s3, tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    write_shard(tmp_path / "s.tar", [("a", CLIPS[0])])
+    upload(s3, bucket, "s.tar", (tmp_path / "s.tar").read_bytes())
+    item = discover([f"s3://{bucket}/s.tar"]).items[0]
+    write_shard(tmp_path / "s.tar", [("a", CLIPS[1])])
+    upload(s3, bucket, "s.tar", (tmp_path / "s.tar").read_bytes())
+    with pytest.raises(ShardError, match="changed since it was listed"), readable_copy(item):
+        pass
