@@ -43,6 +43,7 @@ _TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONN
 _TRANSIENT_TYPES = ("ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
                     "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
                     "ConnectTimeoutError", "ResponseStreamingError", "IncompleteRead", "ProtocolError")
+_MTIME_KEYS = ("LastModified", "last_modified", "mtime", "updated", "created")   # as fsspec backends name it
 SPILL_TO_DISK_BYTES = int(os.environ.get("TARSIER_SPOOL_BYTES", 512 * 2**20))
 
 
@@ -55,7 +56,7 @@ class ObjectFacts:
     """What identifies an object's content across runs: its size and a version (the ETag, or else the mtime)."""
 
     size_bytes: int | None
-    version: str | None
+    version: str
     mtime_ns: int | None = None
 
 
@@ -159,17 +160,15 @@ def with_retries(call: Callable[[], T], delays_s: tuple[float, ...] = _RETRY_DEL
 def object_facts(info: dict[str, Any]) -> ObjectFacts:
     """Size and version from an fsspec `info()`/`find(detail=True)` entry (backends name them differently)."""
     size = info.get("size")
-    version = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("generation")
-    modified = info.get("LastModified") or info.get("last_modified") or info.get("mtime") or info.get("updated")
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("generation")
+    modified = next((info[key] for key in _MTIME_KEYS if info.get(key) is not None), None)
     mtime_ns = None
     if hasattr(modified, "timestamp"):
-        mtime_ns = int(modified.timestamp() * 1e9)
+        mtime_ns = round(modified.timestamp() * 1e9)
     elif isinstance(modified, (int, float)):
-        mtime_ns = int(modified * 1e9)
-    if version is not None:
-        version = str(version).strip('"')
-    elif mtime_ns is not None:
-        version = f"mtime:{mtime_ns}"
+        mtime_ns = round(modified * 1e9)
+    # The ETag (quotes stripped, as S3 quotes it) or, from a store without ETags, size and mtime.
+    version = str(etag).strip('"') if etag else f"{size}-{mtime_ns}"
     return ObjectFacts(int(size) if size is not None else None, version, mtime_ns)
 
 

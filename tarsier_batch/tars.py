@@ -38,13 +38,11 @@ LIST_BLOCK = 64 * 2**10      # a listing reads a header and seeks on: small read
 STREAM_BLOCK = 8 * 2**20
 _CACHE_FORMAT = 1
 
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _WDS_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")   # webdataset's base_plus_ext, verbatim
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase
 _ESCAPED = re.compile(r"\\(.)")
-_MTIME_KEYS = ("LastModified", "last_modified", "mtime", "updated", "created")
 
 
 class ShardError(Exception):
@@ -196,52 +194,30 @@ def split_member_path(path: str) -> tuple[str, str] | None:
 # Opening a shard and its version
 
 
-def _is_url(shard: str) -> bool:
-    return _URL.match(shard) is not None
-
-
-def _url_fs(shard: str) -> tuple[Any, str]:
-    import fsspec.core
-
-    return fsspec.core.url_to_fs(shard)
-
-
 def _local_version(facts: os.stat_result) -> str:
     return f"{facts.st_size}-{facts.st_mtime_ns}"
 
 
-def _remote_version(info: dict[str, Any]) -> str:
-    """The ETag (quotes stripped, as S3 quotes it) or, from a store without ETags, size and mtime."""
-    etag = info.get("ETag") or info.get("etag")
-    if etag:
-        return str(etag).strip('"')
-    modified = next((info[key] for key in _MTIME_KEYS if info.get(key) is not None), None)
-    if hasattr(modified, "timestamp"):
-        modified = modified.timestamp()
-    mtime_ns = round(modified * 1e9) if isinstance(modified, (int, float)) else modified
-    return f"{info.get('size')}-{mtime_ns}"
-
-
 def shard_version(shard: str) -> str:
     """The shard's current version from one stat (local) or `fs.info` (URL), without reading the tar."""
-    if not _is_url(shard):
+    if not storage.is_url(shard):
         return _local_version(os.stat(shard))
-    fs, path = _url_fs(shard)
-    return _remote_version(fs.info(path))
+    fs, path = storage.filesystem(shard)
+    return storage.object_facts(fs.info(path)).version
 
 
 def _open_shard(shard: str, block_size: int) -> tuple[BinaryIO, str]:
     """An open binary file on the shard, and the version of the content that file reads."""
-    if not _is_url(shard):
+    if not storage.is_url(shard):
         stream: BinaryIO = open(shard, "rb")
         return stream, _local_version(os.fstat(stream.fileno()))
-    fs, path = _url_fs(shard)
+    fs, path = storage.filesystem(shard)
     stream = fs.open(path, "rb", block_size=block_size, cache_type="readahead")
     try:
         # A buffered fsspec file keeps the info it was opened with, and s3fs sends every read of it
         # with If-Match on that ETag: taking the version from it ties the version to the bytes read.
         details = getattr(stream, "details", None) or fs.info(path)
-        return stream, _remote_version(details)
+        return stream, storage.object_facts(details).version
     except BaseException:
         stream.close()
         raise
@@ -450,7 +426,7 @@ class ShardReader:
 
     def _reopen(self, offset: int) -> None:
         self.close()
-        if _is_url(self.shard):
+        if storage.is_url(self.shard):
             # One streamed read from `offset` (for S3 a single GET, pinned to the version by If-Match,
             # so a shard replaced mid-read fails instead of mixing two versions' bytes).
             version = shard_version(self.shard)
