@@ -64,7 +64,7 @@ class MemberLane:
         try:
             while (entry := self._queue.get()) is not None and not self._stop.is_set():
                 item, ticket = entry
-                shard, _ = tars.split_member_path(item.path) or (item.path, "")
+                shard = item.shard or ""
                 if reader is None or reading != shard:
                     if reader is not None:
                         reader.close()
@@ -81,7 +81,7 @@ class MemberLane:
                     reader = None   # reopened for the next member
                     self._fail(item, ticket, f"cannot read it from its shard: {storage.redact_text(one_line(error))}")
                     continue
-                self._hand_on(replace(item, content=content), ticket)
+                self._hand_on(replace(item, content=content), ticket)   # never raises (the pool's callback)
         finally:
             if reader is not None:
                 reader.close()

@@ -41,7 +41,7 @@ from .results import CaptionResult
 from .prompt_sets import PromptSetError, check_prompt_set
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .sources import Discovery, MediaItem, discover
-from .storage import is_url
+from .storage import is_url, redact_text
 from .text import one_line
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class CaptionRun:
             listed = [str(path) for path in inputs]   # type: ignore[union-attr]
             source = source or " ".join(listed)
             inputs = discover(listed, key_mode=settings.key)
-        self.source = source or "the inputs"
+        self.source = redact_text(source) if source else "the inputs"   # named in messages: no signature in them
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read folder {problem}")
         if settings.caption.prompt_set and any(item.prompt is not None for item in inputs.items):

@@ -60,6 +60,7 @@ class MediaItem:
     prompt_set: tuple[Question, ...] | None = None
     # A member of a WebDataset shard: `path` is "shard#member" and this says where its bytes are.
     member: TarMember | None = field(default=None, compare=False)
+    shard: str | None = None           # the member's shard (its path or URL)
     shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
     # The member's bytes, read ahead by the decoding pool's shard reader on their way to a worker.
     content: bytearray | None = field(default=None, repr=False, compare=False)
@@ -151,9 +152,10 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
         for path, facts in _expand_entry(entry, recursive, found.unreadable, from_stdin, key_mode):
             if not storage.is_url(path):
                 path = os.path.abspath(path)
-            if path in seen:
+            # A URL signed twice (other signatures, the same object) is one input: its row path is the redacted URL.
+            if storage.redact(path) in seen:
                 continue
-            seen.add(path)
+            seen.add(storage.redact(path))
             if _is_shard(path):
                 _add_shard(found, path, key_mode, tar_index_cache)
             elif facts is not None or storage.is_url(path):
@@ -248,7 +250,7 @@ def _add_shard(found: Discovery, shard: str, key_mode: KeyMode | None, cache_dir
         key = f"{printable(storage.redact(shard))}|{index.version}#{printable(member.name)}|{member.size}" \
             if key_mode else None
         found.items.append(MediaItem(path, media_type, key=key, facts=facts, columns=columns, member=member,
-                                     shard_version=index.version))
+                                     shard=shard, shard_version=index.version))
 
 
 def skipped_kind(path: str) -> str:
@@ -400,7 +402,7 @@ def item_of_path(path: str) -> MediaItem | None:
         media_type = media_type_of(name)
         return None if media_type is None else MediaItem(
             path, media_type, facts=FileFacts(member.size, member.mtime * 10**9), member=member,
-            shard_version=index.version)
+            shard=shard, shard_version=index.version)
     if storage.is_url(path):
         media_type = media_type_of(storage.url_name(path))
         if media_type is None:
@@ -422,9 +424,8 @@ def readable_copy(item: MediaItem) -> Iterator[str]:
     if item.member is not None:
         content = item.content
         if content is None:   # not read ahead by a pool: read this member alone
-            shard = tars.split_member_path(item.path)
-            assert shard is not None, item.path
-            with tars.ShardReader(shard[0], item.shard_version) as reader:
+            assert item.shard is not None, item.path
+            with tars.ShardReader(item.shard, item.shard_version) as reader:
                 content = reader.read(item.member)
         spooled = storage.Spooled(len(content), item.member.name.rpartition("/")[2][:200] or "member")
         try:

@@ -9,6 +9,7 @@ pickled filesystem built with a key carries the key).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -27,9 +28,12 @@ READ_ONLY_SCHEMES = frozenset({"http", "https", "hf"})
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure", "abfss": "azure",
           "http": "http", "https": "http"}
 # Query parameters that carry a signature or a token (S3/GCS presigned URLs, Azure SAS, generic tokens).
-_SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|sig|signature|se|st|sp|sv|sr|skoid|sktid|skt|ske|sks|skv|"
-                               r".*token.*|.*secret.*|.*password.*|.*credential.*|.*key.*|auth.*|policy|expires)$",
-                               re.IGNORECASE)
+# Query parameters of a signature or a token (S3 and GCS presigned URLs, an Azure SAS, generic tokens and keys), and
+# the ones that change each time a URL is signed again (dates, expiry), so that a row's path stays the same. Names
+# that merely contain "key" (an object id) are not among them: two objects must not share a row.
+_SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|awsaccesskeyid|signature|sig|se|st|skoid|sktid|skt|ske|sks|skv|"
+                               r"expires|policy|key-pair-id|.*token|.*secret|.*password|.*credential|api_?key|"
+                               r"access_?key|auth|authorization)$", re.IGNORECASE)
 # Store configuration that is not secret and that decoding workers must see: the fork server keeps the
 # environment it started with, so a variable set later (a test's local server) is passed on explicitly.
 _SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT)$")
@@ -43,6 +47,7 @@ _TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONN
 _TRANSIENT_TYPES = ("ClientPayloadError", "ServerDisconnectedError", "ClientConnectionError", "ClientOSError",
                     "ServerTimeoutError", "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
                     "ConnectTimeoutError", "ResponseStreamingError", "IncompleteRead", "ProtocolError")
+UNVERSIONED = "unversioned-size-"   # a version that cannot tell two contents of the same size apart
 _MTIME_KEYS = ("LastModified", "last_modified", "mtime", "updated", "created")   # as fsspec backends name it
 SPILL_TO_DISK_BYTES = int(os.environ.get("TARSIER_SPOOL_BYTES", 512 * 2**20))
 
@@ -160,15 +165,22 @@ def with_retries(call: Callable[[], T], delays_s: tuple[float, ...] = _RETRY_DEL
 def object_facts(info: dict[str, Any]) -> ObjectFacts:
     """Size and version from an fsspec `info()`/`find(detail=True)` entry (backends name them differently)."""
     size = info.get("size")
-    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("generation")
+    # The store's content id: S3's and Azure's ETag, GCS's MD5 (its ETag also changes with metadata), the Hub's LFS
+    # hash or git blob id.
+    lfs = info.get("lfs") if isinstance(info.get("lfs"), dict) else {}
+    etag = info.get("md5Hash") or info.get("ETag") or info.get("etag") or lfs.get("sha256") or info.get("blob_id")
     modified = next((info[key] for key in _MTIME_KEYS if info.get(key) is not None), None)
     mtime_ns = None
     if hasattr(modified, "timestamp"):
         mtime_ns = round(modified.timestamp() * 1e9)
     elif isinstance(modified, (int, float)):
         mtime_ns = round(modified * 1e9)
-    # The ETag (quotes stripped, as S3 quotes it) or, from a store without ETags, size and mtime.
-    version = str(etag).strip('"') if etag else f"{size}-{mtime_ns}"
+    # The content id (quotes stripped, as S3 quotes an ETag) or, from a store without one, size and mtime; with
+    # neither id nor mtime (some web servers), nothing that would tell a replaced object of the same size.
+    if etag:
+        version = str(etag).strip('"')
+    else:
+        version = f"{size}-{mtime_ns}" if mtime_ns is not None else f"{UNVERSIONED}{size}"
     return ObjectFacts(int(size) if size is not None else None, version, mtime_ns)
 
 
@@ -176,12 +188,19 @@ def stat_url(url: str) -> ObjectFacts | None:
     """The facts of the object at `url`; None if there is none (a folder-like prefix is not an object)."""
     fs, path = filesystem(url)
     try:
-        info = with_retries(lambda: fs.info(path))
+        info = with_retries(lambda: fresh_info(fs, path))
     except FileNotFoundError:
         return None
     if info.get("type") == "directory":
         return None
     return object_facts(info)
+
+
+def fresh_info(fs: Any, path: str) -> dict[str, Any]:
+    """`fs.info(path)` asked of the store, not of the filesystem's listing cache (which never expires: a long-lived
+    process would keep an object's old version)."""
+    fs.invalidate_cache(path)
+    return fs.info(path)
 
 
 def list_objects(url: str, recursive: bool = True) -> list[tuple[str, ObjectFacts]] | None:
@@ -246,7 +265,9 @@ class _S3Stream(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            self._body.close()
+            # On fsspec's event loop, where the connection lives (aiohttp is not thread-safe).
+            with contextlib.suppress(Exception):
+                self._sync(self._fs.loop, self._body.aclose)
         super().close()
 
 

@@ -203,7 +203,7 @@ def shard_version(shard: str) -> str:
     if not storage.is_url(shard):
         return _local_version(os.stat(shard))
     fs, path = storage.filesystem(shard)
-    return storage.object_facts(fs.info(path)).version
+    return storage.object_facts(storage.fresh_info(fs, path)).version
 
 
 def _open_shard(shard: str, block_size: int) -> tuple[BinaryIO, str]:
@@ -240,9 +240,9 @@ def list_shard(shard: str, cache_dir: Path | None = None) -> ShardIndex:
     Raises FileNotFoundError for a missing shard and ShardError for one that is not a tar at all; a shard cut
     short or damaged after its first member gives the members before (`ShardIndex.problem` says why), never cached.
     """
-    if cache_dir is None:
+    version = shard_version(shard) if cache_dir is not None else storage.UNVERSIONED
+    if version.startswith(storage.UNVERSIONED):   # a replaced shard of the same size would look unchanged
         return _read_index(shard)
-    version = shard_version(shard)
     cached = _load_index(_cache_file(cache_dir, shard, version), shard, version)
     if cached is not None:
         return cached

@@ -230,20 +230,20 @@ class DecodePool:
                     self._members = MemberLane(self._member_read, self._member_failed)
                 self._members.read(item, decoded)
                 return decoded
-        self._start(decoded, index, item)
-        return decoded
-
-    def _start(self, decoded: Future[Decoded], index: int, item: MediaItem) -> None:
         try:
-            task = self._schedule(index, item)
+            self._start(decoded, index, item)
         except BaseException:
             with self._lock:
                 self._pending.pop(decoded, None)
             raise
-        task.add_done_callback(partial(self._task_done, decoded))
+        return decoded
+
+    def _start(self, decoded: Future[Decoded], index: int, item: MediaItem) -> None:
+        self._schedule(index, item).add_done_callback(partial(self._task_done, decoded))
 
     def _member_read(self, item: MediaItem, decoded: Future[Decoded]) -> None:
-        """A shard member's bytes arrived (on the lane's thread): decode it."""
+        """A shard member's bytes arrived (on the lane's thread): decode it. Never raises: whatever stops it is
+        the item's error, so the lane goes on and no future is left waiting."""
         with self._lock:
             entry = self._pending.get(decoded)
         if entry is None:   # shut down meanwhile
@@ -251,9 +251,10 @@ class DecodePool:
             return
         try:
             self._start(decoded, entry[0], item)
-        except RuntimeError:   # the pool was shut down between the check and the call (`_start` let go of it)
+        except BaseException as error:   # shut down meanwhile, or no worker could be started
             self._members.release(item)
-            decoded.set_result(Decoded(entry[0], entry[1], 0.0, error=STOPPED))
+            message = STOPPED if self._closed else f"it could not be given to a decoding worker ({one_line(error)})"
+            self._settle(decoded, Decoded(entry[0], entry[1], 0.0, error=message))
 
     def _member_failed(self, item: MediaItem, decoded: Future[Decoded], message: str) -> None:
         with self._lock:

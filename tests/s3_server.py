@@ -7,12 +7,15 @@ never fills) and kept, so that tests can count the requests a run made.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -36,7 +39,7 @@ class S3Server:
     endpoint: str
     process: subprocess.Popen
     log: list[str] = field(default_factory=list)
-    _log_lock: threading.Lock = field(default_factory=threading.Lock)
+    _logged: threading.Condition = field(default_factory=threading.Condition)
 
     def new_bucket(self) -> str:
         """A fresh, empty bucket (one per test, so tests do not see each other's objects)."""
@@ -47,16 +50,26 @@ class S3Server:
         return name
 
     def requests(self, method: str, path_part: str) -> int:
-        """How many `method` requests the server has answered whose path contains `path_part`."""
-        with self._log_lock:
+        """How many `method` requests the server has answered whose path contains `path_part`.
+
+        The server logs a request after answering it, on its own thread: a marker request sent now
+        and seen in the log means the requests answered before it are logged too.
+        """
+        marker = f"/log-marker-{uuid.uuid4().hex}"
+        with contextlib.suppress(urllib.error.URLError):
+            urllib.request.urlopen(self.endpoint + marker, timeout=30).close()
+        with self._logged:
+            if not self._logged.wait_for(lambda: any(marker in line for line in self.log), timeout=30):
+                raise AssertionError(f"the S3 server did not log {marker} within 30 s")
             lines = list(self.log)
         return sum(1 for line in lines for match in [_REQUEST.search(line)]
                    if match and match.group(1) == method and path_part in match.group(2))
 
     def _drain(self) -> None:
         for raw in self.process.stderr:
-            with self._log_lock:
+            with self._logged:
                 self.log.append(_COLOUR.sub("", raw.decode("utf-8", "replace")))
+                self._logged.notify_all()
 
 
 @pytest.fixture(scope="session")

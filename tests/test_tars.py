@@ -198,7 +198,7 @@ def test_sparse_members_are_left_out(tmp_path: Path, tar_format: str) -> None:
         out.seek(3_000_000)
         out.write(b"end")
     subprocess.run(["tar", "--sparse", f"--format={tar_format}", "-cf", "s.tar", "a.mp4", "holes.mp4"],
-                   cwd=tmp_path, check=True)
+                   cwd=tmp_path, check=True, timeout=120)
     with tarfile.open(tmp_path / "s.tar") as tar:
         assert tar.getmember("holes.mp4").issparse()
     index = list_shard(str(tmp_path / "s.tar"))
@@ -474,5 +474,5 @@ def test_a_cut_url_shard_lists_what_came_before_the_cut(shard: Path, memory: tup
 
 def test_importing_tars_loads_neither_fsspec_nor_torch() -> None:
     code = "import sys, tarsier_batch.tars; print(sorted({'fsspec', 'torch'} & set(sys.modules)))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "[]"

@@ -17,6 +17,7 @@ from ..storage import filesystem, redact, with_retries
 
 LEASE_ENV = "TARSIER_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 60.0
+MIN_LEASE_S = 1.0
 _ATTEMPTS = 3   # to take a lock whose object changes under us (its holder finishing, another run taking it over)
 _JOIN_TIMEOUT_S = 10.0
 
@@ -102,7 +103,8 @@ class RemoteLock:
         parent, _, name = path.rstrip("/").rpartition("/")
         self.path = f"{parent}/.{name}.tarsier.lock"
         self.shown = redact(url)
-        self.lease_s = lease_s or float(os.environ.get(LEASE_ENV) or DEFAULT_LEASE_S)
+        # At least a second: renewing every third of it must not spin.
+        self.lease_s = max(MIN_LEASE_S, lease_s or float(os.environ.get(LEASE_ENV) or DEFAULT_LEASE_S))
         self.taken_over: str | None = None   # the holder whose expired lease this lock took over
         self.lost: str | None = None         # why the lock is no longer ours (taken over while we held it)
         self._etag: str | None = None
@@ -153,7 +155,13 @@ class RemoteLock:
         self._renewer.join(_JOIN_TIMEOUT_S)
         self._renewer = None
         if self.lost is None:
-            with_retries(lambda: self.fs.rm_file(self.path))
+            # Only our own lock: if the lease was taken over since the last renewal, the object is the new holder's.
+            try:
+                body, _ = self._read()
+            except FileNotFoundError:
+                return
+            if self._is_ours(body):
+                with_retries(lambda: self.fs.rm_file(self.path))
 
     def _renew(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
