@@ -125,6 +125,9 @@ class RemoteLock:
                 body, etag = self._read()
             except FileNotFoundError:   # released between our create and our read
                 continue
+            if self._is_ours(body):   # our create had landed, its answer was lost and the retry was refused
+                self._etag = etag
+                break
             if float(body.get("lease_until", 0)) > time.time():
                 raise OutputLockedError(f"another run is writing {self.shown} ({_holder(body)}); wait for it to "
                                         f"finish or use another output")
