@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -109,12 +110,14 @@ class RemoteLock:
         self.lost: str | None = None         # why the lock is no longer ours (taken over while we held it)
         self._etag: str | None = None
         self._since = ""
+        self._token = ""   # what tells our lock body from any other (set when acquiring)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
     def acquire(self) -> None:
         """Take the lock, or raise OutputLockedError naming the live holder."""
         self._since = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._token = uuid.uuid4().hex
         for _ in range(_ATTEMPTS):
             try:
                 self._etag = self._write(create=True)
@@ -191,7 +194,7 @@ class RemoteLock:
 
     def _write(self, create: bool = False, if_match: str | None = None) -> str:
         """Write our body: only if there is no lock (`create`), or only over the version `if_match`; the new ETag."""
-        body = {"pid": os.getpid(), "host": socket.gethostname(), "since": self._since,
+        body = {"pid": os.getpid(), "host": socket.gethostname(), "since": self._since, "token": self._token,
                 "lease_s": self.lease_s, "lease_until": time.time() + self.lease_s}
         data = json.dumps(body).encode()
         condition: dict[str, Any] = {"mode": "create"} if create else {"IfMatch": if_match}
@@ -199,8 +202,7 @@ class RemoteLock:
         return str((answer or {}).get("ETag", ""))
 
     def _is_ours(self, body: dict[str, Any]) -> bool:
-        return (body.get("pid"), body.get("host"), body.get("since")) == (os.getpid(), socket.gethostname(),
-                                                                          self._since)
+        return body.get("token") == self._token   # not pid and time: two locks of one process may share them
 
     def _read(self) -> tuple[dict[str, Any], str]:
         """The lock's body and ETag. The ETag is read first: the body is then as new as it or newer, and a
