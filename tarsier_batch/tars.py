@@ -21,6 +21,7 @@ import string
 import tarfile
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from .text import printable
 SIBLING_LIMIT = 2**20        # bigger siblings are not carried as text: they are payloads, not captions or labels
 REOPEN_GAP = 8 * 2**20       # reading through a gap this small costs less than a new request
 CHUNK = 2**20                # the unit of reading, and how often a stop request is noticed
+_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)   # a broken shard stream is reopened after each
 LIST_BLOCK = 64 * 2**10      # a listing reads a header and seeks on: small reads waste little
 STREAM_BLOCK = 8 * 2**20
 _CACHE_FORMAT = 1
@@ -443,6 +445,21 @@ class ShardReader:
         self.opens += 1
         self._stream, self._position = stream, offset
 
+    def _read_into(self, buffer: memoryview) -> int:
+        """Read into `buffer`; a stream from a store that breaks (a dropped connection, a cut transfer) is opened
+        again where it broke, after a pause, a few times."""
+        for delay in _RETRY_DELAYS_S:
+            assert self._stream is not None
+            try:
+                return self._stream.readinto(buffer)
+            except Exception as error:  # noqa: BLE001 - only a transient error is tried again
+                if not (storage.is_url(self.shard) and storage.is_transient(error)):
+                    raise
+            time.sleep(delay)   # backoff before asking the store again, not synchronisation
+            self._reopen(self._position)
+        assert self._stream is not None
+        return self._stream.readinto(buffer)
+
     def _check_version(self, version: str) -> None:
         if self.version is not None and version != self.version:
             raise ShardError(f"{printable(self.shard)}: the shard changed since it was listed "
@@ -459,7 +476,7 @@ class ShardReader:
             if self._stop is not None and self._stop.is_set():
                 raise ReadStopped(f"{printable(member_path(self.shard, member.name))}: read stopped")
             wanted = min(CHUNK, count - done)
-            read = self._stream.readinto(view[done:done + wanted] if keep else view[:wanted])
+            read = self._read_into(view[done:done + wanted] if keep else view[:wanted])
             if not read:
                 raise ShardError(f"{printable(self.shard)}: the shard ends at byte {self._position}, before the end "
                                  f"of member {printable(member.name)!r}; it was cut or changed since it was listed")
