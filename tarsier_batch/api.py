@@ -39,7 +39,8 @@ from .results import Answer, CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
 from .version import __version__
-from .workers import DecodeJob, Decoded, DecodePool, default_workers, start_decoding_server
+from .fork_server import start_decoding_server
+from .workers import DecodeJob, Decoded, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
-from .fork_server import check_main_is_guarded
+from .fork_server import check_main_is_guarded, start_decoding_server
 from .job import CaptionJob
 from .manifest import Manifest
 from .outputs.formats import OutputTarget
@@ -138,6 +138,8 @@ class Captioning(Protocol):
 
 def load_captioner(settings: CaptionSettings, items: int | None = None) -> Captioning:
     """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
+    if settings.isolate_decoding:
+        start_decoding_server()   # first: its imports overlap this process's (torch, the model's code) and the load
     from .api import Captioner
 
     return Captioner(settings, items)

@@ -36,7 +36,6 @@ import os
 import pickle
 import resource
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,9 +48,9 @@ from pathlib import Path
 import torch
 from pebble import ProcessExpired, ProcessPool
 
-from . import catalog, storage
+from . import storage
 from .faults import misbehave, worker_faults
-from .fork_server import quiet_fork_server
+from .fork_server import start_decoding_server
 from .families.base import ProcessedPrompt, Processor
 from .families.temporal import drop_static_vision
 from .media import MAX_IMAGE_PIXELS, Media
@@ -376,36 +375,6 @@ class DecodingOutOfMemory(MemoryError):
 
 class WorkerNotReady(Exception):
     """A worker could not set itself up (its message says why); every item it takes fails with it."""
-
-
-def start_decoding_server() -> None:
-    """Start the fork server that decoding workers come from, if it is not running yet.
-
-    A run calls this before it loads the model: the server's imports (the decoders, the
-    families' processors, about 3 s) then overlap the load instead of following it, and the
-    first items decode that much sooner (on a short run, most of what a restart pays).
-    """
-    quiet_fork_server(decoding_preload())
-
-
-def decoding_preload() -> list[str]:
-    """What the fork server imports once, so that a new worker only has to fork.
-
-    The decoders (imported lazily by media.py: about 70 ms per worker otherwise), the built-in
-    families' processors, the storage backends (the fsspec modules this process has loaded),
-    and every module of this package the parent has imported: a worker also imports the
-    parent's main script again (the `tarsier` console script imports the CLI, about 0.25 s)
-    and finds them loaded. Only the first list counts (the server lives as long as this
-    process). A processor from elsewhere is imported by each worker; it is not preloaded,
-    because a module that fails in the server stops every worker.
-    """
-    package = __name__.split(".")[0]
-    ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
-    families = [family.processor_loader.partition(":")[0] for family in catalog.families()
-                if family.processor_loader.startswith(package + ".")]
-    # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
-    storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
-    return ["decord", "av", __name__, *families, *storage, *ours]
 
 
 def _decode_here(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
