@@ -131,7 +131,7 @@ def caption(
     out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
     out_dir: Annotated[Optional[str], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead of one --out file (continued like --out).", show_default=False)] = None,
     shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
-    manifest: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
+    manifest: Annotated[Optional[str], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table, a path or a URL (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
     path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
     keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output; with WebDataset shards, their members' sibling files by extension (json,txt). A name taken by an output column gets the prefix input_.", show_default=False)] = None,
     null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
@@ -247,7 +247,7 @@ def caption(
 
 
 def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_rows: int | None,
-                 manifest: Path | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
+                 manifest: str | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
                  stream: bool) -> OutputTarget | RemoteOutput:
     """Answer a wrong combination of inputs and outputs at once, before anything is read, loaded or imported
     (the settings check their own rules: `settings.py`)."""
@@ -346,7 +346,7 @@ def _parse_shard(text: str | None) -> Shard | None:
         _fail(str(error))
 
 
-def _find_items(inputs: list[str], manifest: Path | None, path_column: str | None, keep_columns: str | None,
+def _find_items(inputs: list[str], manifest: str | None, path_column: str | None, keep_columns: str | None,
                 null_separated: bool, recursive: bool, key: str) -> Manifest | Discovery:
     """The items of this run, from INPUTS or the manifest."""
     try:

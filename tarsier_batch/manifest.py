@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import posixpath
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 import pyarrow as pa
 
 from . import storage
@@ -32,7 +35,7 @@ class Manifest:
     renamed: dict[str, str]   # manifest column -> output column, for kept columns that collided
 
 
-def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_column: str | None = None,
+def read_manifest(path: Path | str, key_mode: KeyMode, reserved: frozenset[str], path_column: str | None = None,
                   keep_columns: str | None = None) -> Manifest:
     """The items listed in `path` (CSV, TSV, JSONL or Parquet, by suffix), in row order.
 
@@ -43,7 +46,34 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
     column that is also an output column (`reserved`) is renamed `input_<name>`. A path listed
     twice is refused: output rows are identified by path.
     """
-    table = _read_table(path)
+    if storage.is_url(str(path)):   # read from a local copy; its relative rows are objects beside it
+        shown = storage.redact(str(path))
+        check_manifest_path(shown)
+        try:
+            with storage.fetch(str(path)) as copy:
+                table = _read_table(Path(copy.path), shown)
+        except (OSError, storage.StorageError) as error:
+            raise ManifestError(f"cannot read --manifest {shown}: {storage.redact_text(str(error))}") from None
+        return _manifest_of(table, shown, key_mode, reserved, path_column, keep_columns,
+                            lambda value: _beside_url(str(path), value))
+    check_manifest_path(path)
+    table = _read_table(Path(path), str(path))
+    base = Path(path).parent.resolve()
+    return _manifest_of(table, str(path), key_mode, reserved, path_column, keep_columns,
+                        lambda value: os.path.abspath(os.path.join(base, os.path.expanduser(value))))
+
+
+def _beside_url(manifest_url: str, value: str) -> str:
+    """A manifest row's path relative to the manifest's URL: the object it names beside the manifest."""
+    parts = urlsplit(manifest_url)
+    joined = value if value.startswith("/") else posixpath.join(posixpath.dirname(parts.path), value)
+    return urlunsplit((parts.scheme, parts.netloc, posixpath.normpath(joined), "", ""))
+
+
+def _manifest_of(table: pa.Table, path: str, key_mode: KeyMode, reserved: frozenset[str], path_column: str | None,
+                 keep_columns: str | None, resolve: Callable[[str], str]) -> Manifest:
+    """The manifest's items from its `table` (`path` names it in messages; `resolve` makes a row's relative path
+    whole)."""
     column = _path_column(table, path_column, path)
     kept = _kept_columns(table, keep_columns, path)
     renamed = {name: RENAMED_PREFIX + name for name in kept if name in reserved}
@@ -57,15 +87,14 @@ def read_manifest(path: Path, key_mode: KeyMode, reserved: frozenset[str], path_
                             f"make each row's prompt one of its questions")
     row_prompt_sets = table.column(PROMPTS_COLUMN).to_pylist() if PROMPTS_COLUMN in table.column_names else None
     kept_values = {name: table.column(name).to_pylist() for name in kept}
-    base = path.parent.resolve()
     discovery = Discovery()
     first_row: dict[str, int] = {}
     for index, value in enumerate(table.column(column).to_pylist()):
         row_number = index + 1
         if not isinstance(value, str) or not value.strip():
             raise ManifestError(f"{path}: row {row_number} has no path in column '{column}'")
-        url = storage.is_url(value.strip())
-        media_path = value.strip() if url else os.path.abspath(os.path.join(base, os.path.expanduser(value)))
+        media_path = value.strip() if storage.is_url(value.strip()) else resolve(value)
+        url = storage.is_url(media_path)
         if media_path in first_row:
             raise ManifestError(f"{path}: row {row_number} repeats the path of row {first_row[media_path]} "
                                 f"({value}); give each file one row")
@@ -116,17 +145,20 @@ def sibling_columns(discovery: Discovery, keep_columns: str, reserved: frozenset
     return Manifest(replace(discovery, items=items), fields, renamed)
 
 
-def check_manifest_path(path: Path) -> None:
-    """Answer a wrong --manifest at once, before anything is read or imported."""
-    if path.suffix.lower() not in MANIFEST_SUFFIXES:
-        raise ManifestError(f"--manifest {path}: unknown kind; name it .csv, .tsv, .jsonl or .parquet")
-    if not path.is_file():
+def check_manifest_path(path: Path | str) -> None:
+    """Answer a wrong --manifest at once, before anything is read or imported (an object's existence is checked
+    when it is read)."""
+    name = storage.url_name(str(path)) if storage.is_url(str(path)) else str(path)
+    if PurePosixPath(name).suffix.lower() not in MANIFEST_SUFFIXES:
+        raise ManifestError(f"--manifest {storage.redact(str(path))}: unknown kind; name it .csv, .tsv, .jsonl or "
+                            f".parquet")
+    if not storage.is_url(str(path)) and not Path(path).is_file():
         raise ManifestError(f"--manifest {path}: no such file")
 
 
-def _read_table(path: Path) -> pa.Table:
-    check_manifest_path(path)
-    suffix = path.suffix.lower()
+def _read_table(path: Path, shown: str) -> pa.Table:
+    """The table in the file at `path`, of the kind `shown` (its name in messages) is named like."""
+    suffix = PurePosixPath(storage.url_name(shown) if storage.is_url(shown) else shown).suffix.lower()
     try:
         if suffix in (".csv", ".tsv"):
             from pyarrow import csv
@@ -143,7 +175,7 @@ def _read_table(path: Path) -> pa.Table:
 
         return pq.read_table(path)
     except (OSError, pa.ArrowException) as error:
-        raise ManifestError(f"cannot read --manifest {path}: {' '.join(str(error).split())}") from error
+        raise ManifestError(f"cannot read --manifest {shown}: {' '.join(str(error).split())}") from error
 
 
 def _csv_options(suffix: str) -> Any:

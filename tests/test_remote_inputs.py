@@ -226,3 +226,23 @@ def test_a_shard_replaced_in_the_store_after_listing_fails_its_reads(s3, tmp_pat
     upload(s3, bucket, "s.tar", (tmp_path / "s.tar").read_bytes())
     with pytest.raises(ShardError, match="changed since it was listed"), readable_copy(item):
         pass
+
+
+def test_a_manifest_in_the_store_lists_objects_beside_it(s3, tmp_path: Path, local_captions: dict[str, str]) -> None:
+    bucket = s3.new_bucket()
+    for name in CLIPS[:2]:
+        upload(s3, bucket, f"data/clips/{name}", (SAMPLE_DATA / name).read_bytes())
+    upload(s3, bucket, "other/still.png", (SAMPLE_DATA / "still.png").read_bytes())
+    manifest = (f"path,label\nclips/{CLIPS[0]},first\n../other/still.png,second\n"
+                f"s3://{bucket}/data/clips/{CLIPS[1]},third\n")
+    upload(s3, bucket, "data/list.csv", manifest.encode())
+    out = tmp_path / "r.parquet"
+    rows = caption("--manifest", f"s3://{bucket}/data/list.csv", "--keep-columns", "label", "-o", str(out))
+    assert [row["path"] for row in rows] == [f"s3://{bucket}/data/clips/{CLIPS[0]}", f"s3://{bucket}/other/still.png",
+                                             f"s3://{bucket}/data/clips/{CLIPS[1]}"]
+    assert [row["caption"] for row in rows] == [local_captions[CLIPS[0]], local_captions["still.png"],
+                                                local_captions[CLIPS[1]]]
+    assert [row["label"] for row in rows] == ["first", "second", "third"]
+    missing = runner.invoke(app, ["caption", "--manifest", f"s3://{bucket}/data/nope.csv", "-o", str(out),
+                                  "--model", "demo"])
+    assert missing.exit_code == 2 and f"cannot read --manifest s3://{bucket}/data/nope.csv" in missing.output
