@@ -38,7 +38,7 @@ from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter
 from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, CaptionSettings, RaySettings, RunSettings,
                        SamplingParams, SettingsError)
 from .sharding import Shard, ShardError
-from .sources import Discovery, InputNotFoundError, discover
+from .sources import Discovery, InputNotFoundError, discover, is_shard
 from .storage import StorageError, is_url
 from .version import __version__
 
@@ -483,11 +483,25 @@ def inspect_command(
     except ValueError as error:
         _fail(str(error))
     failed = 0
-    for index, path in enumerate(files):
+    for index, path in enumerate(member for path in files for member in _members_if_shard(path)):
         found = inspect_file(path, chosen, frames)
         failed += not found.ok
         typer.echo(found.as_json() if as_json else ("\n" if index else "") + found.as_text())
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)
+
+
+def _members_if_shard(path: str) -> list[str]:
+    """A WebDataset shard's media members (`shard.tar#member`), each inspected as captioning would see it; any
+    other path as it is."""
+    if not is_shard(path):
+        return [path]
+    try:
+        found = discover([path])
+    except InputNotFoundError as error:
+        _fail(str(error))
+    for problem in found.unreadable:
+        typer.echo(f"warning: cannot read {problem}", err=True)
+    return [item.path for item in found.items]
 
 
 @app.command("merge", no_args_is_help=True)

@@ -18,7 +18,7 @@ from . import storage, tars
 from .media import MediaType, media_type_of
 from .prompt_sets import Question
 from .tars import TarMember
-from .text import printable
+from .text import one_line, printable
 
 PROMPT_SET_KEY = "|prompts-sha256:"   # in an item's key, before the digest of its own prompt set
 
@@ -156,7 +156,7 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
             if storage.redact(path) in seen:
                 continue
             seen.add(storage.redact(path))
-            if _is_shard(path):
+            if is_shard(path):
                 _add_shard(found, path, key_mode, tar_index_cache)
             elif facts is not None or storage.is_url(path):
                 found.add_object(path, facts, key_mode)
@@ -165,7 +165,10 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
     return found
 
 
-def _is_shard(path: str) -> bool:
+def is_shard(path: str) -> bool:
+    """Whether `path` (a path or URL) names a WebDataset shard: a `.tar` (not one of its members, `shard.tar#x`)."""
+    if tars.split_member_path(path) is not None:
+        return False
     name = storage.url_name(path) if storage.is_url(path) else path
     return name.lower().endswith(".tar")
 
@@ -206,12 +209,11 @@ def _expand_url(url: str, recursive: bool, from_stdin: bool) -> list[tuple[str, 
         listed = storage.list_objects(url, recursive)
     except storage.StorageError as error:
         raise InputNotFoundError(str(error)) from None
-    except (OSError, ValueError) as error:   # refused, unreachable: the store's reason
-        raise InputNotFoundError(f"cannot list {shown}: {storage.redact_text(str(error)) or type(error).__name__}"
-                                 ) from None
+    except Exception as error:  # noqa: BLE001 - refused, unreachable, any backend's own error: the store's reason
+        raise InputNotFoundError(f"cannot list {shown}: {storage.redact_text(one_line(error))}") from None
     if listed:
         return list(listed)
-    if from_stdin or media_type_of(storage.url_name(url)) is not None or _is_shard(url):
+    if from_stdin or media_type_of(storage.url_name(url)) is not None or is_shard(url):
         return [(url, None)]
     raise InputNotFoundError(f"nothing found at {shown}")
 
@@ -226,8 +228,8 @@ def _add_shard(found: Discovery, shard: str, key_mode: KeyMode | None, cache_dir
         index = tars.list_shard(shard, cache_dir if cache_dir is not None else tars.default_cache_dir())
     except FileNotFoundError:
         raise InputNotFoundError(f"shard not found: {storage.redact(shard)}") from None
-    except (tars.ShardError, OSError) as error:
-        found.unreadable.append(f"{storage.redact(shard)}: {storage.redact_text(str(error))}")
+    except Exception as error:  # noqa: BLE001 - not a tar, refused, any backend's own error: the run goes on
+        found.unreadable.append(f"{storage.redact(shard)}: {storage.redact_text(str(error) or one_line(error))}")
         return
     if index.problem is not None:   # its members before the problem are listed; a member cut short fails when read
         found.unreadable.append(f"{storage.redact(shard)}: {index.problem}; the members after it are not listed")

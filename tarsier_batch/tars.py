@@ -255,7 +255,10 @@ def list_shard(shard: str, cache_dir: Path | None = None) -> ShardIndex:
 
 
 def _read_index(shard: str) -> ShardIndex:
-    stream, version = _open_shard(shard, LIST_BLOCK)
+    # The version as `ShardReader` will ask for it (a store's HEAD and its file object may not agree: an http
+    # server sends an ETag with one and not the other).
+    stream, _ = _open_shard(shard, LIST_BLOCK)
+    version = shard_version(shard)
     members: list[TarMember] = []
     texts: dict[str, dict[str, str]] = {}
     problem = None

@@ -6,8 +6,10 @@ member or object decoded from the wrong bytes, or in the wrong place, fails.
 
 from __future__ import annotations
 
+import http.server
 import io
 import json
+import threading
 import tarfile
 from urllib.parse import parse_qs, urlsplit
 from pathlib import Path
@@ -246,3 +248,49 @@ def test_a_manifest_in_the_store_lists_objects_beside_it(s3, tmp_path: Path, loc
     missing = runner.invoke(app, ["caption", "--manifest", f"s3://{bucket}/data/nope.csv", "-o", str(out),
                                   "--model", "demo"])
     assert missing.exit_code == 2 and f"cannot read --manifest s3://{bucket}/data/nope.csv" in missing.output
+
+
+def test_a_shard_at_a_presigned_url_and_an_inspected_shard(s3, tmp_path: Path, local_captions: dict[str, str]) -> None:
+    """A shard behind an http(s) URL is listed and read under one version; `tarsier inspect shard.tar` inspects its
+    members; a refused http listing is a one-line error, not a traceback."""
+    bucket = s3.new_bucket()
+    members = write_shard(tmp_path / "s.tar", [("a", CLIPS[0]), ("b", "still.png")])
+    upload(s3, bucket, "s.tar", (tmp_path / "s.tar").read_bytes())
+    signed = boto3.client("s3", endpoint_url=s3.endpoint).generate_presigned_url(
+        "get_object", Params={"Bucket": bucket, "Key": "s.tar"}, ExpiresIn=600)
+    rows = caption(signed, "-o", str(tmp_path / "r.parquet"))
+    assert [row["caption"] for row in rows] == [local_captions[CLIPS[0]], local_captions["still.png"]]
+    assert all("#" in row["path"] and "Signature=REDACTED" in row["path"] for row in rows)
+    shown = runner.invoke(app, ["inspect", "--json", "--model", "demo", str(tmp_path / "s.tar")])
+    assert shown.exit_code == 0, shown.output
+    assert [json.loads(line)["path"] for line in shown.output.splitlines()] == \
+        [f"{tmp_path / 's.tar'}#{name}" for name in members]
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """A web server that refuses everything (403), as a store does for a wrong or expired signature."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.send_response(403)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+
+def test_a_refused_http_shard_is_a_clear_message_not_a_traceback(tmp_path: Path) -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/s.tar?sig=SECRET"
+        refused = runner.invoke(app, ["caption", url, "-o", str(tmp_path / "n.parquet"), "--model", "demo"])
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert not isinstance(refused.exception, Exception) or isinstance(refused.exception, SystemExit), \
+        repr(refused.exception)
+    assert refused.exit_code == 2 and "s.tar" in refused.output and "SECRET" not in refused.output, \
+        refused.output
