@@ -192,7 +192,7 @@ class CaptionRun:
             inputs = discover(listed, key_mode=settings.key)
         self.source = redact_text(source) if source else "the inputs"   # named in messages: no signature in them
         for problem in inputs.unreadable:
-            self.reporter.warning(f"warning: cannot read folder {problem}")
+            self.reporter.warning(f"warning: cannot read {problem}")
         if settings.caption.prompt_set and any(item.prompt is not None for item in inputs.items):
             raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
                                 "manifest's prompts as questions of the set, or leave the set out")
