@@ -98,16 +98,17 @@ def generate_tarsier2(model: Tarsier2Captioner, hf: Qwen2VLForConditionalGenerat
     """One item through transformers' Qwen2-VL generate: prompt ids, every frame's pixels (duplicated
     into its temporal patch, as the official processor does), the official M-RoPE positions and the
     checkpoint's repetition penalty over prompt and generated ids."""
+    device = model.device
     pixels = torch.cat([with_temporal_copies(frame, model.processor.temporal_patch_size)
-                        for frame in prompt.pixel_values])
+                        for frame in prompt.pixel_values]).to(device)
     _, grid_h, grid_w = prompt.vision_blocks[0].grid
-    ids = prompt.token_ids[None]
-    official_positions = prompt.positions[:, None, :]
-    rope_delta = torch.tensor([[prompt.next_position - prompt.length]])
+    ids = prompt.token_ids[None].to(device)
+    official_positions = prompt.positions[:, None, :].to(device)
+    rope_delta = torch.tensor([[prompt.next_position - prompt.length]], device=device)
     hf.model.get_rope_index = lambda *args, **kwargs: (official_positions, rope_delta)
     output = hf.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-        image_grid_thw=torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]]),
+        image_grid_thw=torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]], device=device),
         mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=max_new_tokens,
         do_sample=False, repetition_penalty=model.repetition_penalty,
         eos_token_id=stop_ids(model, model.config.text.vocab_size, disable_eos),

@@ -1,0 +1,53 @@
+"""`tarsier caption` as a user runs it, in a fresh process, and what its output file holds afterwards.
+
+Each run captions the clip files into a Parquet file; the verdict counts the rows the file holds against
+the files given, so a run that dies, or drops rows, shows as rows lost, whatever it printed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def caption(model_dir: Path, clips: list[Path], out: Path, flags: list[str], timeout_s: float) -> dict:
+    """Run `tarsier caption` over `clips` with `flags`; its exit code, the rows written and lost, its last words."""
+    command = [sys.executable, "-m", "tarsier_batch", "caption", *map(str, clips), "--model", str(model_dir),
+               "--out", str(out), *flags]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        code, output = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as expired:
+        code, output = None, f"timed out after {timeout_s:.0f} s: {expired.stderr or ''}"
+    seconds = time.perf_counter() - started
+    rows = errors = 0
+    if out.exists():
+        table = pq.read_table(out, columns=["error"])
+        rows = table.num_rows
+        errors = sum(value is not None for value in table.column("error").to_pylist())
+    refused = code == 2 and rows == 0
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return {"flags": flags, "exit_code": code, "seconds": round(seconds, 1), "files": len(clips), "rows": rows,
+            "error_rows": errors, "rows_lost": 0 if refused else len(clips) - rows, "refused_at_start": refused,
+            "last_lines": lines[-6:]}
+
+
+def linked_copies(files: list[Path], folder: Path, count: int) -> list[Path]:
+    """`count` distinct names for `files` taken in turn (hard links: no bytes copied), each its own item."""
+    folder.mkdir(parents=True, exist_ok=True)
+    links = []
+    for index in range(count):
+        link = folder / f"copy_{index:03d}{files[index % len(files)].suffix}"
+        if not link.exists():
+            os.link(files[index % len(files)], link)
+        links.append(link)
+    return links

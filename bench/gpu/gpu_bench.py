@@ -1,0 +1,497 @@
+"""The GPU run: correctness, speed and memory of the engine on one CUDA device, in one prepared call.
+
+    bash bench/gpu/run.sh                      # on the device machine: everything, within --budget-s
+    bash bench/gpu/run.sh --stages compiled,cli   # what an earlier call had no time left for
+    bash bench/gpu/run.sh --cpu-dry-run        # here: every stage end to end at tiny sizes, on the CPU
+
+Stages, in the order they run (a stage that would not finish within the budget is skipped and named in
+the output, so that a second call can run it; a stage that fails records its error and the rest go on):
+
+- `env`: versions, the device, and its two ceilings measured: a device-to-device copy (bytes read plus
+  written per second) and a large bfloat16 matrix product (FLOP/s);
+- `equality`: float32 equality of batched, chunked, continuous, preempted, offloaded, forked and sampled
+  rows with rows alone, on the tiny checkpoints of both families (bench/gpu/equality.py);
+- `build`: the real-size Tarsier2-7B checkpoint, weights drawn on the device, written to local disk;
+- `engine`: loaded by `Captioner` (the memory preflight first), 64 clips of 16 frames at 1920 x 800,
+  256 new tokens with EOS off, through the engine as `tarsier caption` drives it; then the same clips
+  prefilled only (one token each) for the prefill rate and MFU; the preflight's estimate against
+  `torch.cuda.max_memory_allocated`;
+- `baseline`: transformers' one-at-a-time Qwen2-VL generate on the first clips, same weights: its items/s,
+  and how often the engine's bfloat16 ids equal its ids, and where they first part;
+- `decode`: ms per decode step at 1, 8, 32 and 64 rows at the clips' context, against the bandwidth floor;
+- `compiled`: the same with `--compile` (CUDA graphs): the tiny equality scenarios compiled, the 64 clips,
+  the decode steps;
+- `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
+- `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
+  batch too large for the card (a clear refusal or a smaller batch, never lost rows).
+
+Writes `gpu-<date>-<device>.json` (the figures; the keys of the summary first) and prints a short table
+last. Each stage's state (the checkpoint, the results so far) stays in --workdir, so a second call on the
+same machine goes on from the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from datetime import date
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path[:0] = [str(REPO), str(HERE)]
+
+import attention_kernels  # noqa: E402
+import cli_runs  # noqa: E402
+import equality  # noqa: E402
+import real_size  # noqa: E402
+import workload  # noqa: E402
+
+from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
+from tarsier_batch.engine import Engine  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The sizes of one kind of run: the real ones on a GPU, tiny ones for the CPU dry run."""
+
+    name: str
+    device: str
+    geometry: dict | None        # the checkpoint's, in the tiny builder's terms (None: Tarsier2-7B's)
+    frames: int
+    width: int
+    height: int
+    clips: int                   # the speed workload
+    distinct_clips: int          # drawn and processed; the workload repeats them
+    baseline_clips: int          # transformers' one-at-a-time side
+    new_tokens: int
+    decode_rows: tuple[int, ...]
+    decode_steps: int
+    attention_rows: tuple[int, ...]   # FlexAttention compiles once per shape: a few sizes
+    attention_repeats: int
+    cli_clips: int
+    cli_new_tokens: int
+    cli_kv_gb: float             # the KV cache of the run without the memory check
+    budget_s: float
+    stage_s: dict[str, float] = field(default_factory=dict)   # what each stage needs at most, to plan the budget
+
+
+GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, distinct_clips=16, baseline_clips=8,
+              new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64), attention_repeats=50, cli_clips=8,
+              cli_new_tokens=32, cli_kv_gb=40, budget_s=480,
+              stage_s={"env": 15, "equality": 60, "build": 90, "engine": 150, "baseline": 120, "decode": 40,
+                       "compiled": 240, "attention": 90, "cli": 150})
+# A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
+DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
+                    text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
+DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, distinct_clips=2,
+              baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4), attention_repeats=3,
+              cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
+STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "attention", "cli"]
+DTYPE = torch.bfloat16
+
+
+class Bench:
+    """The run's state between stages: the profile, the device, what is loaded, and the results so far."""
+
+    def __init__(self, profile: Profile, workdir: Path, out: Path, with_compile: bool):
+        self.profile = profile
+        self.device = torch.device(profile.device)
+        self.workdir = workdir
+        self.out = out
+        self.with_compile = with_compile
+        self.state_file = workdir / "results.json"
+        self.results: dict = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        self.results.setdefault("stages", {})
+        self.captioner: Captioner | None = None
+        self.eos_token_ids: frozenset[int] = frozenset()   # the checkpoint's, while the engine runs without
+        self.prompts: list | None = None
+        self.started = time.perf_counter()
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.workdir / "tarsier2-real-size"
+
+    def stage(self, name: str) -> dict:
+        return self.results["stages"].setdefault(name, {})
+
+    def save(self) -> Path:
+        self.results["summary"] = summary(self.results)
+        text = json.dumps({"summary": self.results["summary"], **self.results}, indent=1, default=str)
+        self.state_file.write_text(text)
+        device = self.results["summary"].get("device") or self.profile.name
+        name = "gpu-{}-{}.json".format(date.today().isoformat(), re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-"))
+        if self.profile.name != "gpu":
+            name = name.replace(".json", f"-{self.profile.name}.json")
+        path = self.out / name
+        path.write_text(text)
+        return path
+
+    def loaded(self) -> Captioner:
+        """The real-size checkpoint loaded by `Captioner` (memory preflight first), once."""
+        if self.captioner is None:
+            profile = self.profile
+            if not (self.checkpoint / "model.safetensors.index.json").exists():
+                run_build(self)
+            # Room for the decode timings' most rows (more than the run's batch): the engine serves both.
+            rows = max(profile.decode_rows)
+            context = profile.frames * 608 + 128 + profile.new_tokens
+            kv_gb = math.ceil(rows * context * kv_bytes_per_position(self.checkpoint) / 2**30) + 1
+            settings = CaptionSettings(model=str(self.checkpoint), device=profile.device, dtype="bfloat16",
+                                       frames=profile.frames, kv_cache_gb=kv_gb, isolate_decoding=False,
+                                       sampling=SamplingParams(max_new_tokens=profile.new_tokens))
+            release(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            started = time.perf_counter()
+            self.captioner = Captioner(settings, items=profile.clips)
+            self.eos_token_ids = self.captioner.model.eos_token_ids
+            self.captioner.model.eos_token_ids = frozenset()   # every item generates new_tokens: equal work
+            self.stage("engine")["load_s"] = round(time.perf_counter() - started, 1)
+            self.stage("engine")["describe"] = self.captioner.describe()
+        return self.captioner
+
+    def clip_prompts(self) -> list:
+        """The workload's prompts: `distinct_clips` clips through the checkpoint's processor, repeated."""
+        if self.prompts is None:
+            started = time.perf_counter()
+            profile = self.profile
+            distinct = workload.prompts(self.loaded().model.processor, profile.distinct_clips, profile.frames,
+                                        profile.width, profile.height)
+            self.prompts = [distinct[index % len(distinct)] for index in range(profile.clips)]
+            self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in distinct})
+            self.stage("engine")["prompts_s"] = round(time.perf_counter() - started, 1)
+        return self.prompts
+
+    def drop_model(self) -> None:
+        self.captioner = None
+        self.prompts = None
+        torch._dynamo.reset()   # compiled code and CUDA graphs (and their memory pool) go with the model
+        release(self.device)
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def kv_bytes_per_position(model_dir: Path) -> int:
+    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * DTYPE.itemsize
+
+
+# --- stages ------------------------------------------------------------------------------------------------
+
+
+def run_env(bench: Bench) -> None:
+    device = bench.device
+    info = bench.stage("env")
+    info.update({"python": platform.python_version(), "torch": torch.__version__,
+                 "transformers": __import__("transformers").__version__, "cuda": torch.version.cuda,
+                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+                 or "cpu", "profile": bench.profile.name})
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        info.update({"multiprocessors": properties.multi_processor_count, "memory_gb": round(properties.total_memory
+                                                                                              / 1e9, 1)})
+        try:
+            info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,"
+                                                 "clocks.max.sm,power.limit", "--format=csv,noheader"],
+                                                capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as error:
+            info["nvidia_smi"] = str(error)
+    size = 2**30 if device.type == "cuda" else 2**24
+    source = torch.randn(size // 2, dtype=DTYPE, device=device)
+    target = torch.empty_like(source)
+    copy_ms = attention_kernels.timed_ms(lambda: target.copy_(source), device, 20)
+    info["copy_bytes_per_s"] = 2 * source.nbytes / (copy_ms / 1000)   # read and written
+    del source, target
+    side = 8192 if device.type == "cuda" else 512
+    a = torch.randn(side, side, dtype=DTYPE, device=device)
+    b = torch.randn(side, side, dtype=DTYPE, device=device)
+    matmul_ms = attention_kernels.timed_ms(lambda: a @ b, device, 10)
+    info["matmul_flop_per_s"] = 2 * side**3 / (matmul_ms / 1000)
+    del a, b
+    release(device)
+
+
+def run_equality(bench: Bench) -> None:
+    bench.results["stages"]["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=False)
+
+
+def run_build(bench: Bench) -> None:
+    profile = bench.profile
+    path, info = real_size.build(bench.workdir, profile.geometry, None, DTYPE, bench.device)
+    assert path == bench.checkpoint
+    bench.stage("build").update(info)
+    release(bench.device)
+
+
+def run_engine(bench: Bench) -> None:
+    captioner = bench.loaded()
+    prompts = bench.clip_prompts()
+    info = bench.stage("engine")
+    profile = bench.profile
+    run = real_size.engine_pass(captioner.engine, prompts, profile.new_tokens)
+    (bench.workdir / "engine_ids.json").write_text(json.dumps(run.pop("ids")))
+    info["eager"] = run
+    distinct = prompts[:profile.distinct_clips]
+    prefill = real_size.engine_pass(captioner.engine, distinct, 1)
+    prefill.pop("ids")
+    flops = real_size.prefill_flops(captioner.model, distinct)
+    env = bench.results["stages"].get("env", {})
+    peak, peak_source = real_size.bf16_peak(env.get("device_name", ""), env.get("matmul_flop_per_s", float("nan")))
+    info["prefill_only"] = {**prefill, "prompt_positions_per_s": round(sum(p.length for p in distinct)
+                                                                        / prefill["seconds"], 1),
+                            "flop": flops, "flop_per_s": flops / prefill["seconds"],
+                            "mfu": round(flops / prefill["seconds"] / peak, 4), "mfu_against": peak_source,
+                            "share_of_measured_matmul": round(flops / prefill["seconds"]
+                                                              / env.get("matmul_flop_per_s", float("nan")), 4)}
+    memory = captioner.memory
+    if memory is not None:
+        info["preflight"] = {"weights": memory.weights, "kv_cache": memory.kv_cache,
+                             "activations": memory.activations, "estimated_peak": memory.peak}
+        if bench.device.type == "cuda":
+            allocated = torch.cuda.max_memory_allocated(bench.device)
+            reserved = torch.cuda.max_memory_reserved(bench.device)
+            info["preflight"].update({"max_memory_allocated": allocated, "max_memory_reserved": reserved,
+                                      "estimate_over_allocated": round(memory.peak / allocated, 4),
+                                      "estimate_over_reserved": round(memory.peak / reserved, 4)})
+
+
+def run_baseline(bench: Bench) -> None:
+    captioner = bench.loaded()
+    profile = bench.profile
+    prompts = bench.clip_prompts()[:profile.baseline_clips]
+    if captioner.engine is not None:
+        captioner.engine.abort_all()
+    captioner.model.eos_token_ids = bench.eos_token_ids   # its pad id; EOS stays off (disable_eos)
+    try:
+        run = real_size.baseline_pass(captioner.model, prompts, profile.new_tokens)
+    finally:
+        captioner.model.eos_token_ids = frozenset()
+    ids = run.pop("ids")
+    info = bench.stage("baseline")
+    info["one_at_a_time"] = run
+    engine_ids_file = bench.workdir / "engine_ids.json"
+    if engine_ids_file.exists():
+        engine_ids = json.loads(engine_ids_file.read_text())[:len(ids)]
+        info["bf16_engine_vs_transformers"] = real_size.agreement(ids, engine_ids)
+    (bench.workdir / "baseline_ids.json").write_text(json.dumps(ids))
+
+
+def decode_figures(bench: Bench, engine: Engine) -> dict:
+    """ms per decode step and its floor, by rows, at the clips' context, in `engine` (emptied, its cache noise)."""
+    profile = bench.profile
+    model = engine.model
+    context = max(prompt.length for prompt in bench.clip_prompts())
+    copy_rate = bench.results["stages"].get("env", {}).get("copy_bytes_per_s")
+    engine.abort_all()
+    real_size.fill_with_noise(engine)
+    figures: dict = {"context": context, "ms": {}, "floor_ms": {}}
+    started = time.perf_counter()
+    for rows in profile.decode_rows:
+        figures["ms"][str(rows)] = real_size.decode_step_ms(engine, rows, context, profile.decode_steps,
+                                                            warmup=5 if engine.config.compile else 2)
+        if copy_rate:
+            figures["floor_ms"][str(rows)] = real_size.decode_floor_ms(model, rows, context, copy_rate)
+    figures["seconds"] = round(time.perf_counter() - started, 1)
+    figures["over_floor"] = {rows: round(ms / figures["floor_ms"][rows], 2) for rows, ms in figures["ms"].items()
+                             if rows in figures["floor_ms"]}
+    return figures
+
+
+def run_decode(bench: Bench) -> None:
+    bench.stage("decode")["eager"] = decode_figures(bench, bench.loaded().engine)
+
+
+def run_compiled(bench: Bench) -> None:
+    info = bench.stage("compiled")
+    if not bench.with_compile:
+        info["skipped"] = "compiling needs --with-compile on the CPU"
+        return
+    info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True)
+    # Compiled functions recompile for each model; past torch._dynamo's limit of recompilations they would run
+    # eager without a word, so the real-size model starts from a clean slate.
+    torch._dynamo.reset()
+    captioner = bench.loaded()
+    prompts = bench.clip_prompts()
+    profile = bench.profile
+    captioner.engine = None   # its cache: the compiled engine takes one of the same size
+    release(bench.device)
+    engine = Engine(captioner.model, replace(captioner.engine_config, compile=True), captioner.settings.sampling)
+    started = time.perf_counter()
+    real_size.engine_pass(engine, prompts[:2], 4)     # compiles the layers and the decode step
+    info["compile_s"] = round(time.perf_counter() - started, 1)
+    run = real_size.engine_pass(engine, prompts, profile.new_tokens)
+    ids = run.pop("ids")
+    info["engine"] = run
+    engine_ids_file = bench.workdir / "engine_ids.json"
+    if engine_ids_file.exists():
+        info["bf16_compiled_vs_eager"] = real_size.agreement(json.loads(engine_ids_file.read_text()), ids)
+    baseline_file = bench.workdir / "baseline_ids.json"
+    if baseline_file.exists():
+        baseline = json.loads(baseline_file.read_text())
+        info["bf16_compiled_vs_transformers"] = real_size.agreement(baseline, ids[:len(baseline)])
+    info["decode"] = decode_figures(bench, engine)
+    del engine
+    release(bench.device)
+
+
+def run_attention(bench: Bench) -> None:
+    profile = bench.profile
+    bench.drop_model()
+    real = profile.geometry is None
+    heads, kv_heads, dim = (28, 4, 128) if real else (4, 2, 32)
+    context = profile.frames * 608 + 128 if real else 300
+    bench.results["stages"]["attention"] = attention_kernels.run_kernels(
+        list(profile.attention_rows), context, heads, kv_heads, dim, DTYPE, bench.device, profile.attention_repeats,
+        compiled=bench.with_compile)
+
+
+def run_cli(bench: Bench) -> None:
+    """A fresh process per run (the parent lets go of the GPU first)."""
+    profile = bench.profile
+    bench.drop_model()
+    if not (bench.checkpoint / "model.safetensors.index.json").exists():
+        run_build(bench)
+    clips = workload.write_clips(bench.workdir / "clips", profile.cli_clips, profile.frames, profile.width,
+                                 profile.height)
+    many = cli_runs.linked_copies(clips, bench.workdir / "many-clips", 2 * profile.cli_clips)
+    common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens),
+              "--device", profile.device, "--dtype", "bfloat16", "--overwrite"]
+    # Every clip at once, each prompt whole in one step: more than the card holds at once.
+    too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
+    info = bench.stage("cli")
+    budget = 200 if bench.device.type == "cuda" else 300
+    info["offload_kv"] = cli_runs.caption(bench.checkpoint, clips, bench.workdir / "offload.parquet",
+                                          [*common, "--offload-kv"], budget)
+    # The memory check should refuse it before loading, in one line...
+    info["batch_too_large"] = cli_runs.caption(bench.checkpoint, many, bench.workdir / "too-large.parquet",
+                                               [*common, *too_large], budget)
+    # ...and without the check, steps that run out of memory are retried smaller: every row still arrives.
+    info["batch_too_large_unchecked"] = cli_runs.caption(
+        bench.checkpoint, many, bench.workdir / "too-large-unchecked.parquet",
+        [*common, *too_large, "--no-preflight", "--kv-cache-gb", str(profile.cli_kv_gb)], budget)
+
+
+RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine": run_engine,
+           "baseline": run_baseline, "decode": run_decode, "compiled": run_compiled, "attention": run_attention,
+           "cli": run_cli}
+
+
+# --- the summary -------------------------------------------------------------------------------------------
+
+
+def summary(results: dict) -> dict:
+    """The figures the README quotes, from whichever stages ran (None where a stage did not)."""
+    stages = results["stages"]
+    env, engine, baseline = stages.get("env", {}), stages.get("engine", {}), stages.get("baseline", {})
+    compiled, decode, cli = stages.get("compiled", {}), stages.get("decode", {}), stages.get("cli", {})
+    official = baseline.get("one_at_a_time", {}).get("items_per_s")
+    eager = engine.get("eager", {}).get("items_per_s")
+    compiled_rate = compiled.get("engine", {}).get("items_per_s")
+    best = max([rate for rate in (eager, compiled_rate) if rate] or [None], key=lambda rate: rate or 0)
+    decode_source = compiled.get("decode") or decode.get("eager") or {}
+    equal = [stage.get("passed") for stage in (stages.get("equality", {}), compiled.get("equality", {}))
+             if "passed" in stage]
+    agreement = baseline.get("bf16_engine_vs_transformers", {})
+    preflight = engine.get("preflight", {})
+    cli_runs_done = [run for run in cli.values() if isinstance(run, dict) and "rows_lost" in run]
+    return {
+        "device": env.get("device_name"), "torch": env.get("torch"),
+        "speedup_vs_transformers": round(best / official, 2) if best and official else None,
+        "speedup_vs_transformers_eager": round(eager / official, 2) if eager and official else None,
+        "speedup_vs_transformers_compiled": round(compiled_rate / official, 2) if compiled_rate and official else None,
+        "items_per_s": best, "items_per_s_eager": eager, "items_per_s_compiled": compiled_rate,
+        "transformers_items_per_s": official,
+        "prefill_mfu": engine.get("prefill_only", {}).get("mfu"),
+        "decode_ms": decode_source.get("ms"), "decode_floor_ms": decode_source.get("floor_ms"),
+        "decode_ms_eager": decode.get("eager", {}).get("ms"),
+        "decode_from": "compiled" if compiled.get("decode") else "eager",
+        "fp32_equality_passed": all(equal) if equal else None,
+        "bf16_exact_match_rate": agreement.get("exact_match_rate"),
+        "bf16_first_divergence": agreement.get("first_divergence"),
+        "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
+        "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
+        "stages_done": [name for name in STAGES if name in stages and "error" not in stages[name]
+                        and "skipped" not in stages[name]],
+        "stages_failed": [name for name in STAGES if "error" in stages.get(name, {})],
+        "stages_skipped": [name for name in STAGES if "skipped" in stages.get(name, {})],
+    }
+
+
+def table(summary_: dict) -> str:
+    keys = ["device", "torch", "fp32_equality_passed", "speedup_vs_transformers", "speedup_vs_transformers_eager",
+            "items_per_s", "transformers_items_per_s", "prefill_mfu", "decode_ms", "decode_floor_ms",
+            "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "stages_failed",
+            "stages_skipped"]
+    return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-bench-out")))
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/tarsier-gpu-bench"))
+    parser.add_argument("--cpu-dry-run", action="store_true", help="every stage at tiny sizes on the CPU")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
+    parser.add_argument("--budget-s", type=float, help="skip stages that would end past this (default: the profile's)")
+    parser.add_argument("--with-compile", action="store_true", help="compile on the CPU too (minutes)")
+    args = parser.parse_args()
+    profile = DRY if args.cpu_dry_run else GPU
+    if profile is GPU and not torch.cuda.is_available():
+        sys.exit("no CUDA device here: run with --cpu-dry-run")
+    wanted = [name.strip() for name in args.stages.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(STAGES))
+    if unknown:
+        sys.exit(f"unknown stages: {', '.join(unknown)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU)
+    budget = args.budget_s or profile.budget_s
+    for name in [stage for stage in STAGES if stage in wanted]:
+        elapsed = time.perf_counter() - bench.started
+        needs = profile.stage_s.get(name, 0)
+        if elapsed + needs > budget:
+            bench.results["stages"][name] = {"skipped": f"{needs:.0f} s needed, {budget - elapsed:.0f} s left"}
+            print(f"[{elapsed:6.1f} s] {name}: skipped (not enough time left)", flush=True)
+            continue
+        bench.results["stages"].pop(name, None)
+        print(f"[{elapsed:6.1f} s] {name} ...", flush=True)
+        started = time.perf_counter()
+        try:
+            RUNNERS[name](bench)
+        except Exception as error:   # the stage's error goes in the results; the other stages still run
+            bench.stage(name)["error"] = f"{type(error).__name__}: {error}"
+            bench.stage(name)["traceback"] = traceback.format_exc()[-4000:]
+            print(traceback.format_exc(), flush=True)
+            if name in ("build", "engine") or isinstance(error, torch.AcceleratorError):
+                bench.drop_model()
+        bench.stage(name)["stage_s"] = round(time.perf_counter() - started, 1)
+        path = bench.save()
+        print(f"[{time.perf_counter() - bench.started:6.1f} s] {name} done in {bench.stage(name)['stage_s']} s"
+              f"{' with an error' if 'error' in bench.stage(name) else ''}", flush=True)
+    path = bench.save()
+    remaining = [name for name in bench.results["summary"]["stages_skipped"] + bench.results["summary"]["stages_failed"]]
+    print(f"\nwrote {path}")
+    if remaining:
+        print(f"to run what is missing: bash bench/gpu/run.sh --stages {','.join(remaining)}")
+    print(table(bench.results["summary"]))
+
+
+if __name__ == "__main__":
+    main()

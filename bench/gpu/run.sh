@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU run in one call (see bench/gpu/gpu_bench.py and the "GPU" section of bench/README.md):
+#
+#   bash bench/gpu/run.sh [--stages a,b] [--budget-s S]   # on the device machine, wheels carried in .whl/
+#   bash bench/gpu/run.sh --cpu-dry-run                   # here, on the CPU, at tiny sizes
+#
+# The device image has torch and transformers but not the decoders (decord, PyAV) or pebble: their wheels
+# travel in .whl/ (bench/gpu/fetch_wheels.sh puts them there) and are installed beside the repository,
+# which is used in place. Figures and the log go to $OUT (the device tool's folder that comes back).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PYTHON="${PYTHON:-python3}"
+OUT="${OUT:-$(mktemp -d)}"
+mkdir -p "$OUT"
+SITE="${TMPDIR:-/tmp}/tarsier-gpu-site"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+        || { echo "installing the carried wheels failed"; exit 3; }
+    export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Nothing outside the device machine can be reached: never wait on the Hub.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+"$PYTHON" bench/gpu/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu-bench.log"
+exit "${PIPESTATUS[0]}"
