@@ -89,7 +89,8 @@ class Profile:
 
 
 GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, distinct_clips=16, baseline_clips=8,
-              new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64), attention_repeats=50, cli_clips=8,
+              new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64),
+              attention_repeats=50, cli_clips=8,
               cli_new_tokens=32, cli_kv_gb=40, budget_s=480,
               stage_s={"env": 15, "equality": 60, "build": 90, "engine": 150, "baseline": 120, "decode": 40,
                        "compiled": 240, "attention": 90, "cli": 150})
@@ -97,7 +98,8 @@ GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, 
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
 DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, distinct_clips=2,
-              baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4), attention_repeats=3,
+              baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
+              attention_repeats=3,
               cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
 STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "attention", "cli"]
 DTYPE = torch.bfloat16
@@ -214,19 +216,23 @@ def run_env(bench: Bench) -> None:
                                                 capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.SubprocessError) as error:
             info["nvidia_smi"] = str(error)
-    size = 2**30 if device.type == "cuda" else 2**24
-    source = torch.randn(size // 2, dtype=DTYPE, device=device)
+    info["copy_bytes_per_s"] = copy_rate(device, 2**30 if device.type == "cuda" else 2**24)
+    info["matmul_flop_per_s"] = matmul_rate(device, 8192 if device.type == "cuda" else 512)
+    release(device)
+
+
+def copy_rate(device: torch.device, nbytes: int) -> float:
+    """Bytes read plus bytes written per second by a device-to-device copy of `nbytes`."""
+    source = torch.randn(nbytes // DTYPE.itemsize, dtype=DTYPE, device=device)
     target = torch.empty_like(source)
-    copy_ms = attention_kernels.timed_ms(lambda: target.copy_(source), device, 20)
-    info["copy_bytes_per_s"] = 2 * source.nbytes / (copy_ms / 1000)   # read and written
-    del source, target
-    side = 8192 if device.type == "cuda" else 512
+    return 2 * nbytes / (attention_kernels.timed_ms(lambda: target.copy_(source), device, 20) / 1000)
+
+
+def matmul_rate(device: torch.device, side: int) -> float:
+    """FLOP/s of a (side x side) @ (side x side) bfloat16 product on random data."""
     a = torch.randn(side, side, dtype=DTYPE, device=device)
     b = torch.randn(side, side, dtype=DTYPE, device=device)
-    matmul_ms = attention_kernels.timed_ms(lambda: a @ b, device, 10)
-    info["matmul_flop_per_s"] = 2 * side**3 / (matmul_ms / 1000)
-    del a, b
-    release(device)
+    return 2 * side**3 / (attention_kernels.timed_ms(lambda: a @ b, device, 10) / 1000)
 
 
 def run_equality(bench: Bench) -> None:
@@ -486,7 +492,7 @@ def main() -> None:
         print(f"[{time.perf_counter() - bench.started:6.1f} s] {name} done in {bench.stage(name)['stage_s']} s"
               f"{' with an error' if 'error' in bench.stage(name) else ''}", flush=True)
     path = bench.save()
-    remaining = [name for name in bench.results["summary"]["stages_skipped"] + bench.results["summary"]["stages_failed"]]
+    remaining = bench.results["summary"]["stages_skipped"] + bench.results["summary"]["stages_failed"]
     print(f"\nwrote {path}")
     if remaining:
         print(f"to run what is missing: bash bench/gpu/run.sh --stages {','.join(remaining)}")
