@@ -3,8 +3,8 @@
     python bench/bench_cli.py [--files 10000] [--repeats 5]
 
 Each case runs the installed command in a fresh process (what a user or a cron job sees), best
-of `--repeats`, next to a bare `python -c pass` started the same way, in one run. Targets (from
-issue 8): --help and every usage error under a second; --dry-run over 10,000 files under a second.
+of `--repeats`, next to a bare `python -c pass` started the same way, in one run. Targets: --help
+and every usage error under a second; --dry-run over 10,000 files under a second.
 Prints JSON.
 """
 

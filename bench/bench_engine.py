@@ -1,4 +1,4 @@
-"""Engine benchmarks B1-B5 of issue 5, each comparing its sides in one process and run.
+"""Engine benchmarks B1-B5, each comparing its sides in one process and run.
 
     python bench/bench_engine.py b1 [--repeats 3]      # throughput vs the official one-at-a-time way
     python bench/bench_engine.py b2 [--repeats 3]      # continuous vs closed batches, mixed lengths
@@ -89,7 +89,7 @@ def run_engine(model: CaptionModel, prompts: list[ProcessedPrompt], config: Engi
     """Generate for every prompt; returns tokens generated.
 
     `closed_batches` feeds the engine `max_rows` prompts at a time and waits until all of them
-    finish before the next group: rows leave but none join, as in the engine before this issue.
+    finish before the next group: rows leave but none join, as an engine without continuous batching does.
     """
     engine = Engine(model, config, SamplingParams(max_new_tokens=max(max_new)))
     group = config.max_rows if closed_batches else len(prompts)
@@ -243,7 +243,7 @@ def b4(args: argparse.Namespace, workdir: Path) -> dict:
     rows, steps = 8, 16
     report: dict[str, dict[str, float]] = {}
     for context in (1024, 8192):
-        # transformers' cache, as the engine before this issue kept it: every step concatenates.
+        # transformers' cache, as a plain generate() keeps it: every step concatenates.
         def dynamic_cache_steps() -> float:
             cache = DynamicCache(config=language_model.config)
             shape = (rows, geometry.kv_heads, context, geometry.head_dim)

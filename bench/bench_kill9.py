@@ -1,4 +1,4 @@
-"""Issue 23: how much of a run a `kill -9` costs, at the flush defaults against the old ones, side by side.
+"""How much of a run a `kill -9` costs, at the flush defaults against the old ones, side by side.
 
     python bench/bench_kill9.py [--files 144] [--size small] [--new-tokens 48] [--kill-at 0.45]
 

@@ -1,13 +1,13 @@
-"""Issue 25: decoding from an object store and from WebDataset shards against the same files on local disk.
+"""Decoding from an object store and from WebDataset shards against the same files on local disk.
 
     python bench/bench_remote.py [--items 24] [--rounds 3] [--big-gb 2]
 
 A local S3 server (moto, in a subprocess on loopback) holds the same clips as a local folder, as
 objects and as 3 tar shards; the same 3 shards sit on local disk too. Each side decodes all items
 through the real decoding pool (`workers.DecodePool`, the default worker count, the tiny
-Tarsier2 checkpoint's processor at its real frame geometry, 16 frames): decode-bound, as the
-issue asks. The sides run interleaved, round after round (this machine is shared and noisy), and
-the medians are compared: items/s of each side over local files (target >= 0.9x).
+Tarsier2 checkpoint's processor at its real frame geometry, 16 frames): decode-bound, so that
+reading is what is measured. The sides run interleaved, round after round (this machine is shared
+and noisy), and the medians are compared: items/s of each side over local files (target >= 0.9x).
 
 Then memory: a tar of `--big-gb` GB (20 members of ~100 MB each, real video) in the S3 server is
 decoded member by member while this process's RSS is sampled every 50 ms: it should stay flat

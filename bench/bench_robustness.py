@@ -1,4 +1,4 @@
-"""Issue 7: what crash safety costs. Decoding in worker processes vs threads, and part files vs none.
+"""What crash safety costs. Decoding in worker processes vs threads, and part files vs none.
 
     python bench/bench_robustness.py [--size bench] [--items 32] [--repeats 3] [--new-tokens 32]
 

@@ -13,7 +13,7 @@ positions came from), EOS off, one torch thread, float32 on the CPU:
   (`tarsier_batch.engine.profiling.kernel_ops`: not views, not allocations or metadata, not ops
   that only compose others); the median step of --steps profiled steps.
 - `aten`: every aten event of the step less the views (composite ops and the ops they call both
-  count): the issue's own way of counting, an upper bound on launches.
+  count): an upper bound on launches.
 - `all_aten`: every aten event of the step, views included (for reference).
 - `ms`: median wall time of a decode step without the profiler.
 - `first_decode_step_s`: the first decode step at these sizes (with --compile, mostly compiling;
