@@ -20,7 +20,14 @@ from typing import Any
 
 from PIL import Image, ImageOps, ImageSequence, UnidentifiedImageError
 
-from .errors import NOT_FOUND, TOO_LARGE, UNDECODABLE, UNREADABLE, ItemError, plain_message
+from .errors import (
+    NOT_FOUND,
+    TOO_LARGE,
+    UNDECODABLE,
+    UNREADABLE,
+    ItemError,
+    plain_message,
+)
 
 # Pillow's own limit (89 Mpx: a warning, twice that: an error) is set aside while opening: the
 # caller's `max_image_pixels` decides, and its message names the option.

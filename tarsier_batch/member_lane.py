@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from . import storage, tars
-from .sources import MediaItem
 from .errors import plain_message
+from .sources import MediaItem
 
 READ_AHEAD_BYTES = 256 * 2**20   # member bytes read but not yet decoded (one bigger member still passes alone)
 _JOIN_TIMEOUT_S = 30
