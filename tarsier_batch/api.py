@@ -29,6 +29,7 @@ import torch
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
+from .errors import INTERNAL
 from . import preflight
 from .families import CaptionModel, load_caption_model, load_processor
 from .families.base import Processor
@@ -258,7 +259,8 @@ class Captioner:
         """One row per prompt of the item; a prompt set's later questions fork the first's shared prefix. Every
         row draws from the item's stream, as a run asking that question alone would."""
         if decoded.error is not None or not decoded.prompts:
-            finished[decoded.index] = _error_result(decoded, decoded.error or "not processed")
+            finished[decoded.index] = _error_result(decoded, decoded.error or "not processed",
+                                                    decoded.error_kind or INTERNAL)
             return
         queued = _Queued(decoded, time.perf_counter(), rows=len(decoded.prompts))
         seed = self.settings.sampling.row_seed(decoded.item.sampling_key)
@@ -286,20 +288,25 @@ class Captioner:
         if not decoded.questions:
             seq = queued.done[None]
             if seq.error is not None:
-                return replace(_error_result(decoded, seq.error), elapsed_s=elapsed)
+                return replace(_error_result(decoded, seq.error, seq.error_kind or INTERNAL), elapsed_s=elapsed)
             return replace(_described(decoded, elapsed), caption=self.model.decode(seq.output_ids),
                            prompt=seq.prompt.instruction, prompt_tokens=seq.prompt.length,
                            generated_tokens=len(seq.output_ids), finish_reason=seq.finish_reason or "error",
                            generated_ids=list(seq.output_ids))
         answers = {question: self._answer(queued.done[question]) for question in decoded.questions}
         failed = [f"{question}: {answer.error}" for question, answer in answers.items() if answer.error is not None]
+        # The item's kind is its first failed question's: they mostly fail alike (the item is too large, or the
+        # step ran out of memory), and each question's message says what its own failure was.
+        kind = next((answer.error_kind for answer in answers.values() if answer.error is not None), None)
         return replace(_described(decoded, elapsed), answers=answers, error="; ".join(failed) or None,
+                       error_kind=kind,
                        generated_tokens=sum(answer.generated_tokens for answer in answers.values()),
                        finish_reason="error" if failed else "done")
 
     def _answer(self, seq: Sequence) -> Answer:
         if seq.error is not None:
-            return Answer(seq.prompt.instruction, None, seq.prompt.length, 0, "error", error=seq.error)
+            return Answer(seq.prompt.instruction, None, seq.prompt.length, 0, "error", error=seq.error,
+                          error_kind=seq.error_kind or INTERNAL)
         return Answer(seq.prompt.instruction, self.model.decode(seq.output_ids), seq.prompt.length,
                       len(seq.output_ids), seq.finish_reason or "error", generated_ids=list(seq.output_ids))
 
@@ -421,6 +428,6 @@ def _described(decoded: Decoded, elapsed: float) -> CaptionResult:
         height=media.height, duration_s=media.duration_s, decoder=media.decoder, elapsed_s=elapsed)
 
 
-def _error_result(decoded: Decoded, message: str) -> CaptionResult:
+def _error_result(decoded: Decoded, message: str, kind: str) -> CaptionResult:
     return CaptionResult(path=decoded.item.row_path, media_type=decoded.item.media_type.value,
-                         key=decoded.item.stable_key, error=message, elapsed_s=decoded.seconds)
+                         key=decoded.item.stable_key, error=message, error_kind=kind, elapsed_s=decoded.seconds)

@@ -18,7 +18,16 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageOps, ImageSequence
+from PIL import Image, ImageOps, ImageSequence, UnidentifiedImageError
+
+from .errors import (
+    NOT_FOUND,
+    TOO_LARGE,
+    UNDECODABLE,
+    UNREADABLE,
+    ItemError,
+    plain_message,
+)
 
 # Pillow's own limit (89 Mpx: a warning, twice that: an error) is set aside while opening: the
 # caller's `max_image_pixels` decides, and its message names the option.
@@ -142,19 +151,19 @@ def check_regular_file(path: str) -> None:
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise ValueError("the file no longer exists" if os.path.lexists(path) is False
-                         else "broken symbolic link") from None
+        raise ItemError(NOT_FOUND, "the file no longer exists" if os.path.lexists(path) is False
+                        else "broken symbolic link") from None
     except OSError as error:  # ELOOP (a symlink loop), EACCES on a folder on the way, ...
-        raise ValueError(f"cannot open: {error.strerror}") from None
+        raise ItemError(UNREADABLE, f"cannot open: {error.strerror}") from None
     kinds = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
              (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
     for test, kind in kinds:
         if test(info.st_mode):
-            raise ValueError(f"not a regular file: {kind}")
+            raise ItemError(UNREADABLE, f"not a regular file: {kind}")
     if info.st_size == 0:
-        raise ValueError("empty file (0 bytes)")
+        raise ItemError(UNREADABLE, "empty file (0 bytes)")
     if not os.access(path, os.R_OK):
-        raise ValueError("cannot open: permission denied")
+        raise ItemError(UNREADABLE, "cannot open: permission denied")
 
 
 def decoder_versions() -> dict[str, str]:
@@ -187,7 +196,71 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
         return _load_video_pyav(path, source, num_frames, transform, sampler)
     except _DecoderFailure as failure:
         failures.append(f"pyav: {failure}")
-    raise ValueError(f"cannot decode video: {'; '.join(failures)}")
+    why = _why_no_decoder_opens(source)
+    said = "; ".join(failures)
+    raise ItemError(UNDECODABLE, f"cannot decode video: {said}" if why is None else f"{why}; {said}")
+
+
+def _why_no_decoder_opens(source: str) -> str | None:
+    """What the file's bytes say about why no decoder opened it, where they say more than the decoders: FFmpeg
+    gives "Invalid data found when processing input" alike for text, random bytes and an MP4 cut short."""
+    try:
+        with open(source, "rb") as file:
+            head = file.read(_HEAD_BYTES)
+            size = os.fstat(file.fileno()).st_size
+    except OSError:
+        return None
+    if head[4:8] == b"ftyp":   # ISO base media (MP4, MOV, 3GP): its boxes say whether the file is whole
+        return _mp4_problem(source, size)
+    for signature, name in _CONTAINER_SIGNATURES:
+        if head.startswith(signature):
+            return f"the {name} file is damaged or cut short: no decoder can open it"
+    if _looks_like_text(head):
+        return "not a video: no media stream found (the file starts like text)"
+    return "not a video: no media stream found (no decoder knows the format of its bytes)"
+
+
+_HEAD_BYTES = 4096
+_CONTAINER_SIGNATURES = ((b"\x1a\x45\xdf\xa3", "Matroska/WebM"), (b"RIFF", "AVI"), (b"FLV", "FLV"),
+                         (b"OggS", "Ogg"), (b"\x00\x00\x01\xba", "MPEG-PS"), (b"\x30\x26\xb2\x75", "ASF/WMV"))
+
+
+def _mp4_problem(source: str, size: int) -> str:
+    """Why an MP4 no decoder opens is unreadable, from its top-level boxes (size, then type; a size of 1: a
+    64-bit size follows; 0: up to the end of the file)."""
+    offset, types = 0, set()
+    with open(source, "rb") as file:
+        while offset + 8 <= size:
+            file.seek(offset)
+            header = file.read(16)
+            length, kind = int.from_bytes(header[:4], "big"), header[4:8]
+            if length == 1 and len(header) == 16:
+                length = int.from_bytes(header[8:16], "big")
+            elif length == 0:
+                length = size - offset
+            if length < 8:
+                return f"the MP4 is damaged: a box at byte {offset:,} has an impossible size ({length})"
+            types.add(kind)
+            if offset + length > size:
+                return (f"the video is cut short: the file ends at byte {size:,}, inside its "
+                        f"{kind.decode('latin-1')!r} box, which runs to byte {offset + length:,}")
+            offset += length
+    if b"moov" not in types:
+        return "the video is cut short or was never finished: the MP4 has no index (moov box)"
+    return "the MP4 is damaged: its boxes are whole, but no decoder finds a playable stream in them"
+
+
+def _looks_like_text(head: bytes) -> bool:
+    """Do the first bytes read as text (UTF-8, no control characters but whitespace)?"""
+    if not head or b"\x00" in head:
+        return False
+    for cut in range(4):   # the head may end inside a multi-byte character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return all(character.isprintable() or character.isspace() for character in text)
+    return False
 
 
 class _DecoderFailure(Exception):
@@ -253,7 +326,7 @@ def _video_stream(source: str) -> Iterator[tuple[Any, Any]]:
         stream = container.streams.best("video")
         if stream is None:
             held = ", ".join(sorted({other.type for other in container.streams}))
-            raise ValueError(f"no video stream (the file holds {held})")
+            raise ItemError(UNDECODABLE, f"no video stream (the file holds {held})")
         yield container, stream
 
 
@@ -513,7 +586,7 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
                 _return_freed_memory()
     width, height = animation.size
     if not frames:
-        raise ValueError("the animation has no readable frames")
+        raise ItemError(UNDECODABLE, "the animation has no readable frames")
     return Media(path, MediaType.GIF, frames, kept, width, height,
                  duration_ms / 1000 if duration_ms else None, "pillow")
 
@@ -526,12 +599,14 @@ def open_image(path: str, max_pixels: int | None) -> Image.Image:
         pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
         try:
             image = Image.open(path)
+        except UnidentifiedImageError:
+            raise ItemError(UNDECODABLE, "not an image: Pillow recognises no image format in its bytes") from None
         finally:
             Image.MAX_IMAGE_PIXELS = pillows
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         image.close()
-        raise ValueError(f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above the "
+        raise ItemError(TOO_LARGE, f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above the "
                          f"{max_pixels / 1e6:.3g} Mpx limit (--max-image-pixels)")
     return image
 
@@ -557,10 +632,13 @@ def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sa
         if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
             return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
         stored = image.size
-        _read_reduced_if_huge(image)
-        swapped = image.getexif().get(_EXIF_ORIENTATION) in _SWAPPING_ORIENTATIONS
-        ImageOps.exif_transpose(image, in_place=True)  # in place: a large photo is not held twice
-        frame = _to_rgb(image)
+        try:
+            _read_reduced_if_huge(image)
+            swapped = image.getexif().get(_EXIF_ORIENTATION) in _SWAPPING_ORIENTATIONS
+            ImageOps.exif_transpose(image, in_place=True)  # in place: a large photo is not held twice
+            frame = _to_rgb(image)
+        except (OSError, SyntaxError) as error:   # how Pillow says the data is cut short or damaged
+            raise ItemError(UNDECODABLE, f"the image is damaged or cut short ({plain_message(error)})") from None
     width, height = reversed(stored) if swapped else stored   # as displayed, at full size
     return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None, "pillow")
 

@@ -16,8 +16,8 @@ from dataclasses import replace
 from typing import Any
 
 from . import storage, tars
+from .errors import plain_message
 from .sources import MediaItem
-from .text import one_line
 
 READ_AHEAD_BYTES = 256 * 2**20   # member bytes read but not yet decoded (one bigger member still passes alone)
 _JOIN_TIMEOUT_S = 30
@@ -79,7 +79,8 @@ class MemberLane:
                     self.release(item)
                     reader.close()
                     reader = None   # reopened for the next member
-                    self._fail(item, ticket, f"cannot read it from its shard: {storage.redact_text(one_line(error))}")
+                    self._fail(item, ticket,
+                               f"cannot read it from its shard: {storage.redact_text(plain_message(error))}")
                     continue
                 self._hand_on(replace(item, content=content), ticket)   # never raises (the pool's callback)
         finally:

@@ -15,6 +15,7 @@ class Answer:
     generated_tokens: int
     finish_reason: str             # "eos", "length" or "error"
     error: str | None = None
+    error_kind: str | None = None   # with `error`: one of `errors.KINDS`
     generated_ids: list[int] | None = None
 
 
@@ -26,7 +27,8 @@ class CaptionResult:
     its stable identity for resuming (see `sources.item_key`); `decoder` names what produced
     the frames ("decord", "pyav" or "pillow"). With a prompt set, `answers` holds each question
     asked (by name), `generated_tokens` their sum, and the other caption fields are None; `error`
-    then also says which questions failed.
+    then also says which questions failed. `error_kind` classifies `error` (one of `errors.KINDS`; None on
+    success).
     """
 
     path: str
@@ -44,6 +46,7 @@ class CaptionResult:
     generated_tokens: int | None = None
     finish_reason: str = "error"
     error: str | None = None
+    error_kind: str | None = None
     elapsed_s: float = 0.0
     generated_ids: list[int] | None = None
     answers: dict[str, Answer] = field(default_factory=dict)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import storage, tars
+from .errors import NOT_FOUND, ItemError
 from .media import MediaType, media_type_of
 from .prompt_sets import Question
 from .tars import TarMember
@@ -439,6 +440,6 @@ def readable_copy(item: MediaItem) -> Iterator[str]:
         try:
             spooled = storage.fetch(item.path, item.facts.size_bytes)
         except FileNotFoundError:
-            raise ValueError("no such object in the store") from None
+            raise ItemError(NOT_FOUND, "no such object in the store") from None
     with spooled:
         yield spooled.path

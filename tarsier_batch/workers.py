@@ -49,6 +49,7 @@ import torch
 from pebble import ProcessExpired, ProcessPool
 
 from . import storage
+from .errors import CRASHED, INTERNAL, NOT_FOUND, OUT_OF_MEMORY, TIMEOUT, UNREADABLE, ItemError, plain_message
 from .faults import misbehave, worker_faults
 from .fork_server import start_decoding_server
 from .families.base import ProcessedPrompt, Processor
@@ -57,7 +58,6 @@ from .media import MAX_IMAGE_PIXELS, Media
 from .member_lane import MemberLane
 from .prompt_sets import Question
 from .sources import MediaItem, readable_copy
-from .text import one_line
 
 MAX_DEFAULT_WORKERS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -83,7 +83,7 @@ class DecodeJob:
 
 @dataclass
 class Decoded:
-    """One item after decoding and preprocessing, or the error (one line) that stopped it."""
+    """One item after decoding and preprocessing, or the error (one line) that stopped it and its kind (`errors`)."""
 
     index: int
     item: MediaItem
@@ -91,6 +91,7 @@ class Decoded:
     media: Media | None = None        # facts about the file; its frames are dropped (the prompts hold the pixels)
     prompts: list[ProcessedPrompt] = field(default_factory=list)   # one, or one per question asked (sharing pixels)
     error: str | None = None
+    error_kind: str | None = None
     questions: tuple[str, ...] = ()   # with a prompt set: the question of each prompt
 
     @property
@@ -145,9 +146,21 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
         if _is_out_of_memory(error):
             raise
         return Decoded(index, _without_content(item), time.perf_counter() - start,
-                       error=storage.redact_text(one_line(error)))
+                       error=storage.redact_text(plain_message(error)), error_kind=_kind_of(error))
     return Decoded(index, _without_content(item), time.perf_counter() - start, replace(media, frames=[]), prompts,
                    questions=tuple(question.name for question in questions))
+
+
+def _kind_of(error: Exception) -> str:
+    """The kind of a failure to decode an item: the one it carries, else told by its type (a file's read failing
+    under the decoder, a store's own errors); anything else is a bug of ours, not a property of the file."""
+    if isinstance(error, ItemError):
+        return error.kind
+    if isinstance(error, FileNotFoundError):
+        return NOT_FOUND
+    if isinstance(error, OSError):
+        return UNREADABLE
+    return INTERNAL
 
 
 def _without_content(item: MediaItem) -> MediaItem:
@@ -252,14 +265,16 @@ class DecodePool:
             self._start(decoded, entry[0], item)
         except BaseException as error:   # shut down meanwhile, or no worker could be started
             self._members.release(item)
-            message = STOPPED if self._closed else f"it could not be given to a decoding worker ({one_line(error)})"
-            self._settle(decoded, Decoded(entry[0], entry[1], 0.0, error=message))
+            message = STOPPED if self._closed else \
+                f"it could not be given to a decoding worker ({plain_message(error)})"
+            self._settle(decoded, Decoded(entry[0], entry[1], 0.0, error=message, error_kind=INTERNAL))
 
     def _member_failed(self, item: MediaItem, decoded: Future[Decoded], message: str) -> None:
         with self._lock:
             entry = self._pending.get(decoded)
         if entry is not None:
-            self._settle(decoded, Decoded(entry[0], entry[1], time.perf_counter() - entry[2], error=message))
+            self._settle(decoded, Decoded(entry[0], entry[1], time.perf_counter() - entry[2], error=message,
+                                          error_kind=UNREADABLE))   # the lane only fails to read it
 
     def shutdown(self) -> None:
         """Drop queued items and stop the workers at once, killing busy or hung ones; idempotent.
@@ -280,7 +295,7 @@ class DecodePool:
         with self._lock:
             left, self._pending = self._pending, {}
         for decoded, (index, item, _) in left.items():
-            decoded.set_result(Decoded(index, item, 0.0, error=STOPPED))
+            decoded.set_result(Decoded(index, item, 0.0, error=STOPPED, error_kind=INTERNAL))
 
     def __enter__(self) -> DecodePool:
         return self
@@ -331,8 +346,8 @@ class DecodePool:
         try:
             outcome = self._outcome(task, index, item, started)
         except BaseException as error:  # never leave a future waiting (e.g. a result that cannot be unpickled)
-            outcome = Decoded(index, item, time.perf_counter() - started,
-                              error=f"the decoded item could not be received ({one_line(error)})")
+            outcome = Decoded(index, item, time.perf_counter() - started, error_kind=INTERNAL,
+                              error=f"the decoded item could not be received ({plain_message(error)})")
         self._settle(decoded, outcome)
 
     def _settle(self, decoded: Future[Decoded], outcome: Decoded) -> None:
@@ -345,28 +360,29 @@ class DecodePool:
     def _outcome(self, task: Future[bytes] | Future[Decoded], index: int, item: MediaItem,
                  started: float) -> Decoded:
         if task.cancelled():
-            return Decoded(index, item, 0.0, error=STOPPED)
+            return Decoded(index, item, 0.0, error=STOPPED, error_kind=INTERNAL)
         error = task.exception()
         if error is None:
             result = task.result()
             return pickle.loads(result) if isinstance(result, bytes) else result
         seconds = time.perf_counter() - started
         if self._closed:  # pebble fails what it held when it stops (BrokenProcessPool)
-            return Decoded(index, item, seconds, error=STOPPED)
+            return Decoded(index, item, seconds, error=STOPPED, error_kind=INTERNAL)
         if isinstance(error, (FutureTimeout, TimeoutError)):  # pebble raises the former (the same class from 3.11)
+            kind = TIMEOUT
             message = f"decoding took longer than {self.timeout_s:g} s (--decode-timeout); the worker was stopped"
         elif _is_out_of_memory(error):
-            message = _out_of_memory(self.memory_limit_bytes, self.isolate)
+            kind, message = OUT_OF_MEMORY, _out_of_memory(self.memory_limit_bytes, self.isolate)
         elif isinstance(error, ProcessExpired):
-            message = _crash_message(error.exitcode, self.memory_limit_bytes)
+            kind, message = _crash(error.exitcode, self.memory_limit_bytes)
         elif isinstance(error, WorkerNotReady):
-            message = str(error)
-        elif isinstance(error, BrokenProcessPool):
-            cause = str(error) or (one_line(error.__cause__) if error.__cause__ else "their channel broke")
-            message = f"the decoding workers failed ({cause}); they were restarted for the next items"
+            kind, message = INTERNAL, str(error)
+        elif isinstance(error, BrokenProcessPool):   # a worker died in a way pebble could not pin on one item
+            cause = str(error) or (plain_message(error.__cause__) if error.__cause__ else "their channel broke")
+            kind, message = CRASHED, f"the decoding workers failed ({cause}); they were restarted for the next items"
         else:
-            message = one_line(error)
-        return Decoded(index, item, seconds, error=message)
+            kind, message = INTERNAL, plain_message(error)
+        return Decoded(index, item, seconds, error=message, error_kind=kind)
 
 
 class DecodingOutOfMemory(MemoryError):
@@ -391,19 +407,20 @@ def _out_of_memory(limit: int | None, isolated: bool = True) -> str:
     return "decoding ran out of memory" + ("" if isolated else " (in this process: no per-worker limit)")
 
 
-def _crash_message(exitcode: object, limit: int | None) -> str:
+def _crash(exitcode: object, limit: int | None) -> tuple[str, str]:
+    """The kind and message of a worker that died with `exitcode`."""
     if not isinstance(exitcode, int) or exitcode >= 0:
-        return f"the decoder exited unexpectedly (exit code {exitcode})"
+        return CRASHED, f"the decoder exited unexpectedly (exit code {exitcode})"
     try:
         name = signal.Signals(-exitcode).name
     except ValueError:
         name = f"signal {-exitcode}"
     if exitcode == -signal.SIGKILL:  # never sent by the pool to a worker it still counts on
-        return "the decoder was killed (SIGKILL), probably by the system running out of memory"
-    message = f"the decoder crashed ({name})"
+        return OUT_OF_MEMORY, "the decoder was killed (SIGKILL), probably by the system running out of memory"
     if exitcode == -signal.SIGABRT and limit:  # C++ aborts when an allocation fails (std::bad_alloc)
-        message += f", probably out of memory (limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)"
-    return message
+        return OUT_OF_MEMORY, (f"the decoder crashed ({name}), probably out of memory "
+                               f"(limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)")
+    return CRASHED, f"the decoder crashed ({name})"
 
 
 # --- inside a worker process -----------------------------------------------------------------
@@ -436,7 +453,7 @@ def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tupl
             limit = memory_limit_bytes if hard == resource.RLIM_INFINITY else min(memory_limit_bytes, hard)
             resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     except Exception as error:
-        _start_error = f"the decoding worker could not start ({one_line(error)})"
+        _start_error = f"the decoding worker could not start ({plain_message(error)})"
 
 
 def _decode_in_worker(index: int, item: MediaItem) -> bytes:
@@ -464,5 +481,6 @@ def _decode_in_worker(index: int, item: MediaItem) -> bytes:
         raise DecodingOutOfMemory()
     if decoded.error is not None and _memory_limit and any(word in decoded.error.lower()
                                                            for word in _NO_MEMORY_WORDS):
-        decoded.error = f"{_out_of_memory(_memory_limit)}: {decoded.error}"
+        # FFmpeg's ENOMEM reaches us as the decoder's words only: the limit is why.
+        decoded.error, decoded.error_kind = f"{_out_of_memory(_memory_limit)}: {decoded.error}", OUT_OF_MEMORY
     return pickle.dumps(decoded, protocol=pickle.HIGHEST_PROTOCOL)

@@ -1,8 +1,8 @@
 """Generate a folder of awkward inputs: what users' folders hold besides clean H.264 and JPEG.
 
 `make_awkward_inputs(folder)` writes small files (64 x 48 frames) in a few seconds and returns,
-per input, what loading it must give: `Ok(...)` facts, or `Fails(reason)` with a substring of
-the one-line error. Nothing binary is committed: every file is made here with PyAV and Pillow.
+per input, what loading it must give: `Ok(...)` facts, or `Fails(reason, kind)` with a substring of
+the one-line error and its `error_kind`. Nothing binary is committed: every file is made here with PyAV and Pillow.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class Ok:
 @dataclass(frozen=True)
 class Fails:
     reason: str
+    kind: str                       # the row's error_kind
 
 
 def halves(width: int = W, height: int = H) -> np.ndarray:
@@ -140,14 +141,19 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     add(folder / "numbered_cut.mp4", Ok("video", (W, H), "pyav", 8))
     data = good_mp4.read_bytes()
     (folder / "truncated.mp4").write_bytes(data[: len(data) // 2])
-    add(folder / "truncated.mp4", Fails("cannot decode video"))
+    # Both decoders say "Invalid data found when processing input" for these three: the bytes tell them apart.
+    add(folder / "truncated.mp4", Fails(f"the video is cut short: the file ends at byte {len(data) // 2:,}, inside",
+                                        "undecodable"))
     (folder / "random_bytes.mp4").write_bytes(np.random.default_rng(0).bytes(5000))
-    add(folder / "random_bytes.mp4", Fails("cannot decode video"))
-    add(write_audio_only(folder / "audio_only.mp4"), Fails("no video stream"))
+    add(folder / "random_bytes.mp4", Fails("not a video: no media stream found (no decoder knows the format",
+                                           "undecodable"))
+    (folder / "text.mp4").write_text("id,caption\n1,a cat on a mat\n")
+    add(folder / "text.mp4", Fails("not a video: no media stream found (the file starts like text)", "undecodable"))
+    add(write_audio_only(folder / "audio_only.mp4"), Fails("no video stream (the file holds audio)", "undecodable"))
     (folder / "zero.mp4").touch()
-    add(folder / "zero.mp4", Fails("empty file (0 bytes)"))
+    add(folder / "zero.mp4", Fails("empty file (0 bytes)", "unreadable"))
     (folder / "zero.png").touch()
-    add(folder / "zero.png", Fails("empty file (0 bytes)"))
+    add(folder / "zero.png", Fails("empty file (0 bytes)", "unreadable"))
 
     Image.fromarray(halves()).convert("CMYK").save(folder / "cmyk.jpg")
     add(folder / "cmyk.jpg", Ok("image", (W, H), "pillow", 1))
@@ -178,7 +184,7 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     add(folder / "strip_20000x10.png", Ok("image", (20000, 10), "pillow", 1))
     Image.new("1", (20000, 15000)).save(folder / "bomb.png")  # 300 Mpx of zeros: a few KB on disk
     add(folder / "bomb.png", Fails("image too large: 20000x15000 = 300 Mpx, above the 250 Mpx limit "
-                                   "(--max-image-pixels)"))
+                                   "(--max-image-pixels)", "too_large"))
 
     for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4", "pipe:0.mp4"]:
         shutil.copy(good_mp4, folder / name)
@@ -189,17 +195,17 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     (folder / "link.mp4").symlink_to(good_mp4)
     add(folder / "link.mp4", Ok("video", (W, H), "decord", 8))
     (folder / "loop.mp4").symlink_to(folder / "loop.mp4")
-    add(folder / "loop.mp4", Fails("cannot open: Too many levels of symbolic links"))
+    add(folder / "loop.mp4", Fails("cannot open: Too many levels of symbolic links", "unreadable"))
     (folder / "broken_link.mp4").symlink_to(folder / "nowhere.mp4")
-    add(folder / "broken_link.mp4", Fails("broken symbolic link"))
+    add(folder / "broken_link.mp4", Fails("broken symbolic link", "not_found"))
     os.mkfifo(folder / "fifo.mp4")
-    add(folder / "fifo.mp4", Fails("not a regular file: a FIFO"))
+    add(folder / "fifo.mp4", Fails("not a regular file: a FIFO", "unreadable"))
     (folder / "folder.mp4").mkdir()
-    add(folder / "folder.mp4", Fails("not a regular file: a directory"))
+    add(folder / "folder.mp4", Fails("not a regular file: a directory", "unreadable"))
     (folder / "device.mp4").symlink_to("/dev/zero")
-    add(folder / "device.mp4", Fails("not a regular file: a character device"))
+    add(folder / "device.mp4", Fails("not a regular file: a character device", "unreadable"))
     if os.geteuid() != 0:  # root reads any file whatever its mode
         shutil.copy(good_mp4, folder / "unreadable.mp4")
         (folder / "unreadable.mp4").chmod(0)
-        add(folder / "unreadable.mp4", Fails("permission denied"))
+        add(folder / "unreadable.mp4", Fails("permission denied", "unreadable"))
     return expect

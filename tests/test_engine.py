@@ -236,7 +236,8 @@ def test_row_out_of_memory_even_alone_becomes_an_error(tiny_model: TarsierCaptio
     while engine.has_work:
         engine.step()
     assert [row.finish_reason for row in rows] == ["length", "length", "error", "length"]
-    assert rows[2].error == "out of memory even alone"
+    assert rows[2].error == "the model step ran out of memory even with this item alone"
+    assert rows[2].error_kind == "out_of_memory"
     assert ids(rows)[:2] + ids(rows)[3:] == [reference[0][:4], reference[1][:4], reference[3][:4]]
 
 
@@ -259,7 +260,7 @@ def test_a_failing_row_is_found_and_the_others_finish(tiny_model: TarsierCaption
         engine.step()
     monkeypatch.undo()
     assert [row.finish_reason for row in rows] == ["length", "error", "length", "length"]
-    assert rows[1].error == "RuntimeError: corrupt pixels (injected)"
+    assert (rows[1].error, rows[1].error_kind) == ("the model step failed: corrupt pixels (injected)", "model_error")
     assert [rows[0].output_ids, rows[2].output_ids, rows[3].output_ids] == [reference[0], reference[2], reference[3]]
 
 
@@ -269,4 +270,5 @@ def test_row_larger_than_the_kv_cache_is_refused_at_once(tiny_model: TarsierCapt
     video = engine.add(prompts[2])
     image = engine.add(prompts[0])
     assert video.finish_reason == "error" and "more than the cache holds (100 tokens)" in (video.error or "")
+    assert video.error_kind == "too_large"
     assert image.error is None and list(engine.scheduler.waiting) == [image]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tarsier_batch.errors import ItemError
 from tarsier_batch.media import MediaType, frame_indices, load_media, media_type_of
 
 
@@ -78,14 +79,16 @@ def test_image_is_one_rgb_frame(shared_media: Path) -> None:
 def test_corrupt_video_raises(tmp_path: Path) -> None:
     broken = tmp_path / "broken.mp4"
     broken.write_bytes(b"\x00\x00\x00\x18ftypmp42 not really a video")
-    with pytest.raises(ValueError, match="cannot decode video: decord: Error reading .*; pyav: "):  # both decoders tried
+    # Both decoders tried; the file's boxes say what is wrong with it.
+    with pytest.raises(ItemError, match="^the video is cut short or was never finished: the MP4 has no index "
+                                        r"\(moov box\); decord: Error reading .*; pyav: ") as error:
         load_media(str(broken), MediaType.VIDEO, 8)
+    assert error.value.kind == "undecodable"
 
 
 def test_corrupt_image_raises(tmp_path: Path) -> None:
-    from PIL import UnidentifiedImageError
-
     broken = tmp_path / "broken.jpg"
     broken.write_bytes(b"\xff\xd8\xff not really a jpeg")
-    with pytest.raises(UnidentifiedImageError):
+    with pytest.raises(ItemError, match="^not an image: Pillow recognises no image format in its bytes$") as error:
         load_media(str(broken), MediaType.IMAGE, 8)
+    assert error.value.kind == "undecodable"

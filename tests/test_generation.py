@@ -152,6 +152,7 @@ def test_item_too_large_for_the_kv_cache_is_an_error_row(settings: CaptionSettin
     results = list(captioner.caption(items))
     assert [result.ok for result in results] == [True, True, False], [result.error for result in results]
     assert "more than the cache holds (170 tokens)" in (results[2].error or "")
+    assert [result.error_kind for result in results] == [None, None, "too_large"]
     assert results[0].generated_ids == caption_ids(replace(settings, batch_size=1, frames=7), items[:1])[0]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
+from tarsier_batch.errors import KINDS, ItemError
 from tarsier_batch.families import load_caption_model
 from tarsier_batch.media import (
     Media,
@@ -43,9 +45,10 @@ def load(path: Path, frames: int = 8) -> Media:
 def test_every_awkward_input_loads_or_fails_with_its_reason(awkward: dict[Path, Ok | Fails]) -> None:
     for path, expected in awkward.items():
         if isinstance(expected, Fails):
-            with pytest.raises(Exception) as error:
+            with pytest.raises(ItemError) as error:   # classified where it failed, not from its message
                 load(path)
             assert expected.reason in str(error.value) and "\n" not in str(error.value), (path, error.value)
+            assert error.value.kind == expected.kind, (path, error.value.kind)
             assert "video_reader.cc" not in str(error.value)  # decord's log prefix is stripped
             continue
         media = load(path)
@@ -219,6 +222,23 @@ def test_v1_square_stretch_is_bounded(tiny_model_dir: Path, awkward: dict[Path, 
     assert stretch_to_square(frame).tobytes() == frame.resize((640, 640), Image.Resampling.BICUBIC).tobytes()
 
 
+# What error rows used to start with: `ValueError: `, `OSError: `, `av.error.InvalidDataError: `.
+CLASS_NAME_PREFIX = re.compile(r"^[\w.]*(Error|Exception|Failure)\b")
+
+
+def test_a_truncated_mp4_and_a_text_file_named_mp4_fail_apart(awkward: dict[Path, Ok | Fails]) -> None:
+    """Both decoders say "Invalid data found when processing input" for both: the message must not."""
+    said = {}
+    for name in ("truncated.mp4", "text.mp4", "random_bytes.mp4"):
+        with pytest.raises(ItemError) as error:
+            load(named(awkward, name))
+        said[name] = (error.value.kind, str(error.value).partition(";")[0])
+    assert said["truncated.mp4"][1].startswith("the video is cut short: the file ends at byte ")
+    assert said["text.mp4"][1] == "not a video: no media stream found (the file starts like text)"
+    assert len(set(said.values())) == 3 and {kind for kind, _ in said.values()} == {"undecodable"}
+    assert all(kind in KINDS for kind in {expected.kind for expected in awkward.values() if isinstance(expected, Fails)})
+
+
 def test_the_cli_gives_every_awkward_input_a_row(awkward: dict[Path, Ok | Fails], tiny_model_dir: Path,
                                                   tmp_path: Path) -> None:
     folder = next(iter(awkward)).parent
@@ -232,6 +252,8 @@ def test_the_cli_gives_every_awkward_input_a_row(awkward: dict[Path, Ok | Fails]
         row = rows[printable(str(path))]
         if isinstance(expected, Fails):
             assert row["caption"] is None and expected.reason in row["error"], (path, row["error"])
+            assert row["error_kind"] == expected.kind, (path, row["error"], row["error_kind"])
+            assert not CLASS_NAME_PREFIX.match(row["error"]), (path, row["error"])
         else:
-            assert row["error"] is None and row["caption"], (path, row["error"])
+            assert row["error"] is None and row["error_kind"] is None and row["caption"], (path, row["error"])
             assert (row["width"], row["height"], row["media_type"]) == (*expected.size, expected.media_type)

@@ -27,7 +27,8 @@ SETTINGS = {"model": "m", "model_revision": None, "prompt": None, "frames": 8, "
 
 def row(path: str, key: str | None = None, error: str | None = None, caption: str = "c") -> dict:
     result = CaptionResult(path=path, media_type="image", key=key or f"{path}|k", caption=None if error else caption,
-                           error=error, finish_reason="error" if error else "stop")
+                           error=error, error_kind="undecodable" if error else None,
+                           finish_reason="error" if error else "stop")
     return OutputColumns().row(result, MediaItem(path, MediaType.IMAGE), "m")
 
 

@@ -82,11 +82,11 @@ def results(tmp_path_factory: pytest.TempPathFactory, shared_media: Path, number
                      "num_frames": len(indices), "frame_indices": indices, "width": W, "height": H,
                      "decoder": "decord", "prompt_tokens": 100, "generated_tokens": 10, "finish_reason": "eos",
                      "elapsed_s": 0.5})
-    for index, error in enumerate(["cannot decode video: decord: Error reading {path}..."] * 2
-                                  + ["the file no longer exists"]):
+    for index, (error, kind) in enumerate([("cannot decode video: decord: Error reading {path}...", "undecodable")] * 2
+                                          + [("the file no longer exists", "not_found")]):
         path = str(folder / f"bad{index}.mp4")
         rows.append({"path": path, "key": f"b{index}", "media_type": "video", "error": error.format(path=path),
-                     "finish_reason": "error", "elapsed_s": 0.0})
+                     "error_kind": kind, "finish_reason": "error", "elapsed_s": 0.0})
     provenance = {"model": "m", "model_family": "Tarsier2", "frames": 8, "settings": {},
                   "generation": {"max_new_tokens": 8}}
     out = folder / "r.parquet"
@@ -114,7 +114,7 @@ def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
     assert "wrote" in done.output and "63 items" in done.output
     text = page.read_text()
     assert "http://" not in text and "https://" not in text and "<link" not in text   # works offline
-    assert "3 failed items, 2 distinct errors" in text and "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
+    assert "3 failed items, 2 distinct errors (undecodable 2, not_found 1)" in text and "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
     dom = chromium("--dump-dom", page.as_uri(), tmp_path=tmp_path)
     shown = body_data(dom)
     assert (shown["matching"], shown["rendered"]) == ("63", "50")   # the first page of 50

@@ -149,17 +149,20 @@ def test_a_crash_costs_one_item_and_a_fresh_worker_takes_the_next(job: DecodeJob
                    for index, name in enumerate(["crash-me", "fine", "abort-me", "fine"])]
         crash, after_crash, abort, after_abort = [future.result() for future in results]
     assert crash.error == "the decoder crashed (SIGSEGV)" and crash.prompt is None and crash.media is None
+    assert crash.error_kind == "crashed"
     # std::bad_alloc aborts: with a memory limit, the likely cause is named.
     assert abort.error == ("the decoder crashed (SIGABRT), probably out of memory "
                            "(limit 2 GiB per worker, --decode-memory-gb)")
+    assert abort.error_kind == "out_of_memory"
     for fine, index in ((after_crash, 1), (after_abort, 3)):
-        assert fine.error is None and fine.prompt is not None and fine.index == index
+        assert fine.error is None and fine.error_kind is None and fine.prompt is not None and fine.index == index
 
 
 def test_a_hang_times_out_and_the_next_item_decodes(job: DecodeJob, faulty: dict[str, MediaItem]) -> None:
     with DecodePool(job, workers=1, timeout_s=1.5) as pool:
         hang, after = pool.submit(0, faulty["hang-me"]), pool.submit(1, faulty["fine"])
         assert hang.result().error == "decoding took longer than 1.5 s (--decode-timeout); the worker was stopped"
+        assert hang.result().error_kind == "timeout"
         assert after.result().error is None and after.result().prompt is not None
 
 
@@ -167,6 +170,7 @@ def test_running_out_of_memory_costs_one_item(job: DecodeJob, faulty: dict[str, 
     with DecodePool(job, workers=1, timeout_s=60, memory_limit_bytes=1 * GiB) as pool:
         oom, after = pool.submit(0, faulty["eat-me"]).result(), pool.submit(1, faulty["fine"]).result()
     assert oom.error == "decoding ran out of memory (limit 1 GiB per worker, --decode-memory-gb)"
+    assert oom.error_kind == "out_of_memory"
     assert after.error is None and after.prompt is not None
 
 
@@ -207,7 +211,9 @@ def test_a_corrupt_file_is_an_ordinary_error(job: DecodeJob, tmp_path: Path) -> 
     broken.write_bytes(random.Random(0).randbytes(4096))
     with DecodePool(job, workers=1, timeout_s=30) as pool:
         decoded = pool.submit(0, MediaItem(str(broken), MediaType.VIDEO)).result()
-    assert decoded.error is not None and decoded.error.startswith("ValueError: cannot decode video: decord: ")
+    assert decoded.error is not None and decoded.error.startswith(
+        "not a video: no media stream found (no decoder knows the format of its bytes); decord: ")
+    assert decoded.error_kind == "undecodable"
     assert "\n" not in decoded.error and decoded.prompt is None and decoded.media is None
 
 
@@ -284,7 +290,8 @@ def test_a_worker_that_cannot_start_fails_each_item_clearly(faulty: dict[str, Me
         results = [pool.submit(index, faulty["fine"]).result() for index in range(2)]
     for decoded in results:
         assert decoded.error == ("the decoding worker could not start "
-                                 "(ValueError: invalid literal for int() with base 10: 'not a processor')")
+                                 "(invalid literal for int() with base 10: 'not a processor')")
+        assert decoded.error_kind == "internal"
 
 
 def test_allocation_failures_inside_decoders_name_the_limit(monkeypatch: pytest.MonkeyPatch,
@@ -298,7 +305,8 @@ def test_allocation_failures_inside_decoders_name_the_limit(monkeypatch: pytest.
     monkeypatch.setattr(workers, "_memory_limit", 3 * GiB // 2)
     decoded = pickle.loads(workers._decode_in_worker(0, faulty["fine"]))
     assert decoded.error == ("decoding ran out of memory (limit 1.5 GiB per worker, --decode-memory-gb): "
-                             "ValueError: cannot decode video: pyav: Cannot allocate memory")
+                             "cannot decode video: pyav: Cannot allocate memory")
+    assert decoded.error_kind == "out_of_memory"
 
 
 def test_fault_hook_rejects_what_it_does_not_know(job: DecodeJob, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from ..devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
+from ..errors import MODEL_ERROR, OUT_OF_MEMORY, TOO_LARGE, plain_message
 from ..families.base import CaptionModel, ProcessedPrompt
-from ..text import one_line
 from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning
@@ -97,7 +97,7 @@ class Engine:
             seq.prefix_source = prefix_source if seq.prefix_length else None
         problem = self.scheduler.add(seq)
         if problem is not None:
-            seq.finish("error", problem)
+            seq.finish("error", problem, TOO_LARGE)
         elif seq.prefix_source is not None:
             seq.prefix_source.fork_points.add(seq.prefix_length)
         return seq
@@ -120,7 +120,7 @@ class Engine:
                 raise
             # Decide here, recover below: until this block ends, the traceback keeps the failed
             # step's tensors alive.
-            out_of_memory, message = is_out_of_memory(error), one_line(error)
+            out_of_memory, message = is_out_of_memory(error), f"the model step failed: {plain_message(error)}"
         else:
             return self._advance(step, sampled, logits, on_tokens)
         return self._recover(step, out_of_memory, message)
@@ -170,18 +170,18 @@ class Engine:
             release_cached_memory(self.model.device)
             if self.scheduler.lower_budget_after_oom():
                 return []
-            return self._fail(step[0].seq, "out of memory even alone")
+            return self._fail(step[0].seq, "the model step ran out of memory even with this item alone", OUT_OF_MEMORY)
         if len(step) == 1:
-            return self._fail(step[0].seq, message)
+            return self._fail(step[0].seq, message, MODEL_ERROR)
         # Which row broke the step is unknown: run each of them alone from now on.
         for row in reversed(step):
             row.seq.isolate = True
             self.scheduler.preempt(row.seq)
         return []
 
-    def _fail(self, seq: Sequence, message: str) -> list[Sequence]:
+    def _fail(self, seq: Sequence, message: str, kind: str) -> list[Sequence]:
         self.scheduler.finish(seq)
-        seq.finish("error", message)
+        seq.finish("error", message, kind)
         return [seq]
 
 

@@ -38,6 +38,7 @@ class Sequence:
     status: Status = Status.WAITING
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
+    error_kind: str | None = None            # with `error`: one of `errors.KINDS`
     regions: list[Region] = field(default_factory=list)   # device KV ranges while running, one per cache
     host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
@@ -130,8 +131,8 @@ class Sequence:
         generated = torch.arange(first, self.prompt.next_position + end - self.prompt.length)
         return torch.cat([prompt_part, generated.expand(self.prompt.positions.shape[0], -1)], dim=1)
 
-    def finish(self, reason: str, error: str | None = None) -> None:
-        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+    def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
+        self.status, self.finish_reason, self.error, self.error_kind = Status.FINISHED, reason, error, error_kind
         self.prefix_source = None   # would keep a finished source's prompt and pixels alive
         self.encoded.clear()
         self.host_kv = None

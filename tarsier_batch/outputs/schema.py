@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..errors import UNKNOWN
 from ..prompt_sets import ANSWER_SUFFIXES, ROW_COLUMNS, TOKEN_IDS_SUFFIX
 from ..results import Answer, CaptionResult
 from ..sources import MediaItem
@@ -34,6 +35,7 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
     ("generated_tokens", pa.int32()),
     ("finish_reason", pa.string()),
     ("error", pa.string()),
+    ("error_kind", pa.string()),   # one of errors.KINDS, null on success
     ("elapsed_s", pa.float64()),
     ("size_bytes", pa.int64()),
     ("mtime", pa.timestamp("us", tz="UTC")),
@@ -111,11 +113,13 @@ class OutputColumns:
     def item_rows(self, table: pa.Table, long: bool) -> list[dict[str, Any]]:
         """The rows of an output file read with `read_schema()`, one per item: as they are (without the other
         layout's columns, which text formats read as empty), or joined from the `long` layout's rows per
-        question (its error is the one its failed rows carry)."""
+        question (its error is the one its failed rows carry). An error row of a version without `error_kind`
+        gets the kind `unknown`: what failed is not derived again from its message."""
         wide = self.schema().names
         if not long:
-            return table.drop_columns([name for name in self.read_schema().names
+            rows = table.drop_columns([name for name in self.read_schema().names
                                        if name not in wide and name in table.column_names]).to_pylist()
+            return [_with_error_kind(row) for row in rows]
         single = _single_answer_columns(self.with_token_ids)
         items: dict[str, dict[str, Any]] = {}
         for row in table.to_pylist():
@@ -125,10 +129,11 @@ class OutputColumns:
             if item is None:
                 item = items[row["path"]] = {**row, **{column: None for name in self.questions
                                                        for column in _question_columns(name, self.with_token_ids)}}
-            item["error"] = item["error"] or row["error"]
+            if item["error"] is None and row["error"] is not None:
+                item["error"], item["error_kind"] = row["error"], row.get("error_kind")
             if question in self.questions and answer[single.index("finish_reason")] is not None:
                 item.update(zip(_question_columns(question, self.with_token_ids), answer))
-        return list(items.values())
+        return [_with_error_kind(item) for item in items.values()]
 
     def _long_rows(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """An item's row as one row per question it was asked (answered, or failed: finish reason "error"). A
@@ -141,8 +146,10 @@ class OutputColumns:
             values = dict(zip(_single_answer_columns(self.with_token_ids),
                               (row.get(column) for column in _question_columns(question, self.with_token_ids))))
             if values["finish_reason"] is not None:
+                failed = values["finish_reason"] == "error"
                 rows.append({**common, _QUESTION_COLUMN[0]: question, **values,
-                             "error": common.get("error") if values["finish_reason"] == "error" else None})
+                             "error": common.get("error") if failed else None,
+                             "error_kind": common.get("error_kind") if failed else None})
         return rows
 
     def row(self, result: CaptionResult, item: MediaItem, model: str,
@@ -195,6 +202,12 @@ def with_layout(provenance: dict[str, Any], long: bool) -> dict[str, Any]:
     """`provenance` recording the layout the output is written in."""
     return {**{name: value for name, value in provenance.items() if name != LAYOUT_KEY},
             **({LAYOUT_KEY: "long"} if long else {})}
+
+
+def _with_error_kind(row: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its `error_kind`, `unknown` for an error row written before the column existed."""
+    kind = row.get("error_kind")
+    return {**row, "error_kind": kind if kind is not None or row["error"] is None else UNKNOWN}
 
 
 def _question_columns(question: str, with_token_ids: bool) -> dict[str, pa.DataType]:

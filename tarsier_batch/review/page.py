@@ -78,7 +78,9 @@ def _header(results: Results, figures: Figures, title: str) -> str:
              _definitions("run", facts), _definitions("figures", numbers), _histogram_svg(figures), "</div>"]
     if figures.errors:
         parts.append(f"<details class=errors open><summary>{plural(figures.failed, 'failed item')}, "
-                     f"{plural(len(figures.errors), 'distinct error')}</summary><ul>")
+                     f"{plural(len(figures.errors), 'distinct error')} "
+                     f"({html.escape(', '.join(f'{kind} {count}' for kind, count in figures.error_kinds))})"
+                     f"</summary><ul>")
         for message, paths in figures.errors:
             shown = "".join(f"<li>{html.escape(path)}</li>" for path in paths[:20])
             more = f"<li>… and {len(paths) - 20} more</li>" if len(paths) > 20 else ""

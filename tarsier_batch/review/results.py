@@ -10,6 +10,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..errors import UNKNOWN
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
 from ..outputs.schema import OutputColumns, is_long
 from ..text import one_line
@@ -40,6 +41,7 @@ class Figures:
     words_median: float | None
     histogram: list[tuple[int, int, int]]   # (from words, to words, count)
     errors: list[tuple[str, list[str]]]     # message -> paths, most frequent first
+    error_kinds: list[tuple[str, int]]      # error_kind -> failed items, most frequent first
 
 
 def check_results_path(path: Path) -> None:
@@ -101,7 +103,8 @@ def figures(results: Results) -> Figures:
         words_mean=statistics.fmean(words) if words else None,
         words_median=statistics.median(words) if words else None,
         histogram=_histogram(words),
-        errors=sorted(errors.items(), key=lambda entry: -len(entry[1])))
+        errors=sorted(errors.items(), key=lambda entry: -len(entry[1])),
+        error_kinds=Counter(row.get("error_kind") or UNKNOWN for row in failed).most_common())
 
 
 def _histogram(values: list[int]) -> list[tuple[int, int, int]]:

@@ -10,6 +10,7 @@ import torch
 from transformers.initialization import no_init_weights
 
 from ...catalog import TARSIER2
+from ...errors import UNDECODABLE, ItemError
 from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_repeats, load_media
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..decoder import DecoderCaptioner
@@ -52,7 +53,7 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
         frames: list[FramePatches] = list(media.frames)
         grid_h, grid_w = frames[0].grid_h, frames[0].grid_w
         if any((frame.grid_h, frame.grid_w) != (grid_h, grid_w) for frame in frames):
-            raise ValueError("the clip's frames change size")
+            raise ItemError(UNDECODABLE, "the clip's frames change size")
         merged_h, merged_w = grid_h // self.merge_size, grid_w // self.merge_size
         per_frame = merged_h * merged_w
         ids = torch.tensor(self.prompt_ids(media.media_type, per_frame * len(frames), text), dtype=torch.long)

@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
+from ...errors import TOO_LARGE, ItemError
 from ...media import MediaType
 from ..base import LargestItem
 
@@ -61,7 +62,10 @@ def shrink_to_pixels(frame: Image.Image, max_pixels: int) -> Image.Image:
     (bicubic for RGB). A frame already within the budget is left as it is.
     """
     width, height = frame.size
-    new_height, new_width = smart_resize(height, width, factor=1, min_pixels=0, max_pixels=max_pixels)
+    try:
+        new_height, new_width = smart_resize(height, width, factor=1, min_pixels=0, max_pixels=max_pixels)
+    except ValueError as error:   # Qwen2-VL refuses the shape (an aspect ratio above 200): the file's, not ours
+        raise ItemError(TOO_LARGE, str(error)) from None
     if (new_width, new_height) == (width, height):
         return frame
     return frame.resize((new_width, new_height))

@@ -1,0 +1,59 @@
+"""Why an item failed: the fixed vocabulary of the `error_kind` column, and the error that carries a kind.
+
+A failure is classified where it happens (the file check, the decoders, the worker pool, the engine),
+never afterwards from its message, so the kind stays the same when a message is reworded. Callers
+filter and count by kind; the `error` message says the details in plain words.
+"""
+
+from __future__ import annotations
+
+from .text import printable
+
+NOT_FOUND = "not_found"
+UNREADABLE = "unreadable"
+UNDECODABLE = "undecodable"
+TOO_LARGE = "too_large"
+TIMEOUT = "timeout"
+OUT_OF_MEMORY = "out_of_memory"
+CRASHED = "crashed"
+MODEL_ERROR = "model_error"
+INTERNAL = "internal"
+UNKNOWN = "unknown"
+
+# Every value `error_kind` takes (README.md's Output section lists the same).
+KINDS: dict[str, str] = {
+    NOT_FOUND: "the file vanished after it was listed, never existed (a broken link), or is not in its store or shard",
+    UNREADABLE: "the file is there but cannot be read: permission, not a regular file (a folder, FIFO, device), "
+                "empty, a symlink loop, an I/O or network error",
+    UNDECODABLE: "the bytes give no frames: not media (text, random bytes), a video cut short or corrupt, "
+                 "no video stream (audio only), an image Pillow cannot read",
+    TOO_LARGE: "an image above --max-image-pixels, a shape the model refuses (Tarsier2: an aspect ratio above 200), "
+               "or more positions than the KV cache holds",
+    TIMEOUT: "decoding took longer than --decode-timeout; the worker was stopped",
+    OUT_OF_MEMORY: "the decoding worker hit its memory limit (--decode-memory-gb), or the model step ran out of "
+                   "memory with the item alone",
+    CRASHED: "the decoder crashed on the file (a native fault such as SIGSEGV) or its worker died",
+    MODEL_ERROR: "the model step failed for this item (the others went on)",
+    INTERNAL: "tarsier-batch itself failed for this item (a worker that could not start, a result that could not "
+              "be received): a bug to report",
+    UNKNOWN: "an error row written by a version before error_kind existed",
+}
+
+
+class ItemError(ValueError):
+    """One item's failure, with its kind (one of `KINDS`) and a one-line message in plain words.
+
+    A ValueError, so that callers that catch "this input is bad" as ValueError keep doing so.
+    """
+
+    def __init__(self, kind: str, message: str):
+        assert kind in KINDS, kind
+        super().__init__(message)
+        self.kind = kind
+
+
+def plain_message(error: BaseException, limit: int = 500) -> str:
+    """`error`'s own words on one line, at most `limit` characters, without its class name (which says nothing
+    to whoever reads the row); its class name only where it has no words."""
+    text = " ".join(str(error).split()) or f"{type(error).__name__} with no message"
+    return printable(text[:limit])
