@@ -1,9 +1,16 @@
-"""The documentation cannot drift from the command line: its flags page is what the CLI says."""
+"""The documentation cannot drift from the tool: the flags page is what the CLI says, the README is the docs' home
+page, and the marked shell blocks run as written."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -27,3 +34,32 @@ def test_every_flag_of_every_command_is_on_the_page() -> None:
         for param in command.params:
             if param.param_type_name == "option" and not param.hidden:
                 assert all(f"`{name}`" in page for name in param.opts), (path, param.opts)
+
+
+def test_the_readme_is_made_from_the_docs_home_page() -> None:
+    """Fails when README.md or docs/index.md was edited alone (`python tools/readme.py` remakes the README)."""
+    import readme
+
+    assert readme.README.read_text() == readme.render()
+
+
+def runnable_blocks(page: Path) -> list[str]:
+    """The shell blocks a page marks `<!-- runnable -->`: they must run as written."""
+    return re.findall(r"<!-- runnable -->\n```sh\n(.*?)```", page.read_text(), re.S)
+
+
+RUNNABLE_PAGES = [REPO / "README.md", *sorted(page for page in (REPO / "docs").glob("*.md")
+                                              if page.name != "index.md" and runnable_blocks(page))]
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=lambda page: page.name)
+def test_the_runnable_shell_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
+    """Every marked block of the page in one shell, in order, in a folder holding a copy of sample_data, with this
+    environment's `tarsier` and `python` first on the PATH (as in the environment the install section creates)."""
+    blocks = runnable_blocks(page)
+    assert blocks
+    shutil.copytree(REPO / "sample_data", tmp_path / "sample_data")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(blocks)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

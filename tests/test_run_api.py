@@ -22,7 +22,7 @@ from tarsier_batch.outputs.schema import PROVENANCE_KEY
 from tarsier_batch.progress import RunStats
 
 runner = CliRunner()
-README = Path(__file__).resolve().parents[1] / "README.md"
+PYTHON_API_PAGE = Path(__file__).resolve().parents[1] / "docs" / "python-api.md"
 
 
 def settings_for(model: Path, **run: object) -> RunSettings:
@@ -162,11 +162,11 @@ def test_every_setting_has_its_flag() -> None:
     assert not missing
 
 
-def test_the_readme_python_example_runs_as_written(tmp_path: Path) -> None:
-    """The README's example, run as a script (its decoding workers are processes: the `__main__` guard)."""
-    text = README.read_text(encoding="utf-8")
+def test_the_python_api_example_runs_as_written(tmp_path: Path) -> None:
+    """The Python API page's example, run as a script (its decoding workers are processes: the `__main__` guard)."""
+    text = PYTHON_API_PAGE.read_text(encoding="utf-8")
     example = re.search(r"```python\n(# caption_folder\.py\n.*?)```", text, re.S)
-    assert example, "the README's Python example (starting '# caption_folder.py') is missing"
+    assert example, "the Python API page's example (starting '# caption_folder.py') is missing"
     (tmp_path / "sample_data").symlink_to(SAMPLE_DATA)
     (tmp_path / "caption_folder.py").write_text(example.group(1))
     first = subprocess.run([sys.executable, "caption_folder.py"], cwd=tmp_path, capture_output=True, text=True,
