@@ -20,7 +20,7 @@ MODEL_ERROR = "model_error"
 INTERNAL = "internal"
 UNKNOWN = "unknown"
 
-# Every value `error_kind` takes (README.md's Output section lists the same).
+# Every value `error_kind` takes (docs/pipelines.md, "Output", lists the same).
 KINDS: dict[str, str] = {
     NOT_FOUND: "the file vanished after it was listed, never existed (a broken link), or is not in its store or shard",
     UNREADABLE: "the file is there but cannot be read: permission, not a regular file (a folder, FIFO, device), "
