@@ -47,6 +47,9 @@ def needs_building(reference: str) -> bool:
 
 DEMO_ALIAS = "demo"
 DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo" / "checkpoint"
+# As measured by `tarsier dev eval-demo` over 1,000 held-out clips, one mistake (README, "The demo model");
+# `tarsier models` and the README state it in these same words.
+DEMO_ACCURACY = "99.9 % of held-out clips exactly right"
 
 
 def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:

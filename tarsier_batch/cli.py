@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.traceback import Traceback
 
 from .catalog import DEFAULT_MODEL, families, family_named
-from .checkpoints import DEMO_ALIAS, ModelNotFoundError
+from .checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError
 from .config import ConfigError, config_defaults
 from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
 from .media import MAX_IMAGE_PIXELS
@@ -139,7 +139,7 @@ def caption(
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
     shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option(metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config, help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables win over it.", show_default=False)] = None,
-    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
+    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
     ask: Annotated[Optional[list[str]], typer.Option(metavar="NAME=TEXT", help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are prefilled once for all of them).", show_default=False)] = None,
@@ -457,7 +457,7 @@ def models() -> None:
                    f"  instruction:  {family.default_instruction}\n"
                    f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
     typer.echo(f"Demo model: --model {DEMO_ALIAS}, a small Tarsier v1 trained by this project on synthetic clips of\n"
-               "  moving shapes: it captions such clips ('A red circle moves up.'), nine in ten right; nothing else.")
+               f"  moving shapes: it captions such clips ('A red circle moves up.'), {DEMO_ACCURACY}; nothing else.")
 
 
 @app.command("inspect", no_args_is_help=True)
