@@ -93,7 +93,8 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
         assert (row["caption"], row["camera"]) == (after[path]["caption"], after[path]["camera"])
     # Nothing left to ask; a question left out would lose its answers, a changed limit would mix limits: refused.
     assert run(tiny_model_dir, out, changed).execute().stats.generated_tokens == 0
-    with pytest.raises(SettingsMismatchError, match="the questions camera are answered there and not asked now"):
+    with pytest.raises(SettingsMismatchError, match="answers to the question camera, which this run does not ask: ask it again, as "
+                       "continuing without it would drop those answers"):
         run(tiny_model_dir, out, changed[:2]).execute()
     with pytest.raises(SettingsMismatchError, match="question objects answered in at most 5 tokens there, 6 now"):
         run(tiny_model_dir, out, (changed[0], Question("objects", changed[1].text, max_new_tokens=6), changed[2])
@@ -450,5 +451,9 @@ def test_settings_stored_by_the_first_prompt_sets_compare_without_a_crash() -> N
 
     check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}},
                    {"prompt_set": {"caption": None, "objects": None, "camera": None}})
-    with pytest.raises(SettingsMismatchError, match="the questions objects are answered there and not asked now"):
+    with pytest.raises(SettingsMismatchError, match="answers to the question objects, which this run does not ask"):
         check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}}, {"prompt_set": {"caption": None}})
+    with pytest.raises(SettingsMismatchError, match="answers to the questions objects, camera, which this run does "
+                                                    "not ask: ask them again"):
+        check_settings({"old.parquet": {"prompt_set": ["caption", "objects", "camera"]}},
+                       {"prompt_set": {"caption": None}})
