@@ -439,7 +439,7 @@ def test_a_set_with_fastv_says_why_its_questions_do_not_share_a_prefill(tmp_path
     args = ["caption", *map(str, FILES), "-o", str(tmp_path / "o.parquet"), "--model", str(tiny_model_dir),
             "--ask", "a=Describe.", "--ask", "b=Tags?", "--dry-run"]
     shared = runner.invoke(app, [*args, "--prune-vision", "0.5", "--prune-method", "temporal"])
-    alone = runner.invoke(app, [*args, "--prune-vision", "0.5"])
+    alone = runner.invoke(app, [*args, "--prune-vision", "0.5", "--prune-method", "fastv"])
     assert shared.exit_code == alone.exit_code == 0, alone.output
     assert "each question prefills its whole prompt (fastv ranks the vision tokens by the question's last token" \
         in alone.output and "prefills its whole prompt" not in shared.output
