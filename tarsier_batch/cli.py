@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.traceback import Traceback
 
 from .catalog import DEFAULT_MODEL, families, family_named
-from .checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError
+from .checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
 from .config import ConfigError, config_defaults
 from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
 from .media import MAX_IMAGE_PIXELS
@@ -203,6 +203,8 @@ def caption(
         max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, repetition_penalty=repetition_penalty))
+    if (problem := model_reference_problem(model)) is not None:   # a typo is answered before torch is imported
+        _fail(problem)
     settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value, shard=shard_spec,
                          overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing, limit=limit,
                          fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)

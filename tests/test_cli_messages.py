@@ -94,3 +94,26 @@ def test_the_demo_model_is_offered_and_its_accuracy_is_the_readmes() -> None:
     assert readme.count(DEMO_ACCURACY) >= 2   # the Quick start and "The demo model" say it in the same words
     help_text = " ".join(runner.invoke(app, ["caption", "--help"]).output.split())
     assert "the shipped demo model ('demo'" in help_text
+
+
+def test_a_near_miss_of_a_model_name_is_answered_with_the_name_before_torch_is_imported(tmp_path: Path) -> None:
+    """`--model dem0` imported torch and loaded before it said anything, and suggested nothing."""
+    from tarsier_batch.checkpoints import model_reference_problem
+
+    probe = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"
+             "try:\n    runpy.run_module('tarsier_batch.cli', run_name='__main__')\n"
+             "except SystemExit as stop:\n"
+             "    print('HEAVY', 'torch' in sys.modules or 'transformers' in sys.modules, 'CODE', stop.code)\n")
+    (tmp_path / "a.jpg").touch()
+    done = subprocess.run([sys.executable, "-c", probe, "caption", str(tmp_path), "-o", str(tmp_path / "r.parquet"),
+                           "--model", "dem0"], capture_output=True, timeout=60, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})   # this checkout
+    assert done.stdout.decode().strip() == "HEAVY False CODE 2"
+    error = done.stderr.decode().strip()
+    assert len(error.splitlines()) == 1 and "--model 'dem0' is not a checkpoint directory" in error
+    assert error.endswith("did you mean 'demo'?"), error
+    assert "did you mean 'tiny-random-tarsier2'?" in model_reference_problem("tiny-random-tarsir2")
+    # What may name a checkpoint is still accepted: a directory (even one named like a typo), a hub id, the aliases.
+    (tmp_path / "dem0").mkdir()
+    for accepted in (str(tmp_path / "dem0"), "someone/model", "demo", "tiny-random"):
+        assert model_reference_problem(accepted) is None, accepted
