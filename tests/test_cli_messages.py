@@ -117,3 +117,23 @@ def test_a_near_miss_of_a_model_name_is_answered_with_the_name_before_torch_is_i
     (tmp_path / "dem0").mkdir()
     for accepted in (str(tmp_path / "dem0"), "someone/model", "demo", "tiny-random"):
         assert model_reference_problem(accepted) is None, accepted
+
+
+def test_the_live_elapsed_time_counts_from_where_the_summarys_wall_time_does() -> None:
+    """On a terminal the bar said 0:00:08 (from when it appeared, after loading) and the summary 0:00:17."""
+    import io
+
+    from rich.console import Console
+
+    from tarsier_batch.progress import RichReporter, summary_rows
+
+    stats = RunStats(total=2)
+    stats.started -= 17.2              # the run began 17 s ago...
+    stats.start_captioning()
+    stats.captioning_started -= 8.1    # ...and captioning 8 s ago, once the model had loaded
+    screen = io.StringIO()
+    reporter = RichReporter(stats, Console(file=screen, force_terminal=True, width=200))
+    reporter.progress.console.print(reporter.progress.make_tasks_table(reporter.progress.tasks))
+    assert "0:00:17" in screen.getvalue() and "0:00:08" not in screen.getvalue(), screen.getvalue()
+    assert dict(summary_rows(stats, "out.parquet", ""))["wall time"] == \
+        "0:00:17 (0:00:09 loading the model, 0:00:08 captioning)"
