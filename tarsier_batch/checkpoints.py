@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,29 @@ def needs_building(reference: str) -> bool:
 
 DEMO_ALIAS = "demo"
 DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo" / "checkpoint"
+# As measured by `tarsier dev eval-demo` over 1,000 held-out clips, one mistake (README, "The demo model");
+# `tarsier models` and the README state it in these same words.
+DEMO_ACCURACY = "99.9 % of held-out clips exactly right"
+
+
+def model_reference_problem(reference: str) -> str | None:
+    """Why `reference` names no checkpoint, from the name and the local disk alone (no torch, no download), with
+    the closest built-in or known name; None when it may name one (whether a Hugging Face id exists is the hub's
+    to say, and a directory's contents are checked when loading)."""
+    if reference == DEMO_ALIAS or any(reference == family.tiny_alias for family in families()):
+        return None
+    local = Path(reference).expanduser()
+    if local.is_dir():
+        return None
+    if not local.exists() and reference.count("/") == 1 and not reference.startswith((".", "/", "~")):
+        return None
+    known = [DEMO_ALIAS, *(family.tiny_alias for family in families()),
+             *(checkpoint for family in families() for checkpoint in family.checkpoints)]
+    by_lower = {name.lower(): name for name in known}   # 'Demo' is a near miss of 'demo' too
+    close = difflib.get_close_matches(reference.lower(), list(by_lower), n=1)
+    hint = f"did you mean {by_lower[close[0]]!r}?" if close else "see 'tarsier models'"
+    return (f"--model {reference!r} is not a checkpoint directory, a Hugging Face id (org/name) or a built-in "
+            f"model; {hint}")
 
 
 def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
@@ -62,11 +86,12 @@ def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
             from .tiny import ensure_tiny_model
 
             return ResolvedModel(reference, ensure_tiny_model(tiny_model_dir(reference), family.key), None)
+    problem = model_reference_problem(reference)
+    if problem is not None:
+        raise ModelNotFoundError(problem)
     local = Path(reference).expanduser()
     if local.is_dir():
         return ResolvedModel(reference, local.resolve(), None)
-    if local.exists() or reference.count("/") != 1 or reference.startswith((".", "/", "~")):
-        raise ModelNotFoundError(f"--model {reference!r} is not a checkpoint directory or a Hugging Face id")
     return _download(reference, _CHECKPOINT_PATTERNS if weights else _PROCESSOR_PATTERNS)
 
 

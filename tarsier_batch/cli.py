@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.traceback import Traceback
 
 from .catalog import DEFAULT_MODEL, families, family_named
-from .checkpoints import DEMO_ALIAS, ModelNotFoundError
+from .checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
 from .config import ConfigError, config_defaults
 from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
 from .media import MAX_IMAGE_PIXELS
@@ -139,7 +139,7 @@ def caption(
     limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
     shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
     config: Annotated[Optional[Path], typer.Option(metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config, help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables win over it.", show_default=False)] = None,
-    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
+    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
     = DEFAULT_MODEL,
     prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
     ask: Annotated[Optional[list[str]], typer.Option(metavar="NAME=TEXT", help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are prefilled once for all of them).", show_default=False)] = None,
@@ -153,9 +153,9 @@ def caption(
     offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
     preflight: Annotated[bool, typer.Option("--preflight/--no-preflight", help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
     compile_step: Annotated[bool, typer.Option("--compile", help="Compile the step with torch.compile: fused kernels, and each decode step one graph at power-of-two sizes (a CUDA graph on GPUs), after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in float32.")] = False,
-    prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens after --prune-layer (FastV): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
+    prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
     prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="With --prune-method fastv: the first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
-    prune_method: Annotated[PruneMethod, typer.Option(case_sensitive=False, help="fastv: drop the vision tokens the last prompt token attends to least, after --prune-layer; temporal: before the language model, drop the vision tokens that changed least since the previous frame (the first frame stays whole).")] = PruneMethod.fastv,  # type: ignore[attr-defined]
+    prune_method: Annotated[Optional[PruneMethod], typer.Option(case_sensitive=False, help="temporal: before the language model, drop the vision tokens that changed least since the previous frame (the first frame stays whole); fastv: drop the vision tokens the last prompt token attends to least, after --prune-layer [default: temporal, which keeps captions closer to unpruned; fastv with --prune-layer].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
     temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
     top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
@@ -197,11 +197,14 @@ def caption(
         CaptionSettings, model=model, prompt=prompt, prompt_set=_prompt_set(prompts, ask or []), frames=frames,
         batch_size=batch_size,
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
-        prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value, compile_step=compile_step, dtype=dtype.value, device=device,
+        prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value if prune_method else None,
+        compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
         max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, repetition_penalty=repetition_penalty))
+    if (problem := model_reference_problem(model)) is not None:   # a typo is answered before torch is imported
+        _fail(problem)
     settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value, shard=shard_spec,
                          overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing, limit=limit,
                          fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
@@ -457,7 +460,7 @@ def models() -> None:
                    f"  instruction:  {family.default_instruction}\n"
                    f"  offline demo: --model {family.tiny_alias} (random weights, captions are noise)\n")
     typer.echo(f"Demo model: --model {DEMO_ALIAS}, a small Tarsier v1 trained by this project on synthetic clips of\n"
-               "  moving shapes: it captions such clips ('A red circle moves up.'), nine in ten right; nothing else.")
+               f"  moving shapes: it captions such clips ('A red circle moves up.'), {DEMO_ACCURACY}; nothing else.")
 
 
 @app.command("inspect", no_args_is_help=True)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Protocol, TextIO
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 if TYPE_CHECKING:
     from .results import CaptionResult
@@ -39,6 +40,9 @@ class RunStats:
     generated_tokens: int = 0
     streamed_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    # When captioning began, the model loaded: the live display's elapsed time counts from `started` as the
+    # summary's wall time does, and the summary tells the two parts apart.
+    captioning_started: float | None = None
 
     @property
     def captioned(self) -> int:
@@ -47,6 +51,14 @@ class RunStats:
     @property
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.started
+
+    def start_captioning(self) -> None:
+        self.captioning_started = time.perf_counter()
+
+    @property
+    def captioning_s(self) -> float | None:
+        """Seconds since captioning began (None before): the wall time less loading the model."""
+        return time.perf_counter() - self.captioning_started if self.captioning_started is not None else None
 
     @property
     def items_per_s(self) -> float:
@@ -158,7 +170,7 @@ class RichReporter:
         self.progress = Progress(
             TextColumn("[bold]captioning"), BarColumn(), MofNCompleteColumn(),
             TextColumn("{task.fields[rates]}"), TextColumn("{task.fields[failed]}"),
-            TimeElapsedColumn(), TextColumn("ETA {task.fields[eta]}"),
+            _RunElapsed(stats), TextColumn("ETA {task.fields[eta]}"),
             console=console, transient=False)
         self.task = self.progress.add_task("caption", total=stats.total, **self._fields())
 
@@ -191,6 +203,18 @@ class RichReporter:
                 "failed": failed, "eta": _duration(stats.eta_s)}
 
 
+class _RunElapsed(ProgressColumn):
+    """The run's elapsed time, loading the model included, as the summary's wall time counts it (rich's own
+    column would count from when the bar appeared, after loading); redrawn on every refresh."""
+
+    def __init__(self, stats: RunStats):
+        super().__init__()
+        self.stats = stats
+
+    def render(self, task: Task) -> Text:
+        return Text(_duration(self.stats.elapsed_s), style="progress.elapsed")
+
+
 def progress_line(stats: RunStats) -> str:
     """One log line: done/total, failures, rates, elapsed time and ETA."""
     return (f"{stats.done}/{plural(stats.total, 'item')}, {stats.failed} failed, {stats.items_per_s:.2f} items/s, "
@@ -209,10 +233,19 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
     if stats.left_for_later:
         rows.append(("left for later", f"{stats.left_for_later} (--limit); run again to caption them"))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
-             ("wall time", _duration(stats.elapsed_s)),
+             ("wall time", _wall_time(stats)),
              ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens"),
              ("output", written)]
     return rows
+
+
+def _wall_time(stats: RunStats) -> str:
+    """The whole run's time, split into loading the model and captioning when both happened."""
+    elapsed, captioning = stats.elapsed_s, stats.captioning_s
+    if captioning is None:
+        return _duration(elapsed)
+    loading = round(elapsed) - round(captioning)   # the parts add up to the whole as shown
+    return f"{_duration(elapsed)} ({_duration(loading)} loading the model, {_duration(captioning)} captioning)"
 
 
 def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:

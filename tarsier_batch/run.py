@@ -365,6 +365,7 @@ class CaptionRun:
                 # Under the same stop handling as the captioning: once the work directory exists, a stop
                 # saves rows and says how to resume.
                 self.store.begin(provenance, fresh=self.settings.overwrite)
+            job.stats.start_captioning()
             with _entered(self.reporter.progress(job.stats)) as reporters:
                 yield from job.run(captioning, reporters)
                 job.store.flush()

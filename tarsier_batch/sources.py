@@ -140,10 +140,10 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
     `shard.tar#member`, and the text of its sibling members (same key, e.g. `.json`) is kept in
     the item's columns under their extension (see `manifest.sibling_columns`).
 
-    `piped` replaces each `-` in `inputs` (paths read from stdin). A piped path, or a path named
-    like media on the command line, that does not exist (any more) is kept: it becomes an error
-    row rather than stopping the run. A missing path not named like media, or a glob that
-    matches nothing, raises InputNotFoundError: most likely a typo.
+    `piped` replaces each `-` in `inputs` (paths read from stdin). A piped path that does not exist
+    (any more) is kept: it becomes an error row rather than stopping the run (a file deleted between
+    `find` and the run). A missing path given in `inputs` itself, or a glob that matches nothing,
+    raises InputNotFoundError: most likely a typo, answered before any model is loaded.
 
     With `key_mode`, every item gets its stable key (`item_key`; for an object, its ETag).
     """
@@ -347,8 +347,8 @@ def _expand(entry: str, recursive: bool, unreadable: list[str], from_stdin: bool
         if not matches:
             raise InputNotFoundError(f"no file matches {entry!r}")
         return [path for match in matches for path in _expand(match, recursive, unreadable, False)]
-    if from_stdin or media_type_of(entry) is not None:
-        return [entry]  # vanished (or never existed): its row will say so
+    if from_stdin or (media_type_of(entry) is not None and tars.split_member_path(entry) is not None):
+        return [entry]  # vanished since it was listed (or a shard's member, found in its shard): its row will say so
     raise InputNotFoundError(f"input not found: {entry}")
 
 

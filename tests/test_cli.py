@@ -116,11 +116,12 @@ def test_corrupt_file_becomes_an_error_row_and_exit_1(tiny_model_dir: Path, shar
     assert "failed 2" in result.output and "a_broken.mp4" in result.output
 
 
-def test_missing_input_stops_with_exit_2(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["nope", "nothere.mp4"])   # named like media or not: a typo either way
+def test_missing_input_stops_with_exit_2(tiny_model_dir: Path, tmp_path: Path, name: str) -> None:
     out = tmp_path / "r.parquet"
-    result = run(str(tmp_path / "nope"), "--model", str(tiny_model_dir), "--out", str(out))
+    result = run(str(tmp_path / name), "--model", str(tiny_model_dir), "--out", str(out))
     assert result.exit_code == 2
-    assert result.output.strip() == f"Error: input not found: {tmp_path / 'nope'}"
+    assert result.output.strip() == f"Error: input not found: {tmp_path / name}"   # said at once, nothing loaded
     assert not out.exists()
 
 

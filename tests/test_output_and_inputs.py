@@ -44,7 +44,8 @@ def test_globs_expand_sorted_and_must_match(tmp_path: Path) -> None:
 
 
 def test_vanished_media_paths_and_odd_entries_become_items(tmp_path: Path) -> None:
-    """A path named like media that is gone (typed or piped) is kept: its row will say why it failed."""
+    """A piped path named like media that is gone is kept: its row will say why it failed (one typed is refused,
+    test_a_typed_media_path_that_does_not_exist_is_refused)."""
     clip = touch(tmp_path / "in" / "clip.mp4")
     (tmp_path / "in" / "link1.mp4").symlink_to(clip)
     (tmp_path / "in" / "link2.mp4").symlink_to(clip)
@@ -52,7 +53,7 @@ def test_vanished_media_paths_and_odd_entries_become_items(tmp_path: Path) -> No
     touch(tmp_path / "in" / "folder.mp4" / "inside.mp4")  # a folder named like media is an item, not walked
     (tmp_path / "in" / "loop.mp4").symlink_to(tmp_path / "in" / "loop.mp4")
     os.mkfifo(tmp_path / "in" / "pipe.mp4")
-    found = discover([str(tmp_path / "in"), str(tmp_path / "gone.mp4"), "-"], piped=[str(tmp_path / "piped.gif")],
+    found = discover([str(tmp_path / "in"), "-"], piped=[str(tmp_path / "gone.mp4"), str(tmp_path / "piped.gif")],
                      key_mode="path")
     names = [os.path.relpath(item.path, tmp_path) for item in found.items]
     assert names == ["in/clip.mp4", "in/folder.mp4", "in/link1.mp4", "in/link2.mp4", "in/loop.mp4", "in/pipe.mp4",
@@ -63,6 +64,13 @@ def test_vanished_media_paths_and_odd_entries_become_items(tmp_path: Path) -> No
     assert keys["in/link1.mp4"] == keys["in/link2.mp4"] == keys["in/clip.mp4"]  # one content, three rows
     assert keys["in/pipe.mp4"].endswith("|not-a-file") and keys["gone.mp4"].endswith("|unavailable")
     assert keys["in/folder.mp4"].endswith("|not-a-file") and keys["in/loop.mp4"].endswith("|unavailable")
+
+
+def test_a_typed_media_path_that_does_not_exist_is_refused(tmp_path: Path) -> None:
+    """`tarsier caption nothere.mp4` loaded the model, then failed the row: "the file no longer exists"."""
+    touch(tmp_path / "here.mp4")
+    with pytest.raises(InputNotFoundError, match="input not found: .*nothere.mp4"):
+        discover([str(tmp_path / "here.mp4"), str(tmp_path / "nothere.mp4")])
 
 
 def test_sha256_keys_follow_content_not_names(tmp_path: Path) -> None:

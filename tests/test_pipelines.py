@@ -251,7 +251,8 @@ def test_dry_run_on_ten_thousand_files_imports_no_model_code(tmp_path: Path) -> 
                                    ["--frames", "0"], ["--config", "missing.toml"], ["--manifest", "m.xlsx"],
                                    ["--prune-vision", "1"], ["--prune-layer", "2"],
                                    ["--prune-vision", "0.5", "--prune-layer", "0"],
-                                   ["--prune-vision", "0.5", "--offload-kv"]])
+                                   ["--prune-vision", "0.5", "--prune-method", "fastv", "--offload-kv"],
+                                   ["--prune-vision", "0.5", "--prune-method", "temporal", "--prune-layer", "2"]])
 def test_bad_flags_are_answered_in_one_line_before_heavy_imports(tmp_path: Path, flags: list[str]) -> None:
     probe = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"
              "try:\n    runpy.run_module('tarsier_batch.cli', run_name='__main__')\n"

@@ -93,7 +93,8 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
         assert (row["caption"], row["camera"]) == (after[path]["caption"], after[path]["camera"])
     # Nothing left to ask; a question left out would lose its answers, a changed limit would mix limits: refused.
     assert run(tiny_model_dir, out, changed).execute().stats.generated_tokens == 0
-    with pytest.raises(SettingsMismatchError, match="the questions camera are answered there and not asked now"):
+    with pytest.raises(SettingsMismatchError, match="answers to the question camera, which this run does not ask: ask it again, as "
+                       "continuing without it would drop those answers"):
         run(tiny_model_dir, out, changed[:2]).execute()
     with pytest.raises(SettingsMismatchError, match="question objects answered in at most 5 tokens there, 6 now"):
         run(tiny_model_dir, out, (changed[0], Question("objects", changed[1].text, max_new_tokens=6), changed[2])
@@ -438,7 +439,7 @@ def test_a_set_with_fastv_says_why_its_questions_do_not_share_a_prefill(tmp_path
     args = ["caption", *map(str, FILES), "-o", str(tmp_path / "o.parquet"), "--model", str(tiny_model_dir),
             "--ask", "a=Describe.", "--ask", "b=Tags?", "--dry-run"]
     shared = runner.invoke(app, [*args, "--prune-vision", "0.5", "--prune-method", "temporal"])
-    alone = runner.invoke(app, [*args, "--prune-vision", "0.5"])
+    alone = runner.invoke(app, [*args, "--prune-vision", "0.5", "--prune-method", "fastv"])
     assert shared.exit_code == alone.exit_code == 0, alone.output
     assert "each question prefills its whole prompt (fastv ranks the vision tokens by the question's last token" \
         in alone.output and "prefills its whole prompt" not in shared.output
@@ -450,5 +451,9 @@ def test_settings_stored_by_the_first_prompt_sets_compare_without_a_crash() -> N
 
     check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}},
                    {"prompt_set": {"caption": None, "objects": None, "camera": None}})
-    with pytest.raises(SettingsMismatchError, match="the questions objects are answered there and not asked now"):
+    with pytest.raises(SettingsMismatchError, match="answers to the question objects, which this run does not ask"):
         check_settings({"old.parquet": {"prompt_set": ["caption", "objects"]}}, {"prompt_set": {"caption": None}})
+    with pytest.raises(SettingsMismatchError, match="answers to the questions objects, camera, which this run does "
+                                                    "not ask: ask them again"):
+        check_settings({"old.parquet": {"prompt_set": ["caption", "objects", "camera"]}},
+                       {"prompt_set": {"caption": None}})

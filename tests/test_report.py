@@ -130,6 +130,22 @@ def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
     assert Image.open(screenshot).size == (1200, 1600)
 
 
+def test_a_strip_wider_than_the_page_is_scaled_to_fit_it(results: Path, tmp_path: Path) -> None:
+    """An 8-frame strip ran past a narrow page (a fixed height, the width following): it must fit its item."""
+    page = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(results), "-o", str(page), "--workers", "1"]).exit_code == 0
+    # Measured in the page once it has loaded: how many strips reach past their item's right edge.
+    probe = ("<script>window.addEventListener('load', () => { let over = 0;"
+             " for (const img of document.querySelectorAll('.strip img'))"
+             "   if (img.getBoundingClientRect().right > img.closest('.item').getBoundingClientRect().right + 0.5) over++;"
+             " document.body.dataset.stripsOver = over;"
+             " document.body.dataset.stripsShown = document.querySelectorAll('.strip img').length; });</script>")
+    measured = tmp_path / "measured.html"
+    measured.write_text(page.read_text().replace("</body>", probe + "</body>"))
+    shown = body_data(chromium("--window-size=400,1600", "--dump-dom", measured.as_uri(), tmp_path=tmp_path))
+    assert shown["strips-shown"] == "50" and shown["strips-over"] == "0", shown
+
+
 def test_a_vanished_file_gets_a_placeholder_and_the_report_completes(results: Path, tmp_path: Path,
                                                                       numbered_clip: Path) -> None:
     moved = tmp_path / "moved.mp4"

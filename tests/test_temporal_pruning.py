@@ -149,3 +149,19 @@ def test_the_cli_prunes_records_it_and_refuses_a_layer(tiny_model_dir: Path, sha
     other = runner.invoke(app, ["caption", clip, "--model", str(tiny_model_dir), "-o", str(out), "--max-new-tokens",
                                 "4", "--prune-vision", "0.5", "--prune-method", "fastv"])
     assert other.exit_code == 2 and "prune" in other.output, other.output
+
+
+def test_prune_vision_alone_prunes_temporally_and_a_layer_alone_chooses_fastv(tmp_path: Path) -> None:
+    """--prune-vision R alone used FastV (89 % on the demo at R = 0.5) where temporal keeps 98 %."""
+    from tarsier_batch.settings import CaptionSettings
+
+    assert CaptionSettings(prune_vision=0.5).pruning == {"vision": 0.5, "method": "temporal"}
+    assert CaptionSettings(prune_vision=0.5, prune_layer=3).pruning == {"vision": 0.5, "layer": 3}   # K is fastv's
+    assert CaptionSettings(prune_vision=0.5, prune_method="fastv").pruning == {"vision": 0.5, "layer": 2}
+    assert CaptionSettings().prune_method == "temporal" and CaptionSettings().pruning is None
+    (tmp_path / "a.jpg").touch()
+    args = ["caption", str(tmp_path / "a.jpg"), "-o", str(tmp_path / "r.parquet"), "--dry-run", "--prune-vision", "0.5"]
+    # --offload-kv does not go with fastv: accepted here only because the default method is temporal.
+    assert runner.invoke(app, [*args, "--offload-kv"]).exit_code == 0
+    fastv = runner.invoke(app, [*args, "--offload-kv", "--prune-method", "fastv"])
+    assert fastv.exit_code == 2 and "--offload-kv and --prune-vision with --prune-method fastv" in fastv.output

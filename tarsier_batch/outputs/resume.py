@@ -42,7 +42,10 @@ def _difference(name: str, old: Any, now: Any) -> str:
     if name == "prompt_set" and old and now:
         dropped = [question for question in old if question not in now]
         if dropped:
-            return f"the questions {', '.join(dropped)} are answered there and not asked now (their answers would go)"
+            which, them = (f"the question {dropped[0]}", "it") if len(dropped) == 1 else \
+                (f"the questions {', '.join(dropped)}", "them")
+            return (f"answers to {which}, which this run does not ask: ask {them} again, as continuing without "
+                    f"{them} would drop those answers")
         return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, {_shown(now[question])} now"
                          for question, limit in old.items() if now[question] != limit)
     return f"{name} {_shown(old)} there, {_shown(now)} now"

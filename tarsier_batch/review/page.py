@@ -124,7 +124,7 @@ dl{display:grid;grid-template-columns:max-content auto;gap:2px 10px;margin:0}dt{
 .controls{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ddd;display:flex;gap:8px;
 flex-wrap:wrap;align-items:center}
 .item{border-bottom:1px solid #eee;padding:10px 0}.item.failed{background:#fff8f8}
-.strip{display:block;max-width:100%;overflow-x:auto;margin:4px 0}.strip img{height:72px;display:block}
+.strip{margin:4px 0}.strip img{display:block;max-width:100%;height:auto}
 .path{font-family:monospace;font-size:12px;word-break:break-all}.caption{white-space:pre-wrap;margin:4px 0}
 .meta{color:#666;font-size:12px}.problem{color:#a00;font-size:12px}.pager button{min-width:32px}
 """
