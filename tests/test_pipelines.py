@@ -279,14 +279,15 @@ def test_config_file_then_env_then_flags_decide(monkeypatch, tmp_path: Path, med
     monkeypatch.setattr(run, "load_captioner", record)
     config = tmp_path / "conf" / "job.toml"
     config.parent.mkdir()
-    config.write_text('model = "from-config"\nbatch-size = 3\nmax_new_tokens = 7\nout = "r.parquet"\n'
+    config.write_text('model = "org/from-config"\nbatch-size = 3\nmax_new_tokens = 7\nout = "r.parquet"\n'
                       f'inputs = ["{media}"]\n[caption]\nworkers = 2\n')
     caption("--config", str(config))
-    caption("--config", str(config), env={"TARSIER_MODEL": "from-env", "TARSIER_BATCH_SIZE": "5"})
-    caption("--config", str(config), "--model", "from-flag", env={"TARSIER_MODEL": "from-env"})
+    caption("--config", str(config), env={"TARSIER_MODEL": "org/from-env", "TARSIER_BATCH_SIZE": "5"})
+    caption("--config", str(config), "--model", "org/from-flag", env={"TARSIER_MODEL": "org/from-env"})
     caption(str(media), "-o", str(tmp_path / "d.parquet"), env={"TARSIER_CONFIG": str(config)})
     assert [(s["model"], s["batch_size"], s["workers"], s["max_new_tokens"]) for s in seen] == [
-        ("from-config", 3, 2, 7), ("from-env", 5, 2, 7), ("from-flag", 3, 2, 7), ("from-config", 3, 2, 7)]
+        ("org/from-config", 3, 2, 7), ("org/from-env", 5, 2, 7), ("org/from-flag", 3, 2, 7),
+        ("org/from-config", 3, 2, 7)]
     assert not (config.parent / "r.parquet").exists()   # `out` is relative to the config's folder; interrupted
     unknown = tmp_path / "bad.toml"
     unknown.write_text("modle = 'x'\n")

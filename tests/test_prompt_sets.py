@@ -285,8 +285,8 @@ def test_long_shards_merge_into_one_long_output(tmp_path: Path, tiny_model_dir: 
 
 
 def test_long_without_a_prompt_set_is_refused_at_once(tmp_path: Path) -> None:
-    done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "-o", str(tmp_path / "o.parquet"), "--model", "nope",
-                               "--long"])
+    done = runner.invoke(app, ["caption", str(SAMPLE_DATA), "-o", str(tmp_path / "o.parquet"), "--model",
+                               "someone/nope", "--long"])
     assert done.exit_code == 2 and "--long lays out the answers of several questions, a row per question: ask " \
         "them with --ask/--prompts or a manifest's prompts column" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1
