@@ -32,14 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_engine import bench_items, without_eos  # noqa: E402
+
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.job import CaptionJob  # noqa: E402
 from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
 from tarsier_batch.outputs.resume import plan_run  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.outputs.store import ResultStore, StoredRows  # noqa: E402
-from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
+from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 from tarsier_batch.sources import MediaItem, item_key  # noqa: E402
 from tarsier_batch.tiny import make_tiny_model  # noqa: E402
 

@@ -34,9 +34,18 @@ from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
 from .prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
-from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
-from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, CaptionSettings, RaySettings, RunSettings,
-                       SamplingParams, SettingsError)
+from .run import Captioning, CaptionRun, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
+from .settings import (
+    DTYPES,
+    FLUSH_ROWS,
+    FLUSH_SECONDS,
+    PRUNE_METHODS,
+    CaptionSettings,
+    RaySettings,
+    RunSettings,
+    SamplingParams,
+    SettingsError,
+)
 from .sharding import Shard, ShardError
 from .sources import Discovery, InputNotFoundError, discover, is_shard
 from .storage import StorageError, is_url

@@ -37,8 +37,8 @@ from .outputs.schema import OutputColumns
 from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
-from .results import CaptionResult
 from .prompt_sets import PromptSetError, check_prompt_set
+from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .sources import Discovery, MediaItem, discover
 from .storage import is_url, redact_text

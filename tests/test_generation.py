@@ -103,7 +103,6 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
     import threading
 
     from conftest import SAMPLE_DATA
-
     from tarsier_batch import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)
@@ -163,7 +162,6 @@ def test_the_caller_hears_ticks_while_the_model_waits_for_a_decode(settings: Cap
     import threading
 
     from conftest import SAMPLE_DATA
-
     from tarsier_batch import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)[:2]

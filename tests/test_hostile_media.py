@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from PIL import Image
 from typer.testing import CliRunner
 
+from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from tarsier_batch.cli import app
 from tarsier_batch.errors import KINDS, ItemError
 from tarsier_batch.families import load_caption_model

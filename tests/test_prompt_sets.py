@@ -13,8 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
-from tarsier_batch import (CaptionRun, CaptionSettings, Question, RunSettings, SamplingParams,
-                           SettingsMismatchError, Status)
+from tarsier_batch import (
+    CaptionRun,
+    CaptionSettings,
+    Question,
+    RunSettings,
+    SamplingParams,
+    SettingsMismatchError,
+    Status,
+)
 from tarsier_batch.cli import app
 from tarsier_batch.prompt_sets import PromptSetError, parse_asks, read_prompt_set
 from tarsier_batch.tiny import make_tiny_model
