@@ -88,7 +88,8 @@ def main() -> None:
         captioners = {}
         for name, (isolate, _) in SIDES.items():
             settings = CaptionSettings(model=str(model_dir), dtype="float32", device="cpu", workers=args.workers,
-                                       isolate_decoding=isolate, sampling=SamplingParams(max_new_tokens=args.new_tokens))
+                                       isolate_decoding=isolate,
+                                       sampling=SamplingParams(max_new_tokens=args.new_tokens))
             captioners[name] = without_eos(Captioner(settings))
         run_side(captioners["processes"], items[:2], None, workdir)  # warm up: worker start, first allocations
         rates: dict[str, list[float]] = {name: [] for name in SIDES}

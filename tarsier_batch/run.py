@@ -219,7 +219,8 @@ class CaptionRun:
                                      tuple(question.name for question in questions), settings.long)
         self.all_items = inputs.items
         shard = settings.shard
-        self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
+        self.discovery = (replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard
+                          else inputs)
         self.store = self._store(self.target) if self.target is not None else None
         self.outcome: RunOutcome | None = None   # how the run ended, once it has
 

@@ -89,7 +89,8 @@ def test_half_precision_runs_end_to_end(settings: CaptionSettings, shared_media:
 def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCaptioner) -> None:
     tokenizer = tiny_model.processor.tokenizer
     known = tokenizer("a man walks", add_special_tokens=False)["input_ids"]
-    beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx, tiny_model.config.text.vocab_size - 1]
+    beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx,
+              tiny_model.config.text.vocab_size - 1]
     mixed = known[:1] + beyond[:2] + known[1:] + beyond[2:] + [tokenizer.eos_token_id]
     assert tiny_model.decode(mixed) == tiny_model.decode(known) == "a man walks"
 

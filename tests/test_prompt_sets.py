@@ -86,7 +86,8 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
     assert [line[2] for line in added.describe()[0]] == ["ask camera"] * len(FILES)
     outcome = added.execute()
     after = by_path(out)
-    assert outcome.stats.generated_tokens == len(FILES) * MAX_NEW == sum(r["camera_generated_tokens"] for r in after.values())
+    assert (outcome.stats.generated_tokens == len(FILES) * MAX_NEW
+            == sum(r["camera_generated_tokens"] for r in after.values()))
     for path, row in after.items():
         assert (row["caption"], row["objects"]) == (before[path]["caption"], before[path]["objects"])
         assert row["camera"] and row["camera_prompt"] == QUESTIONS[2].text
@@ -278,7 +279,8 @@ def test_long_shards_merge_into_one_long_output(tmp_path: Path, tiny_model_dir: 
     common = [*map(str, FILES), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "-q", "--long",
               "--ask", "caption=Describe.", "--ask", "tags=Tags?"]
     for index in range(2):
-        done = runner.invoke(app, ["caption", *common, "--shard", f"{index}/2", "-o", str(shards / f"s{index}.parquet")])
+        done = runner.invoke(app, ["caption", *common, "--shard", f"{index}/2",
+                                   "-o", str(shards / f"s{index}.parquet")])
         assert done.exit_code == 0, done.output
     merged = tmp_path / "merged.parquet"
     assert runner.invoke(app, ["merge", str(shards), "-o", str(merged)]).exit_code == 0

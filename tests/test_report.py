@@ -73,7 +73,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, shared_media: Path, number
     folder = tmp_path_factory.mktemp("results")
     columns = OutputColumns()
     rows = []
-    sources = [(numbered_clip, "video", [0, 4, 8, 12, 17, 21, 25, 29]), (shared_media / "clip_5f.gif", "gif", [0, 1, 2, 3, 4]),
+    sources = [(numbered_clip, "video", [0, 4, 8, 12, 17, 21, 25, 29]),
+               (shared_media / "clip_5f.gif", "gif", [0, 1, 2, 3, 4]),
                (shared_media / "tarsier_logo.jpg", "image", [0])]
     for index in range(60):
         path, kind, indices = sources[index % 3]
@@ -114,7 +115,8 @@ def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
     assert "wrote" in done.output and "63 items" in done.output
     text = page.read_text()
     assert "http://" not in text and "https://" not in text and "<link" not in text   # works offline
-    assert "3 failed items, 2 distinct errors (undecodable 2, not_found 1)" in text and "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
+    assert "3 failed items, 2 distinct errors (undecodable 2, not_found 1)" in text
+    assert "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
     dom = chromium("--dump-dom", page.as_uri(), tmp_path=tmp_path)
     shown = body_data(dom)
     assert (shown["matching"], shown["rendered"]) == ("63", "50")   # the first page of 50

@@ -43,7 +43,8 @@ def _difference(name: str, old: Any, now: Any) -> str:
         dropped = [question for question in old if question not in now]
         if dropped:
             return f"the questions {', '.join(dropped)} are answered there and not asked now (their answers would go)"
-        return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, {_shown(now[question])} now"
+        return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, "
+                         f"{_shown(now[question])} now"
                          for question, limit in old.items() if now[question] != limit)
     return f"{name} {_shown(old)} there, {_shown(now)} now"
 
