@@ -283,7 +283,8 @@ def b4(args: argparse.Namespace, workdir: Path) -> dict:
         report[str(context)] = interleaved({"dynamic_cache_ms": dynamic_cache_steps, "engine_ms": engine_steps},
                                            args.repeats)
     return {"benchmark": "B4 decode step cost", "rows": rows, "steps_timed": steps, "ms_per_step": report,
-            "dynamic_cache_8k_over_1k": round(report["8192"]["dynamic_cache_ms"] / report["1024"]["dynamic_cache_ms"], 2),
+            "dynamic_cache_8k_over_1k": round(report["8192"]["dynamic_cache_ms"] / report["1024"]["dynamic_cache_ms"],
+                                              2),
             "engine_8k_over_1k": round(report["8192"]["engine_ms"] / report["1024"]["engine_ms"], 2)}
 
 

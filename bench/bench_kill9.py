@@ -89,9 +89,11 @@ def main() -> None:
         report[name] = {"full_run_s": round(full, 2), "last_run_s": round(last, 2),
                         "last_run_over_full": round(last / full, 3),
                         "every_file_once": len(finished) == args.files == len({row[0] for row in finished}),
-                        "same_captions_as_full_run": [row[1:] for row in finished] == [row[1:] for row in rows(full_out)]}
+                        "same_captions_as_full_run":
+                            [row[1:] for row in finished] == [row[1:] for row in rows(full_out)]}
     first, second = report.values()
-    print(json.dumps({"files": args.files, "size": args.size, "new_tokens": args.new_tokens, "kill_at": args.kill_at, "runs": report,
+    print(json.dumps({"files": args.files, "size": args.size, "new_tokens": args.new_tokens, "kill_at": args.kill_at,
+                      "runs": report,
                       "full_run_ratio_defaults_over_old": round(first["full_run_s"] / second["full_run_s"], 3)},
                      indent=2))
     shutil.rmtree(work, ignore_errors=True)

@@ -99,8 +99,9 @@ def main() -> None:
             over: dict[str, float] = {}
             seconds: dict[str, float] = {}
             for frames in args.frames:
-                out = subprocess.run([sys.executable, __file__, "--child", path, args.video, str(frames), str(model_dir)],
-                                     check=True, capture_output=True, text=True).stdout
+                out = subprocess.run(
+                    [sys.executable, __file__, "--child", path, args.video, str(frames), str(model_dir)],
+                    check=True, capture_output=True, text=True).stdout
                 figures = json.loads(out.strip().splitlines()[-1])
                 peaks[str(frames)] = round(figures["peak_kb"] * 1024 / MB, 1)
                 over[str(frames)] = round((figures["peak_kb"] - figures["before_kb"]) * 1024 / MB, 1)

@@ -87,7 +87,8 @@ def run_engine(captioner: Captioner, sets: list[list[ProcessedPrompt]], fork: bo
 
 def peak_mb(model_dir: Path, args: argparse.Namespace, questions: int, fork: bool) -> float:
     script = _PEAK.format(bench=str(REPO / "bench"), model_dir=str(model_dir), frames=args.frames,
-                          new_tokens=args.new_tokens, clips=args.clips, questions=questions, fork=fork, video=args.video)
+                          new_tokens=args.new_tokens, clips=args.clips, questions=questions, fork=fork,
+                          video=args.video)
     done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     return round(float(done.stdout.strip().splitlines()[-1]), 1)
 
@@ -129,7 +130,8 @@ def main() -> None:
             "frames": args.frames, "new_tokens": args.new_tokens, "batch_size": captioner.batch_size,
             "prefill_chunk": captioner.engine_config.prefill_chunk,
             "prompt_positions": sum(prompt.length for prompts in sets for prompt in prompts),
-            "shared_prefix_positions": sum(prompts[0].shared_prefix(prompt) for prompts in sets for prompt in prompts[1:]),
+            "shared_prefix_positions": sum(prompts[0].shared_prefix(prompt)
+                                           for prompts in sets for prompt in prompts[1:]),
             "seconds": seconds,
             "answers_per_s": {"set_of_3": round(answers / seconds["set_of_3"], 3),
                               "3_runs": round(answers / seconds["3_runs"], 3),

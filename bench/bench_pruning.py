@@ -1,7 +1,8 @@
 """Vision-token pruning (`--prune-vision R`, `--prune-method fastv --prune-layer K` or `--prune-method temporal`):
 what it saves and what it costs.
 
-    python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2] [--methods fastv temporal]
+    python bench/bench_pruning.py speed [--families tarsier tarsier2] [--frames 8] [--repeats 2]
+        [--methods fastv temporal]
     python bench/bench_pruning.py quality [--n 100] [--seed 1] [--methods fastv temporal]
     python bench/bench_pruning.py selectivity [--n 40] [--seed 1]
 
@@ -102,7 +103,8 @@ def engine_for(model, prompt, ratio: float, layer: int | str, rows: int, new_tok
 
     slots = (kv_rows or rows) * (prompt.length + new_tokens + 64)   # a row takes whole pages of 32 slots
     by_attention = ratio and layer != TEMPORAL
-    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prune=PruneConfig(ratio, layer) if by_attention else None)
+    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots,
+                          prune=PruneConfig(ratio, layer) if by_attention else None)
     return Engine(model, config, SamplingParams(max_new_tokens=new_tokens, repetition_penalty=1.0))
 
 
@@ -172,7 +174,8 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path, methods: l
             "survivors": survivors,
             "prefill_gflops": round(prefill_flops(layer_params, heads, geometry.head_dim, geometry.num_layers,
                                                   prompt.length, survivors, layer if fastv(setting) else 0) / 1e9, 1),
-            "prefill_s": round(statistics.median(times[setting]), 2), "prefill_runs_s": [round(t, 2) for t in times[setting]],
+            "prefill_s": round(statistics.median(times[setting]), 2),
+            "prefill_runs_s": [round(t, 2) for t in times[setting]],
             "kv_mb_per_row": round(kv_bytes[setting] / 2**20, 1), "rows_in_kv_of_16_unpruned": fit,
             "peak_above_loaded_mb": round(measured["peak_above_loaded_mb"]),
             f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens": round(BATCH / measured["seconds"], 3),
@@ -188,8 +191,9 @@ def one_family(family: str, frames: int, repeats: int, workdir: Path, methods: l
             "items_per_s": round(values[f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens"]
                                  / base[f"items_per_s_{BATCH}x{NEW_TOKENS}_tokens"], 3),
         }
-    return {"checkpoint": f"{family} deep: {geometry.num_layers} layers, {layer_params * geometry.num_layers / 1e6:.0f}M "
-                          f"parameters in the decoder layers", "frames": frames, "prompt_tokens": prompt.length,
+    return {"checkpoint": f"{family} deep: {geometry.num_layers} layers, "
+                          f"{layer_params * geometry.num_layers / 1e6:.0f}M parameters in the decoder layers",
+            "frames": frames, "prompt_tokens": prompt.length,
             "vision_tokens": sum(block.end - block.start for block in prompt.vision_blocks), "settings": results}
 
 

@@ -81,7 +81,8 @@ def noisy_clip(path: Path, megabytes: int) -> None:
         stream = container.add_stream("libx264", rate=25, options={"qp": "0", "preset": "ultrafast"})
         stream.width, stream.height, stream.pix_fmt = 640, 360, "yuv420p"
         for _ in range(megabytes * 10**6 // (640 * 360 * 3 // 2)):   # noise does not compress: ~a frame's bytes each
-            frame = av.VideoFrame.from_ndarray(generator.integers(0, 255, (360, 640, 3), dtype=np.uint8), format="rgb24")
+            frame = av.VideoFrame.from_ndarray(generator.integers(0, 255, (360, 640, 3), dtype=np.uint8),
+                                               format="rgb24")
             for packet in stream.encode(frame):
                 container.mux(packet)
         for packet in stream.encode():
@@ -114,7 +115,8 @@ def memory_while_streaming(job, url: str) -> dict[str, float]:
     assert not [one.error for one in decoded if one.error]
     half = len(samples) // 2
     return {"members": len(items), "seconds": round(elapsed, 1), "rss_mb_start": round(samples[0], 0),
-            "rss_mb_max_first_half": round(max(samples[:half]), 0), "rss_mb_max_second_half": round(max(samples[half:]), 0),
+            "rss_mb_max_first_half": round(max(samples[:half]), 0),
+            "rss_mb_max_second_half": round(max(samples[half:]), 0),
             "rss_mb_median": round(statistics.median(samples), 0)}
 
 
@@ -172,7 +174,8 @@ def main() -> None:
         medians = {name: statistics.median(values) for name, values in rates.items()}
         report = {"items": 3 * third, "rounds": args.rounds, "clip": CLIP.name, "frames": 16,
                   "items_per_s": {name: [round(value, 3) for value in values] for name, values in rates.items()},
-                  "median_over_local": {name: round(value / medians["local files"], 3) for name, value in medians.items()},
+                  "median_over_local": {name: round(value / medians["local files"], 3)
+                                        for name, value in medians.items()},
                   "first_listing_s": listing, "moto_cpu_s": round(moto_cpu, 1)}
         if args.big_gb > 0:
             big = work / "big.mp4"

@@ -32,14 +32,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_engine import bench_items, without_eos  # noqa: E402
+
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.job import CaptionJob  # noqa: E402
 from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
 from tarsier_batch.outputs.resume import plan_run  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.outputs.store import ResultStore, StoredRows  # noqa: E402
-from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
+from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 from tarsier_batch.sources import MediaItem, item_key  # noqa: E402
 from tarsier_batch.tiny import make_tiny_model  # noqa: E402
 
@@ -87,7 +88,8 @@ def main() -> None:
         captioners = {}
         for name, (isolate, _) in SIDES.items():
             settings = CaptionSettings(model=str(model_dir), dtype="float32", device="cpu", workers=args.workers,
-                                       isolate_decoding=isolate, sampling=SamplingParams(max_new_tokens=args.new_tokens))
+                                       isolate_decoding=isolate,
+                                       sampling=SamplingParams(max_new_tokens=args.new_tokens))
             captioners[name] = without_eos(Captioner(settings))
         run_side(captioners["processes"], items[:2], None, workdir)  # warm up: worker start, first allocations
         rates: dict[str, list[float]] = {name: [] for name in SIDES}

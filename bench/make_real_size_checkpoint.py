@@ -116,7 +116,8 @@ def _write_shard(path: Path, tensors: list[tuple[str, tuple[int, ...]]], dtype: 
     header, offset = {}, 0
     for name, shape in tensors:
         size = _count(shape) * dtype.itemsize
-        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)

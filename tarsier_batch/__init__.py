@@ -45,8 +45,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Answer", "CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError", "LoggingReporter",
-           "MediaItem", "ModelNotFoundError", "NotEnoughMemory", "OutputError", "OutputLockedError", "OutputTarget",
-           "Question", "RunOutcome", "RunReporter", "RunSettings", "SamplingParams", "SettingsError", "SettingsMismatchError",
-           "Status", "Terminated", "__version__", "discover", "read_manifest",
+__all__ = ["Answer", "CaptionResult", "CaptionRun", "CaptionSettings", "Captioner", "InputNotFoundError",
+           "LoggingReporter", "MediaItem", "ModelNotFoundError", "NotEnoughMemory", "OutputError", "OutputLockedError",
+           "OutputTarget", "Question", "RunOutcome", "RunReporter", "RunSettings", "SamplingParams", "SettingsError",
+           "SettingsMismatchError", "Status", "Terminated", "__version__", "discover", "read_manifest",
            "read_prompt_set"]

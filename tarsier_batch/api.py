@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
+from . import preflight
 from .checkpoints import resolve_model
 from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .errors import INTERNAL
-from . import preflight
 from .families import CaptionModel, load_caption_model, load_processor
 from .families.base import Processor
+from .fork_server import start_decoding_server
 from .media import decoder_versions
 from .preflight import MemoryEstimate
 from .progress import plural
@@ -40,8 +41,7 @@ from .results import Answer, CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
 from .sources import MediaItem
 from .version import __version__
-from .fork_server import start_decoding_server
-from .workers import DecodeJob, Decoded, DecodePool, default_workers
+from .workers import Decoded, DecodeJob, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30

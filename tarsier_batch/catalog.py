@@ -47,7 +47,8 @@ TARSIER2 = FamilyInfo(
     key="tarsier2", name="Tarsier2", text_model_type="qwen2_vl",
     vision="Qwen2-VL ViT, dynamic resolution (at most 460,800 px per frame)",
     default_frames=16, default_instruction="Describe the video in detail. (images too, as upstream)",
-    checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"), tiny_alias="tiny-random-tarsier2",
+    checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"),
+    tiny_alias="tiny-random-tarsier2",
     loader="tarsier_batch.families.tarsier2:Tarsier2Captioner",
     processor_loader="tarsier_batch.families.tarsier2:load_processor",
     frame_sampler="tarsier_batch.media:frame_indices_without_repeats", tiny_builder="tarsier_batch.tiny.tarsier2")

@@ -34,9 +34,18 @@ from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
 from .prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
-from .run import CaptionRun, Captioning, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
-from .settings import (DTYPES, FLUSH_ROWS, FLUSH_SECONDS, PRUNE_METHODS, CaptionSettings, RaySettings, RunSettings,
-                       SamplingParams, SettingsError)
+from .run import Captioning, CaptionRun, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
+from .settings import (
+    DTYPES,
+    FLUSH_ROWS,
+    FLUSH_SECONDS,
+    PRUNE_METHODS,
+    CaptionSettings,
+    RaySettings,
+    RunSettings,
+    SamplingParams,
+    SettingsError,
+)
 from .sharding import Shard, ShardError
 from .sources import Discovery, InputNotFoundError, discover, is_shard
 from .storage import StorageError, is_url
@@ -127,62 +136,181 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
 
 @app.command(epilog=EXAMPLES, no_args_is_help=True)
 def caption(
-    inputs: Annotated[Optional[list[str]], typer.Argument(metavar="INPUTS", hidden=True, show_default=False)] = None,  # described in the docstring: help would show a Python type
-    out: Annotated[Optional[str], typer.Option("--out", "-o", metavar="FILE", help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
-    out_dir: Annotated[Optional[str], typer.Option(metavar="DIR", help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead of one --out file (continued like --out).", show_default=False)] = None,
-    shard_rows: Annotated[Optional[int], typer.Option(min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
-    manifest: Annotated[Optional[str], typer.Option(metavar="FILE", help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table, a path or a URL (relative paths: from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> question) their own questions.", show_default=False)] = None,
-    path_column: Annotated[Optional[str], typer.Option(metavar="NAME", help="The manifest's column of file paths [default: the first of path, file_name, video, image].", show_default=False)] = None,
-    keep_columns: Annotated[Optional[str], typer.Option(metavar="A,B|all", help="Manifest columns to carry into the output; with WebDataset shards, their members' sibling files by extension (json,txt). A name taken by an output column gets the prefix input_.", show_default=False)] = None,
-    null_separated: Annotated[bool, typer.Option("-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
-    limit: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Caption at most N items this run (the first that need it); a later run does the rest.", show_default=False)] = None,
-    shard: Annotated[Optional[str], typer.Option(metavar="I/N", help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option(metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config, help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables win over it.", show_default=False)] = None,
-    model: Annotated[str, typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see 'tarsier models'.")]
-    = DEFAULT_MODEL,
-    prompt: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').", show_default=False)] = None,
-    ask: Annotated[Optional[list[str]], typer.Option(metavar="NAME=TEXT", help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are prefilled once for all of them).", show_default=False)] = None,
-    prompts: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Questions to ask each item, from a TOML or JSON file of name = \"text\" (or name = {text = ..., max_new_tokens = N}); with --ask, these come first.", show_default=False)] = None,
-    long: Annotated[bool, typer.Option("--long", help="With --ask/--prompts: one row per file and question (a 'question' column and the single prompt's columns) instead of one row per file with each question's columns.")] = False,
-    frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].", show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True, help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, 32 on CUDA].", show_default=False)] = None,
-    max_batch_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
-    prefill_chunk: Annotated[int, typer.Option(min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
-    kv_cache_gb: Annotated[Optional[float], typer.Option(min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True, help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].", show_default=False)] = None,
-    offload_kv: Annotated[bool, typer.Option("--offload-kv", help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect on CPU).")] = False,
-    preflight: Annotated[bool, typer.Option("--preflight/--no-preflight", help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
-    compile_step: Annotated[bool, typer.Option("--compile", help="Compile the step with torch.compile: fused kernels, and each decode step one graph at power-of-two sizes (a CUDA graph on GPUs), after a start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in float32.")] = False,
-    prune_vision: Annotated[float, typer.Option(metavar="R", help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV cache, but not the official output (0: off).")] = 0.0,
-    prune_layer: Annotated[Optional[int], typer.Option(metavar="K", help="With --prune-method fastv: the first language-model layer that sees only the kept vision tokens, 1 <= K < layers [default: 2].", show_default=False)] = None,
-    prune_method: Annotated[Optional[PruneMethod], typer.Option(case_sensitive=False, help="temporal: before the language model, drop the vision tokens that changed least since the previous frame (the first frame stays whole); fastv: drop the vision tokens the last prompt token attends to least, after --prune-layer [default: temporal, which keeps captions closer to unpruned; fastv with --prune-layer].", show_default=False)] = None,
+    # described in the docstring: help would show a Python type
+    inputs: Annotated[Optional[list[str]], typer.Argument(
+        metavar="INPUTS", hidden=True, show_default=False)] = None,
+    out: Annotated[Optional[str], typer.Option(
+        "--out", "-o", metavar="FILE",
+        help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path or an s3://, "
+             "gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
+    out_dir: Annotated[Optional[str], typer.Option(
+        metavar="DIR",
+        help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead "
+             "of one --out file (continued like --out).", show_default=False)] = None,
+    shard_rows: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
+    manifest: Annotated[Optional[str], typer.Option(
+        metavar="FILE",
+        help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table, a path or a URL (relative paths: "
+             "from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> "
+             "question) their own questions.", show_default=False)] = None,
+    path_column: Annotated[Optional[str], typer.Option(
+        metavar="NAME",
+        help="The manifest's column of file paths [default: the first of path, file_name, video, image].",
+        show_default=False)] = None,
+    keep_columns: Annotated[Optional[str], typer.Option(
+        metavar="A,B|all",
+        help="Manifest columns to carry into the output; with WebDataset shards, their members' sibling files by "
+             "extension (json,txt). A name taken by an output column gets the prefix input_.",
+        show_default=False)] = None,
+    null_separated: Annotated[bool, typer.Option(
+        "-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run",
+        help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
+    limit: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N",
+        help="Caption at most N items this run (the first that need it); a later run does the rest.",
+        show_default=False)] = None,
+    shard: Annotated[Optional[str], typer.Option(
+        metavar="I/N",
+        help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per "
+             "GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config,
+        help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables "
+             "win over it.", show_default=False)] = None,
+    model: Annotated[str, typer.Option(
+        metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True,
+        help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of "
+             "moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see "
+             "'tarsier models'.")] = DEFAULT_MODEL,
+    prompt: Annotated[Optional[str], typer.Option(
+        metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').",
+        show_default=False)] = None,
+    ask: Annotated[Optional[list[str]], typer.Option(
+        metavar="NAME=TEXT",
+        help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are "
+             "prefilled once for all of them).", show_default=False)] = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        metavar="FILE",
+        help="Questions to ask each item, from a TOML or JSON file of name = \"text\" (or name = {text = ..., "
+             "max_new_tokens = N}); with --ask, these come first.", show_default=False)] = None,
+    long: Annotated[bool, typer.Option(
+        "--long",
+        help="With --ask/--prompts: one row per file and question (a 'question' column and the single prompt's "
+             "columns) instead of one row per file with each question's columns.")] = False,
+    frames: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N",
+        help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].",
+        show_default=False)] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True,
+        help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, "
+             "32 on CUDA].", show_default=False)] = None,
+    max_batch_tokens: Annotated[int, typer.Option(
+        min=1, metavar="N",
+        help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
+    prefill_chunk: Annotated[int, typer.Option(
+        min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
+    kv_cache_gb: Annotated[Optional[float], typer.Option(
+        min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True,
+        help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].",
+        show_default=False)] = None,
+    offload_kv: Annotated[bool, typer.Option(
+        "--offload-kv",
+        help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect "
+             "on CPU).")] = False,
+    preflight: Annotated[bool, typer.Option(
+        "--preflight/--no-preflight",
+        help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, "
+             "activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
+    compile_step: Annotated[bool, typer.Option(
+        "--compile",
+        help="Compile the step with torch.compile: fused kernels, and each decode step one graph at power-of-two "
+             "sizes (a CUDA graph on GPUs), after a start-up compile (tens of seconds; needs a C++ compiler on CPU, "
+             "Triton on CUDA). Same captions in float32.")] = False,
+    prune_vision: Annotated[float, typer.Option(
+        metavar="R",
+        help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV "
+             "cache, but not the official output (0: off).")] = 0.0,
+    prune_layer: Annotated[Optional[int], typer.Option(
+        metavar="K",
+        help="With --prune-method fastv: the first language-model layer that sees only the kept vision tokens, 1 <= K "
+             "< layers [default: 2].", show_default=False)] = None,
+    prune_method: Annotated[Optional[PruneMethod], typer.Option(
+        case_sensitive=False,
+        help="temporal: before the language model, drop the vision tokens that changed least since the previous "
+             "frame (the first frame stays whole); fastv: drop the vision tokens the last prompt token attends to "
+             "least, after --prune-layer [default: temporal, which keeps captions closer to unpruned; fastv with "
+             "--prune-layer].", show_default=False)] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
-    temperature: Annotated[float, typer.Option(min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
-    repetition_penalty: Annotated[Optional[float], typer.Option(min=0.01, metavar="X", help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's generation_config.json].", show_default=False)] = None,
-    seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
-    dtype: Annotated[DType, typer.Option(envvar="TARSIER_DTYPE", show_envvar=True, help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")] = DType.auto,  # type: ignore[attr-defined]
-    device: Annotated[str, typer.Option(metavar="DEVICE", envvar="TARSIER_DEVICE", show_envvar=True, help="auto, cpu, cuda or cuda:N.")] = "auto",
-    workers: Annotated[Optional[int], typer.Option(min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True, help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].", show_default=False)] = None,
-    decode_timeout: Annotated[float, typer.Option(min=0.1, metavar="SECONDS", help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
-    decode_memory_gb: Annotated[float, typer.Option(min=0.5, metavar="GIB", help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
-    max_image_pixels: Annotated[int, typer.Option(min=1, metavar="N", help="Images (and GIFs) of more pixels fail undecoded: decompression bombs. A JPEG above 89 Mpx is read reduced as it decodes.")] = MAX_IMAGE_PIXELS,
+    temperature: Annotated[float, typer.Option(
+        min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
+    top_p: Annotated[float, typer.Option(
+        metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        min=0.01, metavar="X",
+        help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's "
+             "generation_config.json].", show_default=False)] = None,
+    seed: Annotated[int, typer.Option(
+        min=0, metavar="N", help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
+    dtype: Annotated[DType, typer.Option(
+        envvar="TARSIER_DTYPE", show_envvar=True,
+        help="Weights and compute dtype [auto: float32 on CPU, "
+             "bfloat16 on CUDA].")] = DType.auto,  # type: ignore[attr-defined]
+    device: Annotated[str, typer.Option(
+        metavar="DEVICE", envvar="TARSIER_DEVICE", show_envvar=True, help="auto, cpu, cuda or cuda:N.")] = "auto",
+    workers: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True,
+        help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].",
+        show_default=False)] = None,
+    decode_timeout: Annotated[float, typer.Option(
+        min=0.1, metavar="SECONDS",
+        help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
+    decode_memory_gb: Annotated[float, typer.Option(
+        min=0.5, metavar="GIB", help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
+    max_image_pixels: Annotated[int, typer.Option(
+        min=1, metavar="N",
+        help="Images (and GIFs) of more pixels fail undecoded: decompression bombs. A JPEG above 89 Mpx is read "
+             "reduced as it decodes.")] = MAX_IMAGE_PIXELS,
     recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
     with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
-    key: Annotated[KeyMode, typer.Option(help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' (content; reads each file; adds a sha256 column).")] = KeyMode.path,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Start from scratch: caption everything again and replace --out.")] = False,
-    retry_errors: Annotated[bool, typer.Option("--retry-errors", help="Caption again the items whose stored rows are errors.")] = False,
-    prune_missing: Annotated[bool, typer.Option("--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
-    fail_on_empty: Annotated[bool, typer.Option("--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
-    flush_rows: Annotated[int, typer.Option(min=1, metavar="N", help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
-    flush_seconds: Annotated[float, typer.Option(min=0.0, metavar="SECONDS", help="...or once this many seconds passed since the last save (a row finishing later than that is saved at once).")] = FLUSH_SECONDS,
-    log_file: Annotated[Optional[Path], typer.Option(metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.", show_default=False)] = None,
+    key: Annotated[KeyMode, typer.Option(
+        help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' "
+             "(content; reads each file; adds a sha256 column).")] = KeyMode.path,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Start from scratch: caption everything again and replace --out.")] = False,
+    retry_errors: Annotated[bool, typer.Option(
+        "--retry-errors", help="Caption again the items whose stored rows are errors.")] = False,
+    prune_missing: Annotated[bool, typer.Option(
+        "--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
+    fail_on_empty: Annotated[bool, typer.Option(
+        "--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
+    flush_rows: Annotated[int, typer.Option(
+        min=1, metavar="N", help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
+    flush_seconds: Annotated[float, typer.Option(
+        min=0.0, metavar="SECONDS",
+        help="...or once this many seconds passed since the last save (a row finishing later than that is saved at "
+             "once).")] = FLUSH_SECONDS,
+    log_file: Annotated[Optional[Path], typer.Option(
+        metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.",
+        show_default=False)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
-    ray: Annotated[Optional[str], typer.Option("--ray", metavar="ADDRESS", help="Caption on a Ray cluster: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' (start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
-    ray_workers: Annotated[str, typer.Option(metavar="N|MIN-MAX", help="Captioning actors on the Ray cluster, each loading the model once: N, or MIN-MAX to let Ray scale between them.")] = "1",
-    ray_gpus_per_worker: Annotated[Optional[float], typer.Option(min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].", show_default=False)] = None,
+    ray: Annotated[Optional[str], typer.Option(
+        "--ray", metavar="ADDRESS",
+        help="Caption on a Ray cluster: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' "
+             "(start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
+    ray_workers: Annotated[str, typer.Option(
+        metavar="N|MIN-MAX",
+        help="Captioning actors on the Ray cluster, each loading the model once: N, or MIN-MAX to let Ray scale "
+             "between them.")] = "1",
+    ray_gpus_per_worker: Annotated[Optional[float], typer.Option(
+        min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].",
+        show_default=False)] = None,
 ) -> None:
-    """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if it exists.
+    """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if
+    it exists.
 
     INPUTS are media files, directories or glob patterns; '-' reads paths from stdin, one per
     line (-0: NUL-separated).
@@ -205,15 +333,16 @@ def caption(
                            seed=seed, repetition_penalty=repetition_penalty))
     if (problem := model_reference_problem(model)) is not None:   # a typo is answered before torch is imported
         _fail(problem)
-    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value, shard=shard_spec,
-                         overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing, limit=limit,
-                         fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
+    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value,
+                         shard=shard_spec, overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing,
+                         limit=limit, fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
     if stream:
         _settings(settings.check_streamable)
     ray_settings = _check_ray_flags(ray, shard_spec, ray_workers, ray_gpus_per_worker, device) \
         if ray is not None else None
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
-        _fail(f"--shard writes one Parquet file per shard for 'tarsier merge': give --out shard-{shard_spec.index}.parquet")
+        _fail("--shard writes one Parquet file per shard for 'tarsier merge': "
+              f"give --out shard-{shard_spec.index}.parquet")
     found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
     try:
         log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
@@ -466,9 +595,15 @@ def models() -> None:
 @app.command("inspect", no_args_is_help=True)
 def inspect_command(
     files: Annotated[list[str], typer.Argument(metavar="FILE", hidden=True, show_default=False)],
-    model: Annotated[Optional[str], typer.Option(metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True, help="Sample frames as this model's family does [default: the default model, Tarsier2].", show_default=False)] = None,
-    family: Annotated[Optional[str], typer.Option(metavar="NAME", help="Or name the family directly: tarsier (v1), tarsier2 (see 'tarsier models').", show_default=False)] = None,
-    frames: Annotated[Optional[int], typer.Option(min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
+    model: Annotated[Optional[str], typer.Option(
+        metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True,
+        help="Sample frames as this model's family does [default: the default model, Tarsier2].",
+        show_default=False)] = None,
+    family: Annotated[Optional[str], typer.Option(
+        metavar="NAME", help="Or name the family directly: tarsier (v1), tarsier2 (see 'tarsier models').",
+        show_default=False)] = None,
+    frames: Annotated[Optional[int], typer.Option(
+        min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, one per line.")] = False,
 ) -> None:
     """What captioning would see in each FILE: type, size, codec, rotation, frame rate, duration, frame count,
@@ -510,7 +645,10 @@ def _members_if_shard(path: str) -> list[str]:
 @app.command("merge", no_args_is_help=True)
 def merge_command(
     folder: Annotated[Path, typer.Argument(metavar="FOLDER", show_default=False)],
-    out: Annotated[str, typer.Option("--out", "-o", metavar="FILE", help="The merged results: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL (replaced atomically if it exists).", show_default=False)],
+    out: Annotated[str, typer.Option(
+        "--out", "-o", metavar="FILE",
+        help="The merged results: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL (replaced atomically "
+             "if it exists).", show_default=False)],
 ) -> None:
     """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one results file, in input order.
 
@@ -549,11 +687,18 @@ def merge_command(
 @app.command("report", no_args_is_help=True)
 def report_command(
     results: Annotated[Path, typer.Argument(metavar="RESULTS", hidden=True, show_default=False)],
-    out: Annotated[Path, typer.Option("--out", "-o", metavar="FILE", help="The HTML page to write.", show_default=False)],
-    frames_per_item: Annotated[int, typer.Option(min=0, metavar="N", help="Frames shown per item, evenly chosen from those the caption was made from (0: all).")] = 8,
-    thumb_height: Annotated[int, typer.Option(min=16, max=512, metavar="PX", help="Height of the frame thumbnails.")] = 72,
-    workers: Annotated[Optional[int], typer.Option(min=0, metavar="N", help="Processes extracting frames (0: none, in this process) [default: cores - 1].", show_default=False)] = None,
-    title: Annotated[Optional[str], typer.Option(metavar="TEXT", help="Page title [default: from RESULTS' name].", show_default=False)] = None,
+    out: Annotated[Path, typer.Option(
+        "--out", "-o", metavar="FILE", help="The HTML page to write.", show_default=False)],
+    frames_per_item: Annotated[int, typer.Option(
+        min=0, metavar="N",
+        help="Frames shown per item, evenly chosen from those the caption was made from (0: all).")] = 8,
+    thumb_height: Annotated[int, typer.Option(
+        min=16, max=512, metavar="PX", help="Height of the frame thumbnails.")] = 72,
+    workers: Annotated[Optional[int], typer.Option(
+        min=0, metavar="N", help="Processes extracting frames (0: none, in this process) [default: cores - 1].",
+        show_default=False)] = None,
+    title: Annotated[Optional[str], typer.Option(
+        metavar="TEXT", help="Page title [default: from RESULTS' name].", show_default=False)] = None,
 ) -> None:
     """Write one self-contained HTML page to review RESULTS (a .parquet, .jsonl or .csv file or a folder of shards).
 
@@ -593,7 +738,8 @@ def report_command(
                                                  "ignore_unknown_options": True})
 def eval_demo_command(
     context: typer.Context,
-    n: Annotated[int, typer.Option("--n", min=1, metavar="N", help="Held-out clips to caption (each also played backwards).")] = 200,
+    n: Annotated[int, typer.Option(
+        "--n", min=1, metavar="N", help="Held-out clips to caption (each also played backwards).")] = 200,
     seed: Annotated[int, typer.Option(min=0, metavar="S", help="Which held-out clips.")] = 0,
     model: Annotated[str, typer.Option(metavar="NAME|DIR", help="The checkpoint to measure.")] = "demo",
 ) -> None:
@@ -620,10 +766,14 @@ def eval_demo_command(
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True, show_default=False)],
     family: Annotated[str, typer.Option(metavar="NAME", help="tarsier (v1) or tarsier2.")] = "tarsier",
-    size: Annotated[str, typer.Option(metavar="SIZE", help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide (that LM, real frames).")] = "tiny",
+    size: Annotated[str, typer.Option(
+        metavar="SIZE",
+        help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide "
+             "(that LM, real frames).")] = "tiny",
     seed: Annotated[int, typer.Option(min=0, metavar="N", help="Seed of the random weights.")] = 0,
 ) -> None:
-    """Write a deterministic random-weight checkpoint in the family's real format into DIRECTORY (captions are noise)."""
+    """Write a deterministic random-weight checkpoint in the family's real format into DIRECTORY (captions are
+    noise)."""
     try:
         family_named(family)
     except ValueError as error:

@@ -121,7 +121,8 @@ def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
 
 def _inspect_copy(path: str, family: FamilyInfo, frames: int | None, timeout_s: float) -> Inspection:
     """`inspect_file` of an object or a shard's member, read into a local copy first."""
-    found = Inspection(printable(storage.redact(path)), family=family.name, frames_asked=frames or family.default_frames)
+    found = Inspection(printable(storage.redact(path)), family=family.name,
+                       frames_asked=frames or family.default_frames)
     try:
         item = item_of_path(path)
         if item is None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
+
 import pyarrow as pa
 
 from . import storage
@@ -133,7 +134,8 @@ def sibling_columns(discovery: Discovery, keep_columns: str, reserved: frozenset
         raise ManifestError("--keep-columns needs --manifest (its columns) or WebDataset shards among the inputs "
                             "(their sibling files)")
     found = sorted({name for item in discovery.items for name in item.columns})
-    wanted = found if keep_columns.strip() == "all" else [name.strip() for name in keep_columns.split(",") if name.strip()]
+    wanted = found if keep_columns.strip() == "all" else [name.strip() for name in keep_columns.split(",")
+                                                          if name.strip()]
     unknown = [name for name in wanted if name not in found]
     if unknown:
         raise ManifestError(f"--keep-columns: no member of the shards has the sibling {', '.join(unknown)} "

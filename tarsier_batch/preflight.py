@@ -98,7 +98,8 @@ class _Geometry:
         return cls(layers=text["num_hidden_layers"], hidden=text["hidden_size"],
                    intermediate=text["intermediate_size"], kv_heads=text.get("num_key_value_heads") or heads,
                    head_dim=text.get("head_dim") or text["hidden_size"] // heads, vocab=text["vocab_size"],
-                   vision_hidden=vision.get("embed_dim") or vision.get("hidden_size") or 0)   # Qwen2-VL: hidden_size is the merger's output
+                   # Qwen2-VL: hidden_size is the merger's output
+                   vision_hidden=vision.get("embed_dim") or vision.get("hidden_size") or 0)
 
     def kv_bytes_per_position(self, dtype: torch.dtype) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype.itemsize

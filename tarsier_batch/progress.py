@@ -140,7 +140,8 @@ class LogReporter:
         self._last_line = clock()
 
     def __enter__(self) -> LogReporter:
-        resumed = f" ({plural(self.stats.already_done, 'item')} done by earlier runs)" if self.stats.already_done else ""
+        resumed = (f" ({plural(self.stats.already_done, 'item')} done by earlier runs)" if self.stats.already_done
+                   else "")
         self.log(f"captioning {plural(self.stats.total, 'item')}{resumed}")
         return self
 

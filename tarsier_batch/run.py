@@ -37,8 +37,8 @@ from .outputs.schema import OutputColumns
 from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
-from .results import CaptionResult
 from .prompt_sets import PromptSetError, check_prompt_set
+from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .sources import Discovery, MediaItem, discover
 from .storage import is_url, redact_text
@@ -219,7 +219,8 @@ class CaptionRun:
                                      tuple(question.name for question in questions), settings.long)
         self.all_items = inputs.items
         shard = settings.shard
-        self.discovery = replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard else inputs
+        self.discovery = (replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard
+                          else inputs)
         self.store = self._store(self.target) if self.target is not None else None
         self.outcome: RunOutcome | None = None   # how the run ended, once it has
 

@@ -8,8 +8,8 @@ import glob
 import hashlib
 import os
 import stat
-from collections.abc import Iterator
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal

@@ -50,10 +50,10 @@ from pebble import ProcessExpired, ProcessPool
 
 from . import storage
 from .errors import CRASHED, INTERNAL, NOT_FOUND, OUT_OF_MEMORY, TIMEOUT, UNREADABLE, ItemError, plain_message
-from .faults import misbehave, worker_faults
-from .fork_server import start_decoding_server
 from .families.base import ProcessedPrompt, Processor
 from .families.temporal import drop_static_vision
+from .faults import misbehave, worker_faults
+from .fork_server import start_decoding_server
 from .media import MAX_IMAGE_PIXELS, Media
 from .member_lane import MemberLane
 from .prompt_sets import Question

@@ -91,15 +91,16 @@ def test_a_decode_step_launches_the_same_kernels_at_any_row_count(tiny_model, pr
 
 def test_steps_mixing_prefill_chunks_and_decoding_rows_equal_rows_alone(tiny_model, prompts, monkeypatch) -> None:
     reference = alone(tiny_model, prompts)
-    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40, max_batch_tokens=48)
+    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40,
+                                       max_batch_tokens=48)
     assert ids(engine_rows) == reference
     assert mixed > 5, "steps should hold prefill chunks beside decoding rows"
 
 
 def test_offloaded_prefill_beside_decoding_rows_equals_rows_alone(tiny_model, prompts, monkeypatch) -> None:
     reference = alone(tiny_model, prompts)
-    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40, max_batch_tokens=48,
-                                       offload_kv=True, host_rows=True)
+    engine_rows, mixed = run_recording(tiny_model, prompts, monkeypatch, max_rows=4, prefill_chunk=40,
+                                       max_batch_tokens=48, offload_kv=True, host_rows=True)
     assert ids(engine_rows) == reference
     assert mixed > 5, "steps should hold offloaded prefill chunks beside decoding rows"
 

@@ -68,7 +68,8 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
     assert all(row["generated_tokens"] == len(row["generated_ids"]) <= 8 for row in rows)
     by_name = {Path(row["path"]).name: row for row in rows}
     video = by_name["demo_test.mp4"]
-    assert (video["media_type"], video["num_frames"], video["frame_indices"]) == ("video", 8, [0, 12, 24, 36, 47, 59, 71, 83])
+    assert (video["media_type"], video["num_frames"], video["frame_indices"]) == (
+        "video", 8, [0, 12, 24, 36, 47, 59, 71, 83])
     assert (video["width"], video["height"], video["duration_s"]) == (1920, 800, 10.5)
     assert video["prompt"] == "Describe the video in detail." and video["model"] == str(tiny_model_dir)
     assert video["prompt_tokens"] > 8 * 21  # eight frames of 21 vectors plus the text
@@ -140,7 +141,8 @@ def test_bad_flag_values_stop_with_exit_2(tiny_model_dir: Path, shared_media: Pa
 def test_existing_output_needs_overwrite(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     out.write_bytes(b"precious")
-    args = [str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2"]
+    args = [str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out", str(out),
+            "--max-new-tokens", "2"]
     refused = run(*args)
     assert refused.exit_code == 2 and "--overwrite" in refused.output
     assert out.read_bytes() == b"precious"
@@ -211,7 +213,8 @@ def test_crash_mid_run_keeps_finished_rows_and_exits_3(tiny_model_dir: Path, sha
     out = tmp_path / "r.parquet"
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 3
-    assert "crashed (RuntimeError: CUDA error: device-side assert triggered); 2 finished rows are saved" in result.output
+    assert ("crashed (RuntimeError: CUDA error: device-side assert triggered); 2 finished rows are saved"
+            in result.output)
     assert not out.exists() and saved_rows(out) == 2
 
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from tarsier_batch.engine import PruneConfig, SamplingParams
-from tarsier_batch.engine import model_runner
+from tarsier_batch.engine import PruneConfig, SamplingParams, model_runner
 from tarsier_batch.engine.decode_step import DecodeStep
 from tarsier_batch.families import ProcessedPrompt
 from test_engine import MAX_NEW, NAMES, alone, ids, process, run

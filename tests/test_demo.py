@@ -11,8 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tarsier_batch.demo.clips import (COLOURS, MOTIONS, OPPOSITE, SHAPES, SIZE, clip_spec, make_clip, reversed_clip,
-                                      write_mp4)
+from tarsier_batch.demo.clips import (
+    COLOURS,
+    MOTIONS,
+    OPPOSITE,
+    SHAPES,
+    SIZE,
+    clip_spec,
+    make_clip,
+    reversed_clip,
+    write_mp4,
+)
 from tarsier_batch.media import MediaType, load_media
 
 

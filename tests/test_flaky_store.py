@@ -79,7 +79,8 @@ def test_a_shard_stream_cut_midway_is_opened_again_where_it_broke(s3, through, t
             tar.add(SAMPLE_DATA / name, arcname=f"{number:05d}.{name.rsplit('.', 1)[1]}")
     put(s3, bucket, "s.tar", shard.getvalue())
     items = discover([f"s3://{bucket}/s.tar"]).items
-    with through(Fault("cut", "/s.tar")) as fault, ShardReader(f"s3://{bucket}/s.tar", items[0].shard_version) as reader:
+    with (through(Fault("cut", "/s.tar")) as fault,
+          ShardReader(f"s3://{bucket}/s.tar", items[0].shard_version) as reader):
         members = [reader.read(item.member) for item in items]
     assert [bytes(member) for member in members] == [(SAMPLE_DATA / name).read_bytes() for name in MEDIA]
     reads = [get for get in fault.gets if get[0].endswith("/s.tar")]

@@ -89,7 +89,8 @@ def test_half_precision_runs_end_to_end(settings: CaptionSettings, shared_media:
 def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCaptioner) -> None:
     tokenizer = tiny_model.processor.tokenizer
     known = tokenizer("a man walks", add_special_tokens=False)["input_ids"]
-    beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx, tiny_model.config.text.vocab_size - 1]
+    beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx,
+              tiny_model.config.text.vocab_size - 1]
     mixed = known[:1] + beyond[:2] + known[1:] + beyond[2:] + [tokenizer.eos_token_id]
     assert tiny_model.decode(mixed) == tiny_model.decode(known) == "a man walks"
 
@@ -103,7 +104,6 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
     import threading
 
     from conftest import SAMPLE_DATA
-
     from tarsier_batch import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)
@@ -163,7 +163,6 @@ def test_the_caller_hears_ticks_while_the_model_waits_for_a_decode(settings: Cap
     import threading
 
     from conftest import SAMPLE_DATA
-
     from tarsier_batch import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)[:2]

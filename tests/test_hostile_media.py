@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
-from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from PIL import Image
 from typer.testing import CliRunner
 
+from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from tarsier_batch.cli import app
 from tarsier_batch.errors import KINDS, ItemError
 from tarsier_batch.families import load_caption_model
@@ -110,7 +110,8 @@ def no_standard_input() -> Iterator[None]:
         os.close(saved)
 
 
-def test_a_relative_name_like_an_ffmpeg_protocol_is_read_as_a_file(awkward: dict[Path, Ok | Fails], no_standard_input: None,
+def test_a_relative_name_like_an_ffmpeg_protocol_is_read_as_a_file(awkward: dict[Path, Ok | Fails],
+                                                                   no_standard_input: None,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(named(awkward, "pipe:0.mp4").parent)  # FFmpeg reads "pipe:0..." as standard input
     media = load_media("pipe:0.mp4", MediaType.VIDEO, 8)
@@ -236,7 +237,8 @@ def test_a_truncated_mp4_and_a_text_file_named_mp4_fail_apart(awkward: dict[Path
     assert said["truncated.mp4"][1].startswith("the video is cut short: the file ends at byte ")
     assert said["text.mp4"][1] == "not a video: no media stream found (the file starts like text)"
     assert len(set(said.values())) == 3 and {kind for kind, _ in said.values()} == {"undecodable"}
-    assert all(kind in KINDS for kind in {expected.kind for expected in awkward.values() if isinstance(expected, Fails)})
+    assert all(kind in KINDS
+               for kind in {expected.kind for expected in awkward.values() if isinstance(expected, Fails)})
 
 
 def test_the_cli_gives_every_awkward_input_a_row(awkward: dict[Path, Ok | Fails], tiny_model_dir: Path,

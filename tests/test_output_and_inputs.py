@@ -199,8 +199,13 @@ def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_medi
 
 
 def test_kv_cache_takes_what_the_accelerator_can_spare(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tarsier_batch.devices import (CPU_KV_CACHE_BYTES, CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN, CUDA_KV_SHARE,
-                                       CUDA_RESERVED_BYTES, kv_cache_bytes)
+    from tarsier_batch.devices import (
+        CPU_KV_CACHE_BYTES,
+        CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN,
+        CUDA_KV_SHARE,
+        CUDA_RESERVED_BYTES,
+        kv_cache_bytes,
+    )
 
     free = 40 * 2**30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))

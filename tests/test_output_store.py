@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tarsier_batch.media import MediaType
+from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
 from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings, plan_run
-from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 from tarsier_batch.outputs.store import OutputError, OutputWriteError, ResultStore, StoredRows
 from tarsier_batch.results import CaptionResult

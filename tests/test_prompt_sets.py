@@ -13,8 +13,15 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
-from tarsier_batch import (CaptionRun, CaptionSettings, Question, RunSettings, SamplingParams,
-                           SettingsMismatchError, Status)
+from tarsier_batch import (
+    CaptionRun,
+    CaptionSettings,
+    Question,
+    RunSettings,
+    SamplingParams,
+    SettingsMismatchError,
+    Status,
+)
 from tarsier_batch.cli import app
 from tarsier_batch.prompt_sets import PromptSetError, parse_asks, read_prompt_set
 from tarsier_batch.tiny import make_tiny_model
@@ -79,7 +86,8 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
     assert [line[2] for line in added.describe()[0]] == ["ask camera"] * len(FILES)
     outcome = added.execute()
     after = by_path(out)
-    assert outcome.stats.generated_tokens == len(FILES) * MAX_NEW == sum(r["camera_generated_tokens"] for r in after.values())
+    assert (outcome.stats.generated_tokens == len(FILES) * MAX_NEW
+            == sum(r["camera_generated_tokens"] for r in after.values()))
     for path, row in after.items():
         assert (row["caption"], row["objects"]) == (before[path]["caption"], before[path]["objects"])
         assert row["camera"] and row["camera_prompt"] == QUESTIONS[2].text
@@ -93,8 +101,8 @@ def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_d
         assert (row["caption"], row["camera"]) == (after[path]["caption"], after[path]["camera"])
     # Nothing left to ask; a question left out would lose its answers, a changed limit would mix limits: refused.
     assert run(tiny_model_dir, out, changed).execute().stats.generated_tokens == 0
-    with pytest.raises(SettingsMismatchError, match="answers to the question camera, which this run does not ask: ask it again, as "
-                       "continuing without it would drop those answers"):
+    with pytest.raises(SettingsMismatchError, match="answers to the question camera, which this run does not ask: "
+                       "ask it again, as continuing without it would drop those answers"):
         run(tiny_model_dir, out, changed[:2]).execute()
     with pytest.raises(SettingsMismatchError, match="question objects answered in at most 5 tokens there, 6 now"):
         run(tiny_model_dir, out, (changed[0], Question("objects", changed[1].text, max_new_tokens=6), changed[2])
@@ -272,7 +280,8 @@ def test_long_shards_merge_into_one_long_output(tmp_path: Path, tiny_model_dir: 
     common = [*map(str, FILES), "--model", str(tiny_model_dir), "--max-new-tokens", "4", "-q", "--long",
               "--ask", "caption=Describe.", "--ask", "tags=Tags?"]
     for index in range(2):
-        done = runner.invoke(app, ["caption", *common, "--shard", f"{index}/2", "-o", str(shards / f"s{index}.parquet")])
+        done = runner.invoke(app, ["caption", *common, "--shard", f"{index}/2",
+                                   "-o", str(shards / f"s{index}.parquet")])
         assert done.exit_code == 0, done.output
     merged = tmp_path / "merged.parquet"
     assert runner.invoke(app, ["merge", str(shards), "-o", str(merged)]).exit_code == 0

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
-
 from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 from tarsier_batch.engine.pruning import attention_of_last_query, choose_survivors, row_pruning
 from tarsier_batch.families import ProcessedPrompt

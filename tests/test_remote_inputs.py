@@ -9,10 +9,10 @@ from __future__ import annotations
 import http.server
 import io
 import json
-import threading
 import tarfile
-from urllib.parse import parse_qs, urlsplit
+import threading
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import boto3
 import pyarrow.parquet as pq

@@ -20,10 +20,9 @@ import pytest
 import s3fs
 from typer.testing import CliRunner
 
+from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
 from tarsier_batch.outputs.lock import LEASE_ENV, OutputLockedError, RemoteLock
-
-from conftest import SAMPLE_DATA
 
 runner = CliRunner()
 SAMPLES = ["ball.gif", "portrait.JPG", "still.png"]

@@ -73,7 +73,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, shared_media: Path, number
     folder = tmp_path_factory.mktemp("results")
     columns = OutputColumns()
     rows = []
-    sources = [(numbered_clip, "video", [0, 4, 8, 12, 17, 21, 25, 29]), (shared_media / "clip_5f.gif", "gif", [0, 1, 2, 3, 4]),
+    sources = [(numbered_clip, "video", [0, 4, 8, 12, 17, 21, 25, 29]),
+               (shared_media / "clip_5f.gif", "gif", [0, 1, 2, 3, 4]),
                (shared_media / "tarsier_logo.jpg", "image", [0])]
     for index in range(60):
         path, kind, indices = sources[index % 3]
@@ -114,7 +115,8 @@ def test_report_in_a_real_browser(results: Path, tmp_path: Path) -> None:
     assert "wrote" in done.output and "63 items" in done.output
     text = page.read_text()
     assert "http://" not in text and "https://" not in text and "<link" not in text   # works offline
-    assert "3 failed items, 2 distinct errors (undecodable 2, not_found 1)" in text and "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
+    assert "3 failed items, 2 distinct errors (undecodable 2, not_found 1)" in text
+    assert "<b>2 ×</b> <code>cannot decode video: decord: Error reading &lt;file&gt;..." in text
     dom = chromium("--dump-dom", page.as_uri(), tmp_path=tmp_path)
     shown = body_data(dom)
     assert (shown["matching"], shown["rendered"]) == ("63", "50")   # the first page of 50
@@ -137,7 +139,8 @@ def test_a_strip_wider_than_the_page_is_scaled_to_fit_it(results: Path, tmp_path
     # Measured in the page once it has loaded: how many strips reach past their item's right edge.
     probe = ("<script>window.addEventListener('load', () => { let over = 0;"
              " for (const img of document.querySelectorAll('.strip img'))"
-             "   if (img.getBoundingClientRect().right > img.closest('.item').getBoundingClientRect().right + 0.5) over++;"
+             "   if (img.getBoundingClientRect().right"
+             "       > img.closest('.item').getBoundingClientRect().right + 0.5) over++;"
              " document.body.dataset.stripsOver = over;"
              " document.body.dataset.stripsShown = document.querySelectorAll('.strip img').length; });</script>")
     measured = tmp_path / "measured.html"

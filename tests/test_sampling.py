@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tarsier_batch.engine.sampling import (SamplingParams, _keep_top_p, _penalise_repeats, exponential_noise,
-                                           select_tokens)
+from tarsier_batch.engine.sampling import (
+    SamplingParams,
+    _keep_top_p,
+    _penalise_repeats,
+    exponential_noise,
+    select_tokens,
+)
 
 
 def test_greedy_takes_the_argmax_of_each_row() -> None:

@@ -129,7 +129,8 @@ def set_setting(name: str, value):
 
 @pytest.mark.parametrize("arrange, message", [
     (lambda d: (d / "shard-1.parquet").unlink(), "shard 1 of 3 is missing from the folder"),
-    (lambda d: shutil.copy(d / "shard-1.parquet", d / "copy.parquet"), "shard 1/3 twice: copy.parquet and shard-1.parquet"),
+    (lambda d: shutil.copy(d / "shard-1.parquet", d / "copy.parquet"),
+     "shard 1/3 twice: copy.parquet and shard-1.parquet"),
     (lambda d: with_provenance(d / "shard-2.parquet", d / "shard-2.parquet", set_setting("prompt", "Other.")),
      "shard-2.parquet was made with other settings than shard-0.parquet (prompt None there, 'Other.' here)"),
     (lambda d: with_provenance(d / "shard-2.parquet", d / "shard-2.parquet",

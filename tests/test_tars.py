@@ -22,9 +22,21 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from tarsier_batch.tars import (REOPEN_GAP, SIBLING_LIMIT, ReadStopped, ShardError, ShardIndex, ShardReader,
-                                TarMember, default_cache_dir, expand_braces, list_shard, member_path,
-                                split_member_path, wds_key)
+from tarsier_batch.tars import (
+    REOPEN_GAP,
+    SIBLING_LIMIT,
+    ReadStopped,
+    ShardError,
+    ShardIndex,
+    ShardReader,
+    TarMember,
+    default_cache_dir,
+    expand_braces,
+    list_shard,
+    member_path,
+    split_member_path,
+    wds_key,
+)
 
 MTIME = 1_700_000_000
 BIG_TEXT = b"y" * (SIBLING_LIMIT + 1)

@@ -20,14 +20,14 @@ from typing import TypeVar
 import psutil
 import pytest
 import torch
-from conftest import SAMPLE_DATA
 
+from conftest import SAMPLE_DATA
 from tarsier_batch import workers
 from tarsier_batch.families import load_caption_model
+from tarsier_batch.faults import WORKER_FAULTS as FAULT_VARIABLE
 from tarsier_batch.media import MediaType
 from tarsier_batch.sources import MediaItem
 from tarsier_batch.tiny import make_tiny_model
-from tarsier_batch.faults import WORKER_FAULTS as FAULT_VARIABLE
 from tarsier_batch.workers import (
     Decoded,
     DecodeJob,

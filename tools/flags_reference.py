@@ -33,7 +33,9 @@ def render() -> str:
         arguments = [param for param in command.params if param.param_type_name == "argument"]
         options = [param for param in command.params if param.param_type_name == "option" and not param.hidden]
         if arguments:
-            lines += ["Arguments: " + ", ".join(f"`{argument.name.upper()}`" + (f": {argument.help}" if getattr(argument, "help", None) else "") for argument in arguments), ""]
+            lines += ["Arguments: " + ", ".join(
+                f"`{argument.name.upper()}`" + (f": {argument.help}" if getattr(argument, "help", None) else "")
+                for argument in arguments), ""]
         if options:
             lines += ["| flag | default | what it does |", "|---|---|---|"]
             lines += [_row(option) for option in options]

@@ -3,8 +3,8 @@
     python tools/train_demo_model.py            # the shipped checkpoint: 2,400 steps from scratch, 86 min on 2 cores
     python tools/train_demo_model.py --out /tmp/demo --steps 400 --geometry image_size=112   # an experiment
 
-From scratch or from a demo checkpoint (`--init`), on the CPU, in the checkpoint format `tarsier caption` loads. Each step draws a
-batch of fresh clips (seeds from TRAIN_SEEDS, disjoint from the held-out seeds `tarsier dev
+From scratch or from a demo checkpoint (`--init`), on the CPU, in the checkpoint format `tarsier caption` loads.
+Each step draws a batch of fresh clips (seeds from TRAIN_SEEDS, disjoint from the held-out seeds `tarsier dev
 eval-demo` uses) and trains on exactly what inference feeds the model: the frames v1 samples,
 preprocessed by the checkpoint's own processor, the official prompt with one vision block per
 frame, then the caption and </s>; the loss is on the caption and </s> only, plus a training-only
@@ -109,7 +109,8 @@ class ShapeProbe(torch.nn.Module):
 
 def caption_loss(model: TarsierModel, probe: ShapeProbe, feature_layer: int, batch: tuple
                  ) -> tuple[torch.Tensor, float]:
-    """The loss of one `training_batch` as inference merges it (plus the probe's), and the share of its rows all right."""
+    """The loss of one `training_batch` as inference merges it (plus the probe's), and the share of its rows all
+    right."""
     token_ids, targets, pixels, blocks, shapes = batch
     hidden = model.vision_tower(pixel_values=torch.cat(pixels), output_hidden_states=True)
     # The layer inference uses (it drops the layers after it when loading).
@@ -137,7 +138,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--stills", type=int, default=16, help="still frames (captioned shape only) added to each batch")
+    parser.add_argument("--stills", type=int, default=16,
+                        help="still frames (captioned shape only) added to each batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the weights' dtype on disk (bfloat16 halves the package's size)")

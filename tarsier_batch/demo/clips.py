@@ -30,7 +30,8 @@ BACKGROUNDS = {"black": (15, 15, 15), "white": (245, 245, 245), "grey": (128, 12
 TEXTURE_LEVELS = 8
 MOTIONS = ("moves from left to right", "moves from right to left", "moves up", "moves down", "grows", "shrinks",
            "stays still")
-OPPOSITE = {"moves from left to right": "moves from right to left", "moves from right to left": "moves from left to right",
+OPPOSITE = {"moves from left to right": "moves from right to left",
+            "moves from right to left": "moves from left to right",
             "moves up": "moves down", "moves down": "moves up", "grows": "shrinks", "shrinks": "grows",
             "stays still": "stays still"}
 
@@ -130,7 +131,8 @@ def draw_frame(spec: ClipSpec, t: float) -> Image.Image:
 
 
 def _background(spec: ClipSpec) -> Image.Image:
-    """The clip's still background: its colour plus a faint texture of three crossing waves (the same in every frame)."""
+    """The clip's still background: its colour plus a faint texture of three crossing waves (the same in every
+    frame)."""
     import numpy as np
 
     phase_x, phase_y, phase_d, waves_x, waves_y, waves_d = spec.texture

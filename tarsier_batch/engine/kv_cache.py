@@ -169,7 +169,8 @@ class KVCache:
         """The first `pages` pages of one layer as views (pages * kv_heads, page_slots, head_dim)."""
         # narrow and a view of explicit sizes (not a slice and -1): a compiled step keeps `pages` a symbol
         # instead of specialising on it.
-        index, shape = layer - self.first_layer, (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
+        index = layer - self.first_layer
+        shape = (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
         return self.keys[index].narrow(0, 0, pages).view(shape), self.values[index].narrow(0, 0, pages).view(shape)
 
     def clear_values(self, start: int, end: int) -> None:

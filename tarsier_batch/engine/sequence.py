@@ -12,6 +12,7 @@ from ..families.base import ProcessedPrompt
 from .kv_cache import HostKV, Region
 from .pruning import RowPruning
 
+
 class Status(Enum):
     WAITING = "waiting"    # queued, or preempted and waiting to be recomputed
     RUNNING = "running"    # holds KV; prefilling or decoding

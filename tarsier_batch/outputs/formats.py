@@ -263,7 +263,8 @@ def _read_csv(path: Path, schema: pa.Schema) -> pa.Table:
     parse = arrow_csv.ParseOptions(newlines_in_values=True)   # captions may span lines
     header = arrow_csv.open_csv(path, parse_options=parse).schema.names
     options = arrow_csv.ConvertOptions(column_types={name: kind for name, kind in text_types.items() if name in header},
-                                       strings_can_be_null=True, include_columns=[n for n in schema.names if n in header])
+                                       strings_can_be_null=True,
+                                       include_columns=[n for n in schema.names if n in header])
     table = arrow_csv.read_csv(path, parse_options=parse, convert_options=options)
     for field in schema:
         if _is_list(field.type) and field.name in table.column_names:

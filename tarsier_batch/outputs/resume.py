@@ -46,7 +46,8 @@ def _difference(name: str, old: Any, now: Any) -> str:
                 (f"the questions {', '.join(dropped)}", "them")
             return (f"answers to {which}, which this run does not ask: ask {them} again, as continuing without "
                     f"{them} would drop those answers")
-        return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, {_shown(now[question])} now"
+        return "; ".join(f"question {question} answered in at most {_shown(limit)} tokens there, "
+                         f"{_shown(now[question])} now"
                          for question, limit in old.items() if now[question] != limit)
     return f"{name} {_shown(old)} there, {_shown(now)} now"
 

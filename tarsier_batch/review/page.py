@@ -144,7 +144,9 @@ function readHash() {
 }
 function writeHash() {
   const params = new URLSearchParams();
-  for (const [key, value] of Object.entries(state)) if (value && !(key === 'page' && value === 1)) params.set(key, value);
+  for (const [key, value] of Object.entries(state)) {
+    if (value && !(key === 'page' && value === 1)) params.set(key, value);
+  }
   history.replaceState(null, '', '#' + params.toString());
 }
 function matches(item) {
@@ -168,18 +170,21 @@ function card(item, index) {
   node.appendChild(el('div', 'path', item.path));
   if (item.strip) {
     const box = el('div', 'strip'); const img = el('img');
-    img.alt = 'frames ' + (item.frame_indices || []).join(' '); img.src = document.getElementById('strip-' + index).textContent;
+    img.alt = 'frames ' + (item.frame_indices || []).join(' ');
+    img.src = document.getElementById('strip-' + index).textContent;
     box.appendChild(img); node.appendChild(box);
   } else if (item.stripProblem) node.appendChild(el('div', 'problem', 'no frames: ' + item.stripProblem));
   if (item.error) node.appendChild(el('div', 'problem', 'error: ' + item.error));
   if (item.answers) item.answers.forEach(([name, answer, asked]) => {
     const box = el('div', 'caption'); box.title = asked || '';
-    box.appendChild(el('b', null, name + ': ')); box.appendChild(document.createTextNode(answer == null ? '-' : answer));
+    box.appendChild(el('b', null, name + ': '));
+    box.appendChild(document.createTextNode(answer == null ? '-' : answer));
     node.appendChild(box);
   });
   else if (!item.error) node.appendChild(el('div', 'caption', item.caption));
   const facts = [item.media_type, item.width && item.height ? item.width + 'x' + item.height : null,
-    item.duration_s != null ? item.duration_s + ' s' : null, item.num_frames != null ? item.num_frames + (item.num_frames === 1 ? ' frame' : ' frames') : null,
+    item.duration_s != null ? item.duration_s + ' s' : null,
+    item.num_frames != null ? item.num_frames + (item.num_frames === 1 ? ' frame' : ' frames') : null,
     item.decoder, item.prompt_tokens != null ? item.prompt_tokens + ' prompt tokens' : null,
     item.generated_tokens != null ? item.generated_tokens + ' generated (' + item.finish_reason + ')' : null,
     item.elapsed_s != null ? item.elapsed_s.toFixed(2) + ' s' : null, item.model];
@@ -197,7 +202,8 @@ function render() {
   const start = (state.page - 1) * data.pageSize;
   const slice = shown.slice(start, start + data.pageSize);
   list.replaceChildren(...slice.map(([item, index]) => card(item, index)));
-  document.getElementById('count').textContent = shown.length + ' of ' + items.length + ' items, page ' + state.page + '/' + pages;
+  document.getElementById('count').textContent =
+    shown.length + ' of ' + items.length + ' items, page ' + state.page + '/' + pages;
   document.body.dataset.matching = shown.length;
   document.body.dataset.rendered = slice.length;
   writeHash();
@@ -221,7 +227,11 @@ function countImages(render) {
   }
   tally();
 }
-for (const id of ['type', 'status']) document.getElementById(id).addEventListener('change', e => { state[id] = e.target.value; state.page = 1; render(); });
+for (const id of ['type', 'status']) {
+  document.getElementById(id).addEventListener('change', e => {
+    state[id] = e.target.value; state.page = 1; render();
+  });
+}
 document.getElementById('q').addEventListener('input', e => { state.q = e.target.value; state.page = 1; render(); });
 document.getElementById('prev').addEventListener('click', () => { state.page -= 1; render(); });
 document.getElementById('next').addEventListener('click', () => { state.page += 1; render(); });

@@ -18,8 +18,16 @@ from transformers import CLIPVisionConfig, LlamaConfig, LlamaTokenizer
 
 from ..families.tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
 from ..families.tarsier.weights import save_model
-from .common import BASE_VOCAB_SIZE, CLIP_MEAN, CLIP_STD, INIT_SCALE, TRAINING_TEXT, plain_config, round_up, \
-    write_merges_as_strings
+from .common import (
+    BASE_VOCAB_SIZE,
+    CLIP_MEAN,
+    CLIP_STD,
+    INIT_SCALE,
+    TRAINING_TEXT,
+    plain_config,
+    round_up,
+    write_merges_as_strings,
+)
 
 # (vision: image size, patch, hidden, layers, heads) and
 # (text: hidden, MLP intermediate, layers, heads, kv heads); the vision MLP is 4 x its hidden.

@@ -23,8 +23,16 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfi
 
 from ..families.tarsier2 import Tarsier2Config, Tarsier2Model
 from ..families.weights import save_weights
-from .common import BASE_VOCAB_SIZE, CLIP_MEAN, CLIP_STD, INIT_SCALE, TRAINING_TEXT, plain_config, round_up, \
-    write_merges_as_strings
+from .common import (
+    BASE_VOCAB_SIZE,
+    CLIP_MEAN,
+    CLIP_STD,
+    INIT_SCALE,
+    TRAINING_TEXT,
+    plain_config,
+    round_up,
+    write_merges_as_strings,
+)
 
 # Qwen2-VL's special tokens, in their order (151643 onwards in the real vocabulary).
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",

@@ -13,4 +13,5 @@ def load_processor(model_dir: Path) -> TarsierPromptProcessor:
     return TarsierPromptProcessor(model_dir, TarsierConfig.from_file(model_dir / "config.json"))
 
 
-__all__ = ["ARCHITECTURE", "TarsierCaptioner", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor", "load_processor", "merged_layout"]
+__all__ = ["ARCHITECTURE", "TarsierCaptioner", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor",
+           "load_processor", "merged_layout"]

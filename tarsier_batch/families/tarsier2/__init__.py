@@ -14,4 +14,5 @@ def load_processor(model_dir: Path) -> Tarsier2PromptProcessor:
     return Tarsier2PromptProcessor(model_dir, Tarsier2Config.from_file(model_dir / "config.json"))
 
 
-__all__ = ["Tarsier2Captioner", "Tarsier2Config", "Tarsier2Model", "Tarsier2PromptProcessor", "VisionSpan", "load_processor", "mrope_positions"]
+__all__ = ["Tarsier2Captioner", "Tarsier2Config", "Tarsier2Model", "Tarsier2PromptProcessor", "VisionSpan",
+           "load_processor", "mrope_positions"]
