@@ -13,11 +13,16 @@ this file, then the built-in defaults: the usual order of pip, git and most Unix
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 from .storage import is_url
 

@@ -17,10 +17,15 @@ from __future__ import annotations
 
 import json
 import re
-import tomllib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:   # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 
 NAME = re.compile(r"[a-z][a-z0-9_]*")
 # Per question, the columns after its answer column (`objects`, `objects_prompt`, ...).
