@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,3 +36,21 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir: Path) -> TarsierCaptioner:
     return load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+
+
+# `tarsier caption` in a fresh interpreter of this checkout, telling after it exits whether torch or transformers were
+# imported: usage errors must be answered before the heavy imports.
+_HEAVY_IMPORTS_PROBE = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"
+                        "try:\n    runpy.run_module('tarsier_batch.cli', run_name='__main__')\n"
+                        "except SystemExit as stop:\n"
+                        "    heavy = 'torch' in sys.modules or 'transformers' in sys.modules\n"
+                        "    print('HEAVY', heavy, 'CODE', stop.code)\n")
+
+
+def caption_probe(folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`tarsier caption FOLDER -o FOLDER/r.parquet FLAGS` (FOLDER holding one empty JPEG); its stdout ends with
+    "HEAVY <torch or transformers imported> CODE <exit code>"."""
+    (folder / "a.jpg").touch()
+    return subprocess.run([sys.executable, "-c", _HEAVY_IMPORTS_PROBE, "caption", str(folder), "-o",
+                           str(folder / "r.parquet"), *flags], capture_output=True, text=True, timeout=60, cwd=folder,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})

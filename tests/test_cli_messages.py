@@ -12,6 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
+from conftest import caption_probe
 from tarsier_batch.checkpoints import DEMO_ACCURACY, download_problem
 from tarsier_batch.cli import app
 from tarsier_batch.progress import RunStats
@@ -100,16 +101,9 @@ def test_a_near_miss_of_a_model_name_is_answered_with_the_name_before_torch_is_i
     """`--model dem0` imported torch and loaded before it said anything, and suggested nothing."""
     from tarsier_batch.checkpoints import model_reference_problem
 
-    probe = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"
-             "try:\n    runpy.run_module('tarsier_batch.cli', run_name='__main__')\n"
-             "except SystemExit as stop:\n"
-             "    print('HEAVY', 'torch' in sys.modules or 'transformers' in sys.modules, 'CODE', stop.code)\n")
-    (tmp_path / "a.jpg").touch()
-    done = subprocess.run([sys.executable, "-c", probe, "caption", str(tmp_path), "-o", str(tmp_path / "r.parquet"),
-                           "--model", "dem0"], capture_output=True, timeout=60, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})   # this checkout
-    assert done.stdout.decode().strip() == "HEAVY False CODE 2"
-    error = done.stderr.decode().strip()
+    done = caption_probe(tmp_path, "--model", "dem0")
+    assert done.stdout.strip() == "HEAVY False CODE 2"
+    error = done.stderr.strip()
     assert len(error.splitlines()) == 1 and "--model 'dem0' is not a checkpoint directory" in error
     assert error.endswith("did you mean 'demo'?"), error
     assert "did you mean 'tiny-random-tarsier2'?" in model_reference_problem("tiny-random-tarsir2")

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from conftest import caption_probe
 from tarsier_batch.cli import app
 from tarsier_batch.outputs.schema import PROVENANCE_KEY
 
@@ -254,15 +255,9 @@ def test_dry_run_on_ten_thousand_files_imports_no_model_code(tmp_path: Path) -> 
                                    ["--prune-vision", "0.5", "--prune-method", "fastv", "--offload-kv"],
                                    ["--prune-vision", "0.5", "--prune-method", "temporal", "--prune-layer", "2"]])
 def test_bad_flags_are_answered_in_one_line_before_heavy_imports(tmp_path: Path, flags: list[str]) -> None:
-    probe = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"
-             "try:\n    runpy.run_module('tarsier_batch.cli', run_name='__main__')\n"
-             "except SystemExit as stop:\n"
-             "    print('HEAVY', 'torch' in sys.modules, 'CODE', stop.code)\n")
-    (tmp_path / "a.jpg").touch()
-    done = subprocess.run([sys.executable, "-c", probe, "caption", str(tmp_path), "-o", str(tmp_path / "r.parquet"),
-                           *flags], capture_output=True, timeout=60, cwd=tmp_path)
-    assert done.stdout.decode().strip() == "HEAVY False CODE 2"
-    assert done.stderr.decode().count("Error") == 1, done.stderr.decode()
+    done = caption_probe(tmp_path, *flags)
+    assert done.stdout.strip() == "HEAVY False CODE 2"
+    assert done.stderr.count("Error") == 1, done.stderr
 
 
 def test_config_file_then_env_then_flags_decide(monkeypatch, tmp_path: Path, media: Path) -> None:
