@@ -38,9 +38,9 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams, discover  # noqa: E402
 from tarsier_batch.engine import Engine, EngineConfig  # noqa: E402
-from tarsier_batch.families import CaptionModel, ProcessedPrompt  # noqa: E402
+from tarsier_batch.families.base import CaptionModel, ProcessedPrompt  # noqa: E402
+from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 from tarsier_batch.media import load_media  # noqa: E402
-from tarsier_batch.tiny import make_tiny_model  # noqa: E402
 
 NEW_TOKENS = 128
 

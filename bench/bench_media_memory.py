@@ -88,7 +88,7 @@ def main() -> None:
         child(path, video, int(frames), model_dir)
         return
 
-    from tarsier_batch.tiny import make_tiny_model
+    from tarsier_batch.families.tiny import make_tiny_model
 
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-media-") as tmp:

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tarsier_batch.tiny import make_tiny_model  # noqa: E402
+from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 
 SAMPLE_DATA = REPO / "sample_data"
 CLIP = REPO.parent / "shared" / "media" / "demo_test.mp4"

@@ -33,8 +33,8 @@ from bench_tarsier2 import videos  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams, discover  # noqa: E402
 from tarsier_batch.engine import Engine, Sequence  # noqa: E402
-from tarsier_batch.families import ProcessedPrompt  # noqa: E402
-from tarsier_batch.tiny import make_tiny_model  # noqa: E402
+from tarsier_batch.families.base import ProcessedPrompt  # noqa: E402
+from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 
 QUESTIONS = ["Describe the video in detail.", "List the objects that appear in the video.",
              "How does the camera move?"]

@@ -81,7 +81,7 @@ print(json.dumps({{"peak_above_loaded_mb": peak_mb, "seconds": seconds}}))
 
 
 def prompt_of(model, frames: int):
-    from tarsier_batch.sources import MediaType
+    from tarsier_batch.inputs.sources import MediaType
 
     return model.processor.process(model.processor.load_media(str(VIDEO), MediaType.VIDEO, frames), None)
 
@@ -130,8 +130,8 @@ def prefill_flops(layer_params: int, heads: int, head_dim: int, layers: int, pro
 def one_family(family: str, frames: int, repeats: int, workdir: Path, methods: list[str]) -> dict:
     import torch
 
-    from tarsier_batch.families import load_caption_model
-    from tarsier_batch.tiny import make_tiny_model
+    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.tiny import make_tiny_model
 
     model_dir = make_tiny_model(workdir / family, "deep", seed=0, family=family)
     model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
@@ -281,11 +281,11 @@ def selectivity(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from tarsier_batch.checkpoints import resolve_model
     from tarsier_batch.demo import HELD_OUT_SEEDS
     from tarsier_batch.demo.clips import BACKGROUNDS, make_clip, write_mp4
-    from tarsier_batch.families import load_caption_model
-    from tarsier_batch.sources import MediaType
+    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.inputs.sources import MediaType
+    from tarsier_batch.model.checkpoints import resolve_model
 
     model = load_caption_model(resolve_model("demo").path, torch.float32, torch.device("cpu"))
     size = model.model.vision_tower.config.image_size   # the frames the vision tower sees

@@ -34,15 +34,15 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_engine import bench_items, without_eos  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
-from tarsier_batch.job import CaptionJob  # noqa: E402
+from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
+from tarsier_batch.inputs.sources import MediaItem, item_key  # noqa: E402
 from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
 from tarsier_batch.outputs.resume import plan_run  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.outputs.store import ResultStore, StoredRows  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
+from tarsier_batch.run import ItemLoop  # noqa: E402
 from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
-from tarsier_batch.sources import MediaItem, item_key  # noqa: E402
-from tarsier_batch.tiny import make_tiny_model  # noqa: E402
 
 SIDES = {  # name -> (decode in processes, rows per part file or None for no parts)
     "threads": (False, None),
@@ -59,7 +59,7 @@ def run_side(captioner: Captioner, items: list[MediaItem], flush_rows: int | Non
                         flush_seconds=float("inf"))
     store.begin({"settings": {}}, fresh=True)
     plan = plan_run(items, StoredRows())
-    job = CaptionJob(items, plan, store, RunStats(total=len(items)), "bench", OutputColumns())
+    job = ItemLoop(items, plan, store, RunStats(total=len(items)), "bench", OutputColumns())
     start = time.perf_counter()
     for _ in job.run(captioner, []):
         pass

@@ -31,8 +31,8 @@ from bench_engine import interleaved, timed, without_eos  # noqa: E402
 from official_baseline import run_baseline  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams, discover  # noqa: E402
+from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 from tarsier_batch.media import MediaType  # noqa: E402
-from tarsier_batch.tiny import make_tiny_model  # noqa: E402
 
 NEW_TOKENS = 128
 FRAMES = 16

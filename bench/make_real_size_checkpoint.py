@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tarsier_batch.families.tarsier2 import Tarsier2Config, Tarsier2Model  # noqa: E402
-from tarsier_batch.tiny import tarsier2 as tiny  # noqa: E402
+from tarsier_batch.families.tiny import tarsier2 as tiny  # noqa: E402
 
 # Tarsier2-Recap-7b's geometry (its config.json), in the tiny builder's terms.
 REAL = dict(embed_dim=1280, depth=32, vision_heads=16, text_hidden=3584, text_intermediate=18944, text_layers=28,

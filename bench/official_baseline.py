@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-from tarsier_batch.families import load_caption_model
 from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
-from tarsier_batch.families.tarsier2 import Tarsier2Captioner
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel
 from tarsier_batch.families.tarsier2.processing import with_temporal_copies
-from tarsier_batch.sources import MediaItem, discover
-from tarsier_batch.tiny import make_tiny_model, sizes
+from tarsier_batch.families.tiny import make_tiny_model, sizes
+from tarsier_batch.inputs.sources import MediaItem, discover
 
 if TYPE_CHECKING:  # only the adapters below know the family API's types
     from tarsier_batch.families.base import ProcessedPrompt
@@ -77,7 +77,7 @@ def stop_ids(model: CaptionModel, vocab_size: int, disable_eos: bool) -> list[in
     return [vocab_size] if disable_eos else sorted(model.eos_token_ids)
 
 
-def qwen2_vl_for_generation(model: Tarsier2Captioner) -> Qwen2VLForConditionalGeneration:
+def qwen2_vl_for_generation(model: Tarsier2CaptionModel) -> Qwen2VLForConditionalGeneration:
     """transformers' own Qwen2-VL (forward, KV cache, generate) around our loaded modules, shared, not copied."""
     config = model.config
     hf_config = Qwen2VLConfig(text_config=config.text.to_dict(), vision_config=config.vision.to_dict(),
@@ -92,7 +92,7 @@ def qwen2_vl_for_generation(model: Tarsier2Captioner) -> Qwen2VLForConditionalGe
     return hf.eval()
 
 
-def generate_tarsier2(model: Tarsier2Captioner, hf: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
+def generate_tarsier2(model: Tarsier2CaptionModel, hf: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
                       max_new_tokens: int, disable_eos: bool,
                       logits_processor: LogitsProcessorList | None = None) -> list[int]:
     """One item through transformers' Qwen2-VL generate: prompt ids, every frame's pixels (duplicated
@@ -155,7 +155,7 @@ def run_baseline(model_dir: Path, items: list[MediaItem], max_new_tokens: int, d
                  frames: int | None = None) -> dict[str, Any]:
     """Caption `items` one at a time (float32, CPU); returns throughput, a stage split and the ids."""
     model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
-    hf = qwen2_vl_for_generation(model) if isinstance(model, Tarsier2Captioner) else None
+    hf = qwen2_vl_for_generation(model) if isinstance(model, Tarsier2CaptionModel) else None
     frames = frames or model.processor.default_frames
     # Untimed warm-up: the first calls pay for lazy imports, allocator growth and kernel choice.
     caption_one(model, hf, items[0], 2, disable_eos, frames)

@@ -16,27 +16,28 @@ _EXPORTS = {"CaptionRun": "run", "RunOutcome": "run", "RunReporter": "run", "Log
             "Status": "run", "Terminated": "run",
             "CaptionSettings": "settings", "RunSettings": "settings", "SamplingParams": "settings",
             "SettingsError": "settings",
-            "Captioner": "api", "CaptionResult": "results", "Answer": "results", "MediaItem": "sources",
-            "discover": "sources", "Question": "prompt_sets", "read_prompt_set": "prompt_sets",
-            "read_manifest": "manifest", "OutputTarget": "outputs.formats",
+            "Captioner": "api", "CaptionResult": "outputs.results", "Answer": "outputs.results",
+            "MediaItem": "inputs.sources", "discover": "inputs.sources", "Question": "inputs.prompt_sets",
+            "read_prompt_set": "inputs.prompt_sets", "read_manifest": "inputs.manifest",
+            "OutputTarget": "outputs.formats",
             # what a run raises for the caller to fix
             "OutputError": "outputs.formats", "SettingsMismatchError": "outputs.resume",
-            "OutputLockedError": "outputs.lock", "ModelNotFoundError": "checkpoints", "InputNotFoundError": "sources",
-            "NotEnoughMemory": "preflight"}
+            "OutputLockedError": "outputs.lock", "ModelNotFoundError": "model.checkpoints",
+            "InputNotFoundError": "inputs.sources", "NotEnoughMemory": "model.preflight"}
 
 if TYPE_CHECKING:
     from .api import Captioner
-    from .checkpoints import ModelNotFoundError
-    from .manifest import read_manifest
+    from .inputs.manifest import read_manifest
+    from .inputs.prompt_sets import Question, read_prompt_set
+    from .inputs.sources import InputNotFoundError, MediaItem, discover
+    from .model.checkpoints import ModelNotFoundError
+    from .model.preflight import NotEnoughMemory
     from .outputs.formats import OutputError, OutputTarget
     from .outputs.lock import OutputLockedError
+    from .outputs.results import Answer, CaptionResult
     from .outputs.resume import SettingsMismatchError
-    from .preflight import NotEnoughMemory
-    from .prompt_sets import Question, read_prompt_set
-    from .results import Answer, CaptionResult
     from .run import CaptionRun, LoggingReporter, RunOutcome, RunReporter, Status, Terminated
     from .settings import CaptionSettings, RunSettings, SamplingParams, SettingsError
-    from .sources import InputNotFoundError, MediaItem, discover
 
 
 def __getattr__(name: str) -> Any:

@@ -26,22 +26,22 @@ from typing import Any
 
 import torch
 
-from . import preflight
-from .checkpoints import resolve_model
-from .devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
+from .decoding.fork_server import start_decoding_server
+from .decoding.workers import Decoded, DecodeJob, DecodePool, default_workers
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .errors import INTERNAL
-from .families import CaptionModel, load_caption_model, load_processor
-from .families.base import Processor
-from .fork_server import start_decoding_server
+from .families.base import CaptionModel, Processor
+from .families.catalog import load_caption_model, load_processor
+from .inputs.sources import MediaItem
 from .media import decoder_versions
-from .preflight import MemoryEstimate
+from .model import preflight
+from .model.checkpoints import resolve_model
+from .model.devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
+from .model.preflight import MemoryEstimate
+from .outputs.results import Answer, CaptionResult
 from .progress import plural
-from .results import Answer, CaptionResult
 from .settings import CaptionSettings, Resolved, SettingsError
-from .sources import MediaItem
 from .version import __version__
-from .workers import Decoded, DecodeJob, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30
@@ -183,9 +183,9 @@ class Captioner:
         finally:  # on Ctrl-C or an abandoned iterator, stop the workers and drop what they had not started
             pool.shutdown()
 
-    def serve(self) -> CaptionService:
-        """Caption items decoded elsewhere, handed in by any number of threads at once; see `CaptionService`."""
-        return CaptionService(self)
+    def serve(self) -> EngineServer:
+        """Caption items decoded elsewhere, handed in by any number of threads at once; see `EngineServer`."""
+        return EngineServer(self)
 
     def _caption_loads(self, loads_in_order: Iterator[Future[Decoded]], on_tokens: Callable[[int], None] | None,
                        in_order: bool) -> Iterator[CaptionResult]:
@@ -228,7 +228,7 @@ class Captioner:
 
     def drive(self, take: Callable[[bool], list[Decoded] | None],
               on_tokens: Callable[[int], None] | None = None) -> Iterator[dict[int, CaptionResult]]:
-        """The loop that drives the engine, for `caption` and for `CaptionService`: admit what `take` hands in,
+        """The loop that drives the engine, for `caption` and for `EngineServer`: admit what `take` hands in,
         step, and yield the results finished in each round by the items' `index`.
 
         `take(idle)` returns the decoded items available now, waiting for at least one when `idle` (the
@@ -311,7 +311,7 @@ class Captioner:
                       len(seq.output_ids), seq.finish_reason or "error", generated_ids=list(seq.output_ids))
 
 
-class CaptionService:
+class EngineServer:
     """One Captioner's engine kept busy by callers on other threads (a Ray actor's concurrent calls).
 
     Each caller hands in a batch of items decoded elsewhere (`workers.decode_item` with this
@@ -390,7 +390,7 @@ class CaptionService:
 
 
 class _Closed(RuntimeError):
-    """Raised to callers of a closed CaptionService."""
+    """Raised to callers of a closed EngineServer."""
 
 
 def decode_pool(processor: Processor, frames: int, settings: CaptionSettings, workers: int) -> DecodePool:

@@ -21,11 +21,14 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.traceback import Traceback
 
-from .catalog import DEFAULT_MODEL, families, family_named
-from .checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
 from .config import ConfigError, config_defaults
-from .manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
+from .families.catalog import DEFAULT_MODEL, families, family_named
+from .inputs.manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
+from .inputs.prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
+from .inputs.sharding import Shard, ShardError
+from .inputs.sources import Discovery, InputNotFoundError, discover, is_shard
 from .media import MAX_IMAGE_PIXELS
+from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
 from .outputs.formats import OutputError, OutputTarget
 from .outputs.lock import OutputLock, OutputLockedError
 from .outputs.remote import RemoteOutput
@@ -33,8 +36,7 @@ from .outputs.resume import SettingsMismatchError
 from .outputs.schema import RESERVED_NAMES
 from .outputs.store import OutputWriteError, ResultStore
 from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
-from .prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
-from .run import Captioning, CaptionRun, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
+from .run import Backend, CaptionRun, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
 from .settings import (
     DTYPES,
     FLUSH_ROWS,
@@ -46,8 +48,6 @@ from .settings import (
     SamplingParams,
     SettingsError,
 )
-from .sharding import Shard, ShardError
-from .sources import Discovery, InputNotFoundError, discover, is_shard
 from .storage import StorageError, is_url
 from .version import __version__
 
@@ -450,12 +450,12 @@ def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: floa
     return RaySettings(address, (low, high), gpus if gpus is not None else float(device != "cpu"))
 
 
-def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Captioning]:
+def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Backend]:
     """A run's loader that captions on the cluster (Ray is imported only when there is something to caption)."""
-    def load(settings: CaptionSettings) -> Captioning:
-        from .runners.ray import RayCaptioning
+    def load(settings: CaptionSettings) -> Backend:
+        from .runners.ray import RayBackend
 
-        return RayCaptioning(settings, ray, reporter)
+        return RayBackend(settings, ray, reporter)
     return load
 
 
@@ -612,7 +612,7 @@ def inspect_command(
     Decodes the sampled frames exactly as captioning does, in a child process (a decoder crash or
     hang is reported). Exit code 0 if every file would caption, 1 if some would fail.
     """
-    from .inspection import family_for, inspect_file
+    from .review.inspection import family_for, inspect_file
 
     if model is not None and family is not None:
         _fail("give --model or --family, not both")
@@ -780,7 +780,7 @@ def make_tiny_model_command(
         _fail(str(error))
     if directory.exists() and any(directory.iterdir()):
         _fail(f"{directory} exists and is not empty")
-    from .tiny import make_tiny_model
+    from .families.tiny import make_tiny_model
 
     try:
         typer.echo(make_tiny_model(directory, size, seed, family))

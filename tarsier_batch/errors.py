@@ -1,4 +1,5 @@
-"""Why an item failed: the fixed vocabulary of the `error_kind` column, and the error that carries a kind.
+"""Why an item failed: the fixed vocabulary of the `error_kind` column, the error that carries a kind, and
+text that is safe to show and store (file names of any encoding, errors on one line).
 
 A failure is classified where it happens (the file check, the decoders, the worker pool, the engine),
 never afterwards from its message, so the kind stays the same when a message is reworded. Callers
@@ -6,8 +7,6 @@ filter and count by kind; the `error` message says the details in plain words.
 """
 
 from __future__ import annotations
-
-from .text import printable
 
 NOT_FOUND = "not_found"
 UNREADABLE = "unreadable"
@@ -57,3 +56,14 @@ def plain_message(error: BaseException, limit: int = 500) -> str:
     to whoever reads the row); its class name only where it has no words."""
     text = " ".join(str(error).split()) or f"{type(error).__name__} with no message"
     return printable(text[:limit])
+
+
+def printable(text: str) -> str:
+    """`text` with undecodable bytes (from non-UTF-8 file names) shown as escapes, never raising."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def one_line(error: BaseException, limit: int = 500) -> str:
+    """`Type: message` on one line, at most `limit` characters, for error rows and log lines."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return printable(f"{type(error).__name__}: {text}"[:limit])

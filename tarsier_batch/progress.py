@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
-    from .results import CaptionResult
+    from .outputs.results import CaptionResult
 
 LOG_INTERVAL_S = 30.0  # a progress line at most this often in logs (cron mail stays short)
 

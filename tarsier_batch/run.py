@@ -25,24 +25,24 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from .checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
-from .fork_server import check_main_is_guarded, start_decoding_server
-from .job import CaptionJob
-from .manifest import Manifest
+from .decoding.fork_server import check_main_is_guarded, start_decoding_server
+from .errors import one_line
+from .inputs.manifest import Manifest
+from .inputs.prompt_sets import PromptSetError, check_prompt_set
+from .inputs.sources import Discovery, MediaItem, discover
+from .model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from .outputs.formats import OutputTarget
 from .outputs.lock import OutputLock
 from .outputs.remote import RemoteOutput, UploadError
+from .outputs.results import CaptionResult
 from .outputs.resume import Plan, check_settings, describe_plan, plan_run
 from .outputs.schema import OutputColumns
 from .outputs.store import OutputWriteError, ResultStore, StoredRows
 from .outputs.stream import JsonLinesStream
+from .outputs.writer import RowWriter
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
-from .prompt_sets import PromptSetError, check_prompt_set
-from .results import CaptionResult
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
-from .sources import Discovery, MediaItem, discover
 from .storage import is_url, redact_text
-from .text import one_line
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -119,8 +119,8 @@ class LoggingReporter:
         return [LogReporter(stats, LOG.info)]
 
 
-class Captioning(Protocol):
-    """What captions a run's items: a `Captioner` in this process, or a cluster (`runners.ray.RayCaptioning`)."""
+class Backend(Protocol):
+    """What captions a run's items: a `Captioner` in this process, or a cluster (`runners.ray.RayBackend`)."""
 
     def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None,
                 in_order: bool = True) -> Iterator[CaptionResult]:
@@ -136,13 +136,61 @@ class Captioning(Protocol):
         """One line for the user: the model and where it runs."""
 
 
-def load_captioner(settings: CaptionSettings, items: int | None = None) -> Captioning:
+def load_captioner(settings: CaptionSettings, items: int | None = None) -> Backend:
     """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
     if settings.isolate_decoding:
         start_decoding_server()   # first: its imports overlap this process's (torch, the model's code) and the load
     from .api import Captioner
 
     return Captioner(settings, items)
+
+
+class ItemLoop:
+    """Feeds the plan's items to a captioner and hands every finished row to the sink.
+
+    An item whose content another item of the run shares (same key: links to one file,
+    copies with `--key sha256`) is captioned once; each path still gets its own row.
+    """
+
+    def __init__(self, items: list[MediaItem], plan: Plan, store: RowWriter, stats: RunStats, model_name: str,
+                 columns: OutputColumns):
+        self.items, self.plan, self.store, self.stats = items, plan, store, stats
+        self.model_name, self.columns = model_name, columns
+        self.new_rows: dict[str, dict[str, Any]] = {}
+        self._by_path = {item.row_path: item for item in items}
+
+    def run(self, backend: Backend, reporters: list[Reporter]) -> Iterator[CaptionResult]:
+        """Caption the plan's items, yielding each row's result as it is saved (same-content copies too), in the
+        order they finish."""
+        def on_tokens(count: int) -> None:
+            self.stats.streamed_tokens += count
+            self.store.flush_if_due()  # rows waiting for a flush are saved even while nothing finishes
+            for reporter in reporters:
+                reporter.on_tokens()
+
+        # As each finishes, not in input order: a finished row is saved even while an earlier item still
+        # generates (the output is put in order at the end; a stream keeps its own order).
+        for result in backend.caption(self.plan.todo, on_tokens, in_order=False):
+            for copy in [result, *self._copies(result)]:
+                self._finish(copy, reporters)
+                yield copy
+
+    def final_rows(self) -> list[dict[str, Any]]:
+        """Every row of the output; rows of earlier runs get this run's file facts and manifest columns."""
+        rows = self.plan.ordered_rows(self.items, self.new_rows)
+        return [{**row, **self.columns.item_values(self._by_path[row["path"]])} if row["path"] in self._by_path
+                else row for row in rows]
+
+    def _copies(self, result: CaptionResult) -> list[CaptionResult]:
+        return [replace(result, path=item.row_path) for item in self.plan.sharing.get(result.key or "", [])]
+
+    def _finish(self, result: CaptionResult, reporters: list[Reporter]) -> None:
+        row = self.columns.row(result, self._by_path[result.path], self.model_name, self.plan.earlier.get(result.path))
+        self.new_rows[result.path] = row
+        self.store.add(row)
+        self.stats.record(result)
+        for reporter in reporters:
+            reporter.on_result(result)
 
 
 class CaptionRun:
@@ -153,7 +201,7 @@ class CaptionRun:
     az://), an `OutputTarget` (a folder of shards) or a `RemoteOutput` (shards at a URL), or an
     open text stream that gets JSON Lines in input order and keeps nothing to continue.
     `captioner`: a model loaded earlier, to share between runs (its settings are the
-    run's caption settings). `load`: what makes the `Captioning` from the caption settings, when
+    run's caption settings). `load`: what makes the `Backend` from the caption settings, when
     there is something to caption (default: load the model here; `runners.ray.connect`: a Ray
     cluster). `source` names the inputs in messages.
     """
@@ -161,14 +209,14 @@ class CaptionRun:
     def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest,
                  out: str | Path | OutputTarget | RemoteOutput | TextIO,
                  settings: RunSettings | None = None, reporter: RunReporter | None = None,
-                 captioner: Captioner | None = None, load: Callable[[CaptionSettings], Captioning] | None = None,
+                 captioner: Captioner | None = None, load: Callable[[CaptionSettings], Backend] | None = None,
                  source: str | None = None):
         settings = settings or RunSettings()
         if captioner is not None:
             settings = replace(settings, caption=captioner.settings)
         self.settings, self.reporter = settings, reporter or LoggingReporter()
-        self._captioning: Captioning | None = captioner
-        self._load_captioning = load
+        self._backend: Backend | None = captioner
+        self._load_backend = load
         if load is None and settings.caption.isolate_decoding:
             check_main_is_guarded()   # now, not once the model is loaded
         self.stream = out if hasattr(out, "write") else None
@@ -326,38 +374,38 @@ class CaptionRun:
                          already_done=len(plan.done), missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later)
         sink = self.store or JsonLinesStream(plan.captioned_paths(self.items), self.stream, self.columns)  # type: ignore[arg-type]
-        job = CaptionJob(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
+        loop = ItemLoop(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
-            return self._write_output(job, stored, stored.provenance or {"settings": resume_settings(self.settings)})
-        captioning = self._load(len(plan.todo))
-        provenance = run_provenance(captioning, self.settings)
+            return self._write_output(loop, stored, stored.provenance or {"settings": resume_settings(self.settings)})
+        backend = self._load(len(plan.todo))
+        provenance = run_provenance(backend, self.settings)
         check_settings(stored.settings, provenance["settings"])
-        stopped = yield from self._run_job(captioning, job, provenance)
+        stopped = yield from self._run_loop(backend, loop, provenance)
         # Again: a cluster's actors tell how they captioned once they have
-        return stopped or self._write_output(job, stored, run_provenance(captioning, self.settings))
+        return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
-    def _load(self, items: int) -> Captioning:
-        if self._captioning is not None:
-            return self._captioning
+    def _load(self, items: int) -> Backend:
+        if self._backend is not None:
+            return self._backend
         model = self.settings.caption.model
         if needs_building(model):
             self.reporter.info(f"building the random-weight model {model} (first use; cached in "
                                f"{tiny_model_dir(model)}; its captions are noise)")
         try:
             with self.reporter.loading(model):
-                captioning = (self._load_captioning or partial(load_captioner, items=items))(self.settings.caption)
+                backend = (self._load_backend or partial(load_captioner, items=items))(self.settings.caption)
         except (ModelNotFoundError, ValueError):
             raise
         except (OSError, RuntimeError) as error:   # unreadable files, weights of other shapes, a device too small:
             raise ValueError(one_line(error)) from error   # the caller's to fix
         except Exception as error:   # a bug of ours while loading: its cause carries the traceback
             raise LoadingCrashed(one_line(error)) from error
-        self.reporter.info(captioning.describe())
-        self._captioning = captioning
-        return captioning
+        self.reporter.info(backend.describe())
+        self._backend = backend
+        return backend
 
-    def _run_job(self, captioning: Captioning, job: CaptionJob, provenance: dict[str, Any]
+    def _run_loop(self, backend: Backend, loop: ItemLoop, provenance: dict[str, Any]
                  ) -> Generator[CaptionResult, None, RunOutcome | None]:
         """Caption the plan's items, saving rows as they finish; returns None when every item got its row,
         else the outcome of the stop."""
@@ -366,13 +414,13 @@ class CaptionRun:
                 # Under the same stop handling as the captioning: once the work directory exists, a stop
                 # saves rows and says how to resume.
                 self.store.begin(provenance, fresh=self.settings.overwrite)
-            job.stats.start_captioning()
-            with _entered(self.reporter.progress(job.stats)) as reporters:
-                yield from job.run(captioning, reporters)
-                job.store.flush()
+            loop.stats.start_captioning()
+            with _entered(self.reporter.progress(loop.stats)) as reporters:
+                yield from loop.run(backend, reporters)
+                loop.store.flush()
             return None
         except GeneratorExit:   # the caller left the loop: save what finished, change nothing else
-            self.outcome = self._stopped(job, Status.INTERRUPTED, "stopped by the caller", None)
+            self.outcome = self._stopped(loop, Status.INTERRUPTED, "stopped by the caller", None)
             raise
         except (KeyboardInterrupt, Terminated) as stop:
             (status, reason), error = _stopped_by(stop), None
@@ -384,14 +432,14 @@ class CaptionRun:
         if self.store is not None:
             # What the next run reads if it has nothing left to caption: a cluster's actors may have told more by now.
             with suppress(OSError):
-                self.store.record_provenance(run_provenance(captioning, self.settings))
-        return self._stopped(job, status, reason, error)
+                self.store.record_provenance(run_provenance(backend, self.settings))
+        return self._stopped(loop, status, reason, error)
 
-    def _stopped(self, job: CaptionJob, status: Status, reason: str, error: BaseException | None) -> RunOutcome:
+    def _stopped(self, loop: ItemLoop, status: Status, reason: str, error: BaseException | None) -> RunOutcome:
         """Save the rows that finished before a stop; the outcome says where they are."""
-        stats = job.stats
+        stats = loop.stats
         if self.store is None:
-            return RunOutcome(status, f"{reason}; {plural(job.store.saved_rows, 'row')} went to stdout", stats,
+            return RunOutcome(status, f"{reason}; {plural(loop.store.saved_rows, 'row')} went to stdout", stats,
                               error=error)
         unsent = 0   # rows saved in parts that did not reach the object store
         try:
@@ -407,17 +455,17 @@ class CaptionRun:
                                   f"saved in {self.store.work_shown} and {self.store.out_shown} was not changed; run "
                                   f"the same command again to resume", stats, error=error)
 
-    def _write_output(self, job: CaptionJob, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:
+    def _write_output(self, loop: ItemLoop, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:
         """Write the output with every row (unless nothing changed); the outcome carries the summary.
 
         A shard's output also records where its rows go among all the run's items, so it is written
         again whenever it runs: the inputs may have grown.
         """
-        stats, store, shard = job.stats, self.store, self.settings.shard
+        stats, store, shard = loop.stats, self.store, self.settings.shard
         if store is None:
-            written = f"stdout ({plural(job.store.saved_rows, 'row')})"
+            written = f"stdout ({plural(loop.store.saved_rows, 'row')})"
         else:
-            rows = job.final_rows()
+            rows = loop.final_rows()
             unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
                 and [row["path"] for row in rows] == list(stored.rows) and stored.long == self.columns.long
             if shard:
@@ -468,12 +516,12 @@ def _with_own_prompt_sets(inputs: Discovery, settings: RunSettings) -> tuple[Dis
     return replace(inputs, items=items), settings
 
 
-def run_provenance(captioning: Captioning, settings: RunSettings) -> dict[str, Any]:
+def run_provenance(backend: Backend, settings: RunSettings) -> dict[str, Any]:
     """How a run's captions were made, stored with its output; "settings" must match to continue it."""
     # The run's set, which a manifest's rows may have widened beyond a shared captioner's (each row's own texts
     # are in its NAME_prompt columns).
-    return {**captioning.provenance(), "prompt_set": [asdict(question) for question in settings.caption.prompt_set]
-            or None, "settings": resume_settings(settings, captioning.resolved_settings())}
+    return {**backend.provenance(), "prompt_set": [asdict(question) for question in settings.caption.prompt_set]
+            or None, "settings": resume_settings(settings, backend.resolved_settings())}
 
 
 def _stopped_by(stop: BaseException) -> tuple[Status, str]:
@@ -500,4 +548,4 @@ def _entered(reporters: list[Reporter]) -> Iterator[list[Reporter]]:
 
 
 __all__ = ["CaptionRun", "LoadingCrashed", "LoggingReporter", "RunOutcome", "RunReporter", "Status", "Terminated",
-           "Captioning", "load_captioner", "run_provenance"]
+           "Backend", "load_captioner", "run_provenance"]

@@ -20,12 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
+from .families.catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
+from .inputs.prompt_sets import PromptSetError, Question, check_prompt_set
 from .media import MAX_IMAGE_PIXELS
-from .prompt_sets import PromptSetError, Question, check_prompt_set
 
 if TYPE_CHECKING:
-    from .sharding import Shard
+    from .inputs.sharding import Shard
 
 PRUNE_METHODS = ("fastv", "temporal")
 DTYPES = ("auto", "float32", "float16", "bfloat16")

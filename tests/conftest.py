@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tarsier_batch.families import load_caption_model
-from tarsier_batch.families.tarsier import TarsierCaptioner
-from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tarsier import TarsierCaptionModel
+from tarsier_batch.families.tiny import make_tiny_model
 
 pytest_plugins = ["s3_server"]   # the `s3` fixture: a real S3 API on loopback
 
@@ -34,7 +34,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tiny_model_dir: Path) -> TarsierCaptioner:
+def tiny_model(tiny_model_dir: Path) -> TarsierCaptionModel:
     return load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
 
 

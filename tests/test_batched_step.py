@@ -15,8 +15,7 @@ from tarsier_batch.engine.attention import attend_decoding, decode_tables
 from tarsier_batch.engine.kv_cache import KVCache, Region
 from tarsier_batch.engine.profiling import kernel_ops
 from tarsier_batch.engine.scheduler import Scheduler
-from tarsier_batch.families import ProcessedPrompt
-from tarsier_batch.families.base import KVGeometry
+from tarsier_batch.families.base import KVGeometry, ProcessedPrompt
 from tarsier_batch.media import media_type_of
 from test_engine import MAX_NEW, NAMES, alone, ids, process, run
 from test_pruning import run as run_pruned
@@ -143,8 +142,8 @@ def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_m
     import torch._dynamo
 
     from tarsier_batch.engine.decode_step import DecodeStep
-    from tarsier_batch.families import load_caption_model
-    from tarsier_batch.tiny import make_tiny_model
+    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp(f"compile-{family}"), "tiny", seed=0, family=family)
     eager_model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))

@@ -58,7 +58,7 @@ def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame
     import torch
 
     from tarsier_batch.families.tarsier import TarsierConfig, TarsierModel
-    from tarsier_batch.tiny.tarsier import SIZES, _config_dict
+    from tarsier_batch.families.tiny.tarsier import SIZES, _config_dict
 
     # Ids as in the built checkpoints (702-token tokenizer, table of 704 rows); no weights are made.
     raw = _config_dict(SIZES[size], image_token=700, pad_token=701, newline=702, frame_end=703, vocab=704,

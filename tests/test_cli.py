@@ -288,8 +288,8 @@ def test_rich_display_shows_markup_characters_literally() -> None:
 
     from rich.console import Console
 
+    from tarsier_batch.outputs.results import CaptionResult
     from tarsier_batch.progress import RichReporter, RunStats, print_summary, summary_rows
-    from tarsier_batch.results import CaptionResult
 
     buffer = io.StringIO()
     console = Console(file=buffer, force_terminal=True, width=120)
@@ -305,7 +305,7 @@ def test_rich_display_shows_markup_characters_literally() -> None:
 
 def test_dtype_choices_match_the_devices_module() -> None:
     from tarsier_batch.cli import DType
-    from tarsier_batch.devices import DTYPES
+    from tarsier_batch.model.devices import DTYPES
 
     assert {choice.value for choice in DType} == {"auto", *DTYPES}
 

@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
 from conftest import caption_probe
-from tarsier_batch.checkpoints import DEMO_ACCURACY, download_problem
 from tarsier_batch.cli import app
+from tarsier_batch.model.checkpoints import DEMO_ACCURACY, download_problem
 from tarsier_batch.progress import RunStats
 
 runner = CliRunner()
@@ -99,7 +99,7 @@ def test_the_demo_model_is_offered_and_its_accuracy_is_the_readmes() -> None:
 
 def test_a_near_miss_of_a_model_name_is_answered_with_the_name_before_torch_is_imported(tmp_path: Path) -> None:
     """`--model dem0` imported torch and loaded before it said anything, and suggested nothing."""
-    from tarsier_batch.checkpoints import model_reference_problem
+    from tarsier_batch.model.checkpoints import model_reference_problem
 
     done = caption_probe(tmp_path, "--model", "dem0")
     assert done.stdout.strip() == "HEAVY False CODE 2"

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
-from tarsier_batch.families import ProcessedPrompt
-from tarsier_batch.families.base import embed_whole_prompt
-from tarsier_batch.families.tarsier import TarsierCaptioner
+from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
+from tarsier_batch.families.tarsier import TarsierCaptionModel
 from tarsier_batch.media import load_media, media_type_of
 
 MAX_NEW = 24
@@ -20,23 +19,23 @@ NAMES = ["tarsier_logo.jpg", "clip_5f.gif", "short_5f.mp4", "demo_test_8frames.g
          "portrait_25fps.mp4", "clip_12f.gif"]
 
 
-def process(model: TarsierCaptioner, path: Path, frames: int = 8, instruction: str | None = None) -> ProcessedPrompt:
+def process(model: TarsierCaptionModel, path: Path, frames: int = 8, instruction: str | None = None) -> ProcessedPrompt:
     media = load_media(str(path), media_type_of(path), frames, frame_transform=model.processor.frame_pixels)
     return model.processor.process(media, instruction)
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_model: TarsierCaptioner, shared_media: Path) -> list[ProcessedPrompt]:
+def prompts(tiny_model: TarsierCaptionModel, shared_media: Path) -> list[ProcessedPrompt]:
     return [process(tiny_model, shared_media / name) for name in NAMES]
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: TarsierCaptioner, prompts: list[ProcessedPrompt]) -> list[list[int]]:
+def reference(tiny_model: TarsierCaptionModel, prompts: list[ProcessedPrompt]) -> list[list[int]]:
     """Greedy tokens of each prompt generated alone."""
     return alone(tiny_model, prompts)
 
 
-def run(model: TarsierCaptioner, prompts: list[ProcessedPrompt], sampling: SamplingParams | None = None,
+def run(model: TarsierCaptionModel, prompts: list[ProcessedPrompt], sampling: SamplingParams | None = None,
         max_new: list[int] | None = None, seeds: list[int] | None = None, **config) -> list[Sequence]:
     """Generate for `prompts` with one engine; returns the sequences in input order."""
     sampling = sampling or SamplingParams(max_new_tokens=MAX_NEW)
@@ -51,7 +50,7 @@ def run(model: TarsierCaptioner, prompts: list[ProcessedPrompt], sampling: Sampl
     return rows
 
 
-def alone(model: TarsierCaptioner, prompts: list[ProcessedPrompt], **kwargs) -> list[list[int]]:
+def alone(model: TarsierCaptionModel, prompts: list[ProcessedPrompt], **kwargs) -> list[list[int]]:
     """Each prompt in an engine of its own, unchunked: the reference."""
     max_new = kwargs.pop("max_new", None)
     seeds = kwargs.pop("seeds", None)
@@ -65,7 +64,7 @@ def ids(rows: list[Sequence]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 21, 64, 0])
-def test_chunked_prefill_equals_unchunked(tiny_model: TarsierCaptioner, prompts: list[ProcessedPrompt],
+def test_chunked_prefill_equals_unchunked(tiny_model: TarsierCaptionModel, prompts: list[ProcessedPrompt],
                                           reference: list[list[int]], chunk: int) -> None:
     """Chunk 5 splits a frame's 21 vectors across steps; chunk 1 computes one position per step."""
     chunked = run(tiny_model, prompts[:3], max_rows=3, prefill_chunk=chunk, max_batch_tokens=max(chunk, 3) + 3)
@@ -74,7 +73,7 @@ def test_chunked_prefill_equals_unchunked(tiny_model: TarsierCaptioner, prompts:
     assert len({tuple(row) for row in reference}) == len(prompts), "inputs should give distinct outputs"
 
 
-def test_masked_chunks_attend_in_query_blocks_with_the_same_result(tiny_model: TarsierCaptioner,
+def test_masked_chunks_attend_in_query_blocks_with_the_same_result(tiny_model: TarsierCaptionModel,
                                                                    prompts: list[ProcessedPrompt],
                                                                    reference: list[list[int]],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,7 +84,7 @@ def test_masked_chunks_attend_in_query_blocks_with_the_same_result(tiny_model: T
     assert ids(chunked) == reference[:3]
 
 
-def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaptioner,
+def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaptionModel,
                                                       prompts: list[ProcessedPrompt]) -> None:
     """Three rows at a time over seven prompts of different lengths and token limits."""
     max_new = [3, 30, 7, 19, 1, 25, 12]
@@ -95,7 +94,7 @@ def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaption
     assert [len(row) for row in reference] == max_new
 
 
-def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_model: TarsierCaptioner,
+def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_model: TarsierCaptionModel,
                                                               prompts: list[ProcessedPrompt]) -> None:
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
     max_new = [5, 24, 9, 17, 2, 24, 11]
@@ -112,7 +111,7 @@ def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_mod
     assert reference != greedy, "sampling should differ from greedy decoding"
 
 
-def test_preempted_rows_are_recomputed_to_the_same_tokens(tiny_model: TarsierCaptioner,
+def test_preempted_rows_are_recomputed_to_the_same_tokens(tiny_model: TarsierCaptionModel,
                                                           prompts: list[ProcessedPrompt],
                                                           reference: list[list[int]]) -> None:
     """A KV cache for about two rows forces preemptions mid-decode; outputs do not change."""
@@ -121,14 +120,14 @@ def test_preempted_rows_are_recomputed_to_the_same_tokens(tiny_model: TarsierCap
     assert sum(row.preemptions for row in engine_rows) > 0
 
 
-def test_offloaded_prefill_gives_the_same_tokens(tiny_model: TarsierCaptioner, prompts: list[ProcessedPrompt],
+def test_offloaded_prefill_gives_the_same_tokens(tiny_model: TarsierCaptionModel, prompts: list[ProcessedPrompt],
                                                  reference: list[list[int]]) -> None:
     offloaded = run(tiny_model, prompts, max_rows=4, prefill_chunk=50, offload_kv=True,
                     kv_cache_tokens=2 * (194 + MAX_NEW) + 20)
     assert ids(offloaded) == reference
 
 
-def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCaptioner,
+def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCaptionModel,
                                                           prompts: list[ProcessedPrompt]) -> None:
     """Our cache, filled in chunks beside another row, holds what transformers' forward caches."""
     video, image = prompts[2], prompts[0]
@@ -149,7 +148,7 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 
 
-def test_greedy_tokens_match_transformers_generate(tiny_model: TarsierCaptioner,
+def test_greedy_tokens_match_transformers_generate(tiny_model: TarsierCaptionModel,
                                                    prompts: list[ProcessedPrompt]) -> None:
     language_model = tiny_model.model.language_model
     ours = ids(run(tiny_model, prompts[:4], max_rows=4, prefill_chunk=50))
@@ -161,7 +160,7 @@ def test_greedy_tokens_match_transformers_generate(tiny_model: TarsierCaptioner,
         assert tokens == reference[0].tolist()
 
 
-def test_rows_stop_at_their_own_eos(tiny_model: TarsierCaptioner, prompts: list[ProcessedPrompt],
+def test_rows_stop_at_their_own_eos(tiny_model: TarsierCaptionModel, prompts: list[ProcessedPrompt],
                                     reference: list[list[int]]) -> None:
     free_running = reference[:4]
     stopping = copy.copy(tiny_model)
@@ -176,7 +175,7 @@ def test_rows_stop_at_their_own_eos(tiny_model: TarsierCaptioner, prompts: list[
             assert row.finish_reason == "length" and row.output_ids == reference
 
 
-def test_step_budget_puts_decodes_first_and_caps_rows(tiny_model: TarsierCaptioner,
+def test_step_budget_puts_decodes_first_and_caps_rows(tiny_model: TarsierCaptionModel,
                                                       prompts: list[ProcessedPrompt]) -> None:
     engine = Engine(tiny_model, EngineConfig(max_rows=2, prefill_chunk=100, max_batch_tokens=120),
                     SamplingParams(max_new_tokens=4))
@@ -195,7 +194,7 @@ def test_step_budget_puts_decodes_first_and_caps_rows(tiny_model: TarsierCaption
     assert video in engine.scheduler.waiting and len(engine.scheduler.running) == 2
 
 
-def test_out_of_memory_lowers_the_budget_and_completes(tiny_model: TarsierCaptioner,
+def test_out_of_memory_lowers_the_budget_and_completes(tiny_model: TarsierCaptionModel,
                                                        prompts: list[ProcessedPrompt], reference: list[list[int]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine(tiny_model, EngineConfig(max_rows=4, prefill_chunk=64, max_batch_tokens=128),
@@ -219,7 +218,7 @@ def test_out_of_memory_lowers_the_budget_and_completes(tiny_model: TarsierCaptio
     assert sum(counted) == sum(len(row.output_ids) for row in rows), "tokens are counted once"
 
 
-def test_row_out_of_memory_even_alone_becomes_an_error(tiny_model: TarsierCaptioner,
+def test_row_out_of_memory_even_alone_becomes_an_error(tiny_model: TarsierCaptionModel,
                                                        prompts: list[ProcessedPrompt], reference: list[list[int]],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine(tiny_model, EngineConfig(max_rows=2, prefill_chunk=64), SamplingParams(max_new_tokens=4))
@@ -241,7 +240,7 @@ def test_row_out_of_memory_even_alone_becomes_an_error(tiny_model: TarsierCaptio
     assert ids(rows)[:2] + ids(rows)[3:] == [reference[0][:4], reference[1][:4], reference[3][:4]]
 
 
-def test_a_failing_row_is_found_and_the_others_finish(tiny_model: TarsierCaptioner,
+def test_a_failing_row_is_found_and_the_others_finish(tiny_model: TarsierCaptionModel,
                                                       prompts: list[ProcessedPrompt], reference: list[list[int]],
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """An unexpected error in a shared step: every row of it reruns alone; only the culprit fails."""
@@ -264,7 +263,7 @@ def test_a_failing_row_is_found_and_the_others_finish(tiny_model: TarsierCaption
     assert [rows[0].output_ids, rows[2].output_ids, rows[3].output_ids] == [reference[0], reference[2], reference[3]]
 
 
-def test_row_larger_than_the_kv_cache_is_refused_at_once(tiny_model: TarsierCaptioner,
+def test_row_larger_than_the_kv_cache_is_refused_at_once(tiny_model: TarsierCaptionModel,
                                                          prompts: list[ProcessedPrompt]) -> None:
     engine = Engine(tiny_model, EngineConfig(kv_cache_tokens=100), SamplingParams(max_new_tokens=MAX_NEW))
     video = engine.add(prompts[2])

@@ -12,11 +12,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tarsier_batch import catalog
-from tarsier_batch.catalog import FamilyInfo, register_family
 from tarsier_batch.cli import app
-from tarsier_batch.families.tarsier import TarsierCaptioner, TarsierPromptProcessor, load_processor
-from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.families import catalog
+from tarsier_batch.families.catalog import FamilyInfo, register_family
+from tarsier_batch.families.tarsier import TarsierCaptionModel, TarsierPromptProcessor, load_processor
+from tarsier_batch.families.tiny import make_tiny_model
 
 runner = CliRunner()
 
@@ -44,8 +44,8 @@ def load_toy_processor(model_dir: Path) -> TarsierPromptProcessor:
     return processor
 
 
-def load_toy_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> TarsierCaptioner:
-    model = TarsierCaptioner(model_dir / "inner", dtype, device)
+def load_toy_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> TarsierCaptionModel:
+    model = TarsierCaptionModel(model_dir / "inner", dtype, device)
     model.family = TOY
     model.processor.default_frames = TOY.default_frames
     return model

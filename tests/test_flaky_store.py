@@ -13,9 +13,9 @@ import pytest
 import s3fs
 
 from flaky_proxy import Fault, flaky_proxy
+from tarsier_batch.inputs.sources import discover, readable_copy
+from tarsier_batch.inputs.tars import ShardReader
 from tarsier_batch.media import MediaType, load_media
-from tarsier_batch.sources import discover, readable_copy
-from tarsier_batch.tars import ShardReader
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 MEDIA = ["ball_h264.mp4", "still.png", "ball_vp9.webm"]

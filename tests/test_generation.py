@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams
-from tarsier_batch.families.tarsier import TarsierCaptioner
+from tarsier_batch.families.tarsier import TarsierCaptionModel
 from tarsier_batch.media import MediaType, media_type_of
 
 MAX_NEW = 24
@@ -86,7 +86,7 @@ def test_half_precision_runs_end_to_end(settings: CaptionSettings, shared_media:
     assert all(result.generated_tokens == MAX_NEW for result in results)
 
 
-def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCaptioner) -> None:
+def test_decoding_drops_ids_the_tokenizer_does_not_know(tiny_model: TarsierCaptionModel) -> None:
     tokenizer = tiny_model.processor.tokenizer
     known = tokenizer("a man walks", add_special_tokens=False)["input_ids"]
     beyond = [tiny_model.config.image_newline_idx, tiny_model.config.image_new_idx,
@@ -104,7 +104,7 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
     import threading
 
     from conftest import SAMPLE_DATA
-    from tarsier_batch import workers
+    from tarsier_batch.decoding import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)
     # Every item is decoded before the first can join the batch, so which rows finish first
@@ -163,7 +163,7 @@ def test_the_caller_hears_ticks_while_the_model_waits_for_a_decode(settings: Cap
     import threading
 
     from conftest import SAMPLE_DATA
-    from tarsier_batch import workers
+    from tarsier_batch.decoding import workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)[:2]
     captioner = Captioner(replace(settings, batch_size=1, workers=1, isolate_decoding=False))

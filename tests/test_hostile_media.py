@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 
 from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from tarsier_batch.cli import app
-from tarsier_batch.errors import KINDS, ItemError
-from tarsier_batch.families import load_caption_model
+from tarsier_batch.errors import KINDS, ItemError, printable
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import (
     Media,
     MediaType,
@@ -27,8 +28,6 @@ from tarsier_batch.media import (
     load_media,
     media_type_of,
 )
-from tarsier_batch.text import printable
-from tarsier_batch.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ from typer.testing import CliRunner
 
 from awkward_media import make_awkward_inputs
 from conftest import SAMPLE_DATA
-from tarsier_batch.catalog import TARSIER, TARSIER2
 from tarsier_batch.cli import app
-from tarsier_batch.families import load_caption_model
-from tarsier_batch.inspection import _in_child, inspect_file
+from tarsier_batch.families.catalog import TARSIER, TARSIER2, load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
-from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.review.inspection import _in_child, inspect_file
 
 runner = CliRunner()
 

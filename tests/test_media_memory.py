@@ -20,8 +20,8 @@ import torch
 from PIL import Image, ImageSequence
 
 from tarsier_batch.families.tarsier.processing import TarsierProcessor
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import MediaType, _decoder_runs, frame_indices, load_media
-from tarsier_batch.tiny import make_tiny_model
 
 Facts = tuple[list[int], int, int, float | None]  # frame indices, width, height, duration
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams
-from tarsier_batch.checkpoints import ModelNotFoundError, resolve_model
-from tarsier_batch.sources import InputNotFoundError, discover
+from tarsier_batch.inputs.sources import InputNotFoundError, discover
+from tarsier_batch.model.checkpoints import ModelNotFoundError, resolve_model
 
 
 def touch(path: Path) -> Path:
@@ -74,7 +74,7 @@ def test_a_typed_media_path_that_does_not_exist_is_refused(tmp_path: Path) -> No
 
 
 def test_sha256_keys_follow_content_not_names(tmp_path: Path) -> None:
-    from tarsier_batch.sources import item_key
+    from tarsier_batch.inputs.sources import item_key
 
     a, b = touch(tmp_path / "a.mp4"), touch(tmp_path / "b.mp4")
     assert item_key(str(a), "sha256") == item_key(str(b), "sha256") != item_key(str(a), "path")
@@ -112,8 +112,8 @@ def test_tiny_random_alias_builds_once_into_the_cache(monkeypatch: pytest.Monkey
 
 def test_out_of_memory_lowers_the_step_budget_and_the_run_completes(tiny_model_dir: Path, shared_media: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from tarsier_batch.inputs.sources import MediaItem
     from tarsier_batch.media import MediaType
-    from tarsier_batch.sources import MediaItem
 
     settings = CaptionSettings(model=str(tiny_model_dir), batch_size=4, sampling=SamplingParams(max_new_tokens=5),
                                dtype="float32", device="cpu")
@@ -161,9 +161,9 @@ def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_medi
     """Synchronised by events only: no step of the model or the decoders is timed."""
     import threading
 
-    from tarsier_batch import workers
+    from tarsier_batch.decoding import workers
+    from tarsier_batch.inputs.sources import MediaItem
     from tarsier_batch.media import MediaType
-    from tarsier_batch.sources import MediaItem
 
     settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1, isolate_decoding=False,
                                sampling=SamplingParams(max_new_tokens=1), dtype="float32", device="cpu")
@@ -199,7 +199,7 @@ def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_medi
 
 
 def test_kv_cache_takes_what_the_accelerator_can_spare(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tarsier_batch.devices import (
+    from tarsier_batch.model.devices import (
         CPU_KV_CACHE_BYTES,
         CUDA_ACTIVATION_BYTES_PER_BATCH_TOKEN,
         CUDA_KV_SHARE,

@@ -11,14 +11,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tarsier_batch.inputs.sources import MediaItem
 from tarsier_batch.media import MediaType
 from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
+from tarsier_batch.outputs.results import CaptionResult
 from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings, plan_run
 from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 from tarsier_batch.outputs.store import OutputError, OutputWriteError, ResultStore, StoredRows
-from tarsier_batch.results import CaptionResult
-from tarsier_batch.sources import MediaItem
 
 SETTINGS = {"model": "m", "model_revision": None, "prompt": None, "frames": 8, "max_new_tokens": 4,
             "temperature": 0.0, "top_p": 1.0, "seed": 0, "repetition_penalty": 1.0, "with_token_ids": False,

@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from conftest import SAMPLE_DATA
 from tarsier_batch import CaptionSettings, Question, SamplingParams
-from tarsier_batch.preflight import available_bytes, estimate, weight_bytes
-from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.model.preflight import available_bytes, estimate, weight_bytes
 
 
 def test_weights_from_the_headers(tiny_model_dir: Path) -> None:

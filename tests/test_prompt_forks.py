@@ -13,11 +13,11 @@ from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.engine.kv_cache import KVCache
 from tarsier_batch.engine.pruning import PruneConfig
 from tarsier_batch.engine.scheduler import Scheduler, SchedulerConfig
-from tarsier_batch.families import ProcessedPrompt, load_caption_model
-from tarsier_batch.families.base import KVGeometry
+from tarsier_batch.families.base import KVGeometry, ProcessedPrompt
+from tarsier_batch.families.catalog import load_caption_model
 from tarsier_batch.families.temporal import drop_static_vision
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
-from tarsier_batch.tiny import make_tiny_model
 
 MAX_NEW = 12
 QUESTIONS = ["Describe the video in detail.", "List the objects that appear.", "How does the camera move?"]

@@ -23,8 +23,8 @@ from tarsier_batch import (
     Status,
 )
 from tarsier_batch.cli import app
-from tarsier_batch.prompt_sets import PromptSetError, parse_asks, read_prompt_set
-from tarsier_batch.tiny import make_tiny_model
+from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.inputs.prompt_sets import PromptSetError, parse_asks, read_prompt_set
 
 runner = CliRunner()
 FILES = [SAMPLE_DATA / name for name in ("ball.gif", "still.png", "demo_green_square_shrinks.mp4")]
@@ -377,7 +377,7 @@ def test_a_bad_prompts_cell_stops_at_once_with_one_line(tmp_path: Path, tiny_mod
 def test_prompts_cells_read_from_json_lines_objects_and_parquet_maps(tmp_path: Path) -> None:
     import pyarrow as pa
 
-    from tarsier_batch.manifest import read_manifest
+    from tarsier_batch.inputs.manifest import read_manifest
 
     lines = tmp_path / "list.jsonl"
     lines.write_text(json.dumps({"path": str(FILES[0]), "prompts": {"tags": "Tags?", "mood": "Calm?"}}) + "\n" +

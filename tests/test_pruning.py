@@ -16,8 +16,7 @@ from typer.testing import CliRunner
 from tarsier_batch.cli import app
 from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 from tarsier_batch.engine.pruning import attention_of_last_query, choose_survivors, row_pruning
-from tarsier_batch.families import ProcessedPrompt
-from tarsier_batch.families.base import embed_whole_prompt
+from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings
 from test_engine import NAMES, process
 
@@ -190,8 +189,8 @@ def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, pro
 def test_tarsier2_pruned_rows_keep_their_mrope_positions_and_equal_the_reference(shared_media, tmp_path_factory):
     """M-RoPE: survivors keep their (t, h, w) positions, decoding continues after the rope delta; mixed frame
     counts batched and chunked equal each row alone, which equals the plain reference."""
-    from tarsier_batch.families import load_caption_model
-    from tarsier_batch.tiny import make_tiny_model
+    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.tiny import make_tiny_model
     from test_tarsier2 import process as process2
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp("tiny-tarsier2"), "tiny", seed=0, family="tarsier2")

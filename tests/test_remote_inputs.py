@@ -21,9 +21,9 @@ import webdataset
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
+from tarsier_batch.inputs.sources import discover, readable_copy
+from tarsier_batch.inputs.tars import ShardError
 from tarsier_batch.review.thumbnails import StripJob, make_strip
-from tarsier_batch.sources import discover, readable_copy
-from tarsier_batch.tars import ShardError
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 CLIPS = ["demo_blue_square_moves_down.mp4", "demo_green_square_shrinks.mp4", "demo_yellow_circle_grows.mp4"]

@@ -253,14 +253,14 @@ def test_a_stop_between_two_results_saves_them_and_ends_the_run(tiny_model_dir: 
 
 
 class Reversed:
-    """A Captioning that finishes the items last to first, as a run's rows can finish out of order."""
+    """A backend that finishes the items last to first, as a run's rows can finish out of order."""
 
     def __init__(self, settings: CaptionSettings) -> None:
         self.settings = settings
         self.asked_in_order: list[bool] = []
 
     def caption(self, items, on_tokens=None, in_order=True):
-        from tarsier_batch.results import CaptionResult
+        from tarsier_batch.outputs.results import CaptionResult
 
         self.asked_in_order.append(in_order)
         for item in reversed(list(items)):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tarsier_batch.families import load_processor
-from tarsier_batch.sharding import Shard
-from tarsier_batch.sources import discover
-from tarsier_batch.workers import DecodeJob, DecodePool
+from tarsier_batch.decoding.workers import DecodeJob, DecodePool
+from tarsier_batch.families.catalog import load_processor
+from tarsier_batch.inputs.sharding import Shard
+from tarsier_batch.inputs.sources import discover
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 MEDIA = ["ball_h264.mp4", "still.png", "ball.gif", "ball_short.mkv"]

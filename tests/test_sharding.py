@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
+from tarsier_batch.inputs.sharding import Shard, shard_of
 from tarsier_batch.outputs.schema import PROVENANCE_KEY
-from tarsier_batch.sharding import Shard, shard_of
 
 runner = CliRunner()
 
@@ -168,7 +168,8 @@ def test_shards_are_the_same_on_every_machine_and_balanced(tmp_path: Path) -> No
     # A fixed folder, not tmp_path: the counts then do not depend on a random folder name (with one, a shard
     # of 2,000 paths sometimes held 300).
     paths = [f"/data/videos/clip{number}.mp4" for number in range(2000)]
-    script = "import sys; from tarsier_batch.sharding import shard_of; print([shard_of(p, 8) for p in sys.argv[1:]])"
+    script = ("import sys; from tarsier_batch.inputs.sharding import shard_of; "
+              "print([shard_of(p, 8) for p in sys.argv[1:]])")
     seen = {subprocess.run([sys.executable, "-c", script, *paths[:50]], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert seen == {f"{[shard_of(path, 8) for path in paths[:50]]}\n"}

@@ -22,7 +22,7 @@ import pytest
 import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
-from tarsier_batch.tars import (
+from tarsier_batch.inputs.tars import (
     REOPEN_GAP,
     SIBLING_LIMIT,
     ReadStopped,
@@ -485,6 +485,6 @@ def test_a_cut_url_shard_lists_what_came_before_the_cut(shard: Path, memory: tup
 
 
 def test_importing_tars_loads_neither_fsspec_nor_torch() -> None:
-    code = "import sys, tarsier_batch.tars; print(sorted({'fsspec', 'torch'} & set(sys.modules)))"
+    code = "import sys, tarsier_batch.inputs.tars; print(sorted({'fsspec', 'torch'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert done.stdout.strip() == "[]"

@@ -17,12 +17,13 @@ from typer.testing import CliRunner
 from tarsier_batch.cli import app
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.engine.sampling import select_tokens
-from tarsier_batch.families import ProcessedPrompt, load_caption_model
-from tarsier_batch.families.tarsier2 import Tarsier2Captioner, VisionSpan, mrope_positions
+from tarsier_batch.families.base import ProcessedPrompt
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel, VisionSpan, mrope_positions
 from tarsier_batch.families.tarsier2.processing import pixel_cap, shrink_to_pixels, with_temporal_copies
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import MediaType, frame_indices_without_repeats, media_type_of
 from tarsier_batch.outputs.schema import PROVENANCE_KEY
-from tarsier_batch.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import generate_tarsier2, qwen2_vl_for_generation  # noqa: E402
@@ -39,23 +40,24 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(model_dir: Path) -> Tarsier2Captioner:
+def model(model_dir: Path) -> Tarsier2CaptionModel:
     loaded = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
-    assert isinstance(loaded, Tarsier2Captioner)
+    assert isinstance(loaded, Tarsier2CaptionModel)
     return loaded
 
 
-def process(model: Tarsier2Captioner, path: Path, frames: int = 16, instruction: str | None = None) -> ProcessedPrompt:
+def process(model: Tarsier2CaptionModel, path: Path, frames: int = 16,
+            instruction: str | None = None) -> ProcessedPrompt:
     media = model.processor.load_media(str(path), media_type_of(path), frames)
     return model.processor.process(media, instruction)
 
 
 @pytest.fixture(scope="module")
-def prompts(model: Tarsier2Captioner, shared_media: Path) -> list[ProcessedPrompt]:
+def prompts(model: Tarsier2CaptionModel, shared_media: Path) -> list[ProcessedPrompt]:
     return [process(model, shared_media / name) for name in NAMES]
 
 
-def run(model: Tarsier2Captioner, prompts: list[ProcessedPrompt], max_new: list[int] | None = None,
+def run(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt], max_new: list[int] | None = None,
         sampling: SamplingParams | None = None, seeds: list[int] | None = None, **config) -> list[Sequence]:
     engine = Engine(model, EngineConfig(**config), sampling or SamplingParams(max_new_tokens=MAX_NEW))
     rows = [engine.add(prompt, max_new_tokens=max_new[index] if max_new else None,
@@ -67,14 +69,14 @@ def run(model: Tarsier2Captioner, prompts: list[ProcessedPrompt], max_new: list[
     return rows
 
 
-def alone(model: Tarsier2Captioner, prompts: list[ProcessedPrompt], **kwargs) -> list[list[int]]:
+def alone(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt], **kwargs) -> list[list[int]]:
     max_new, seeds = kwargs.pop("max_new", None), kwargs.pop("seeds", None)
     return [run(model, [prompt], [max_new[i]] if max_new else None, seeds=[seeds[i]] if seeds else None,
                 max_rows=1, prefill_chunk=0, **kwargs)[0].output_ids for i, prompt in enumerate(prompts)]
 
 
 @pytest.fixture(scope="module")
-def reference(model: Tarsier2Captioner, prompts: list[ProcessedPrompt]) -> list[list[int]]:
+def reference(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt]) -> list[list[int]]:
     return alone(model, prompts)
 
 
@@ -103,7 +105,7 @@ def test_tiny_checkpoint_has_the_official_layout(model_dir: Path) -> None:
     assert json.loads((model_dir / "processor_config.json").read_text())["image_token"] == "<|image_pad|>"
 
 
-def test_special_tokens_follow_qwen2_vl_order(model: Tarsier2Captioner, model_dir: Path) -> None:
+def test_special_tokens_follow_qwen2_vl_order(model: Tarsier2CaptionModel, model_dir: Path) -> None:
     tokenizer = model.processor.tokenizer
     first = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     order = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -141,7 +143,7 @@ def test_frame_indices_follow_the_official_sampler(total: int, wanted: int, expe
     assert frame_indices_without_repeats(total, wanted) == expected
 
 
-def test_portrait_clip_samples_as_the_facts_say(model: Tarsier2Captioner, shared_media: Path) -> None:
+def test_portrait_clip_samples_as_the_facts_say(model: Tarsier2CaptionModel, shared_media: Path) -> None:
     media = model.processor.load_media(str(shared_media / "portrait_25fps.mp4"), MediaType.VIDEO, 16)
     assert media.frame_indices[6:9] == [30, 35, 39] and 44 in media.frame_indices and len(media.frames) == 16
 
@@ -168,7 +170,7 @@ def test_real_geometry_gives_608_vectors_per_frame(shared_media: Path, tmp_path:
     assert prompt.pixel_values.shape == (16, 32 * 76, 3 * 14 * 14)
 
 
-def test_kept_patches_rebuild_the_processors_duplicated_frame(model: Tarsier2Captioner, shared_media: Path) -> None:
+def test_kept_patches_rebuild_the_processors_duplicated_frame(model: Tarsier2CaptionModel, shared_media: Path) -> None:
     """The processor fills each temporal patch with two copies of a frame; one copy is kept and
     the other rebuilt when encoding, bit for bit."""
     processor = model.processor
@@ -179,7 +181,7 @@ def test_kept_patches_rebuild_the_processors_duplicated_frame(model: Tarsier2Cap
     assert torch.equal(with_temporal_copies(kept.patches, 2), full)
 
 
-def test_prompt_comes_from_the_chat_template(model: Tarsier2Captioner, prompts: list[ProcessedPrompt]) -> None:
+def test_prompt_comes_from_the_chat_template(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt]) -> None:
     tokenizer = model.processor.tokenizer
     video, image = prompts[0], prompts[1]
     vision = sum(block.length for block in video.vision_blocks)
@@ -206,7 +208,7 @@ def test_positions_of_the_facts_example() -> None:
     assert positions[:, -1].tolist() == [59, 59, 59] and next_position == 60
 
 
-def test_positions_resume_after_the_frame_count_when_it_is_the_largest(model: Tarsier2Captioner) -> None:
+def test_positions_resume_after_the_frame_count_when_it_is_the_largest(model: Tarsier2CaptionModel) -> None:
     """16 frames of a 2 x 6 merged grid: text resumes at s + 16, where transformers 5 resumes at s + 6."""
     from official_baseline import qwen2_vl_for_generation as build
 
@@ -221,7 +223,7 @@ def test_positions_resume_after_the_frame_count_when_it_is_the_largest(model: Ta
     assert transformers_positions[:, 0, 4 + 192].tolist() == [10, 10, 10]  # s + max(h, w): not the official rule
 
 
-def test_image_positions_agree_with_transformers(model: Tarsier2Captioner, prompts: list[ProcessedPrompt]) -> None:
+def test_image_positions_agree_with_transformers(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt]) -> None:
     image = prompts[1]
     _, grid_h, grid_w = image.vision_blocks[0].grid
     types = (image.token_ids == model.config.image_token_id).int()[None]
@@ -233,7 +235,7 @@ def test_image_positions_agree_with_transformers(model: Tarsier2Captioner, promp
 
 # -- the engine against transformers and against itself -------------------------------------------
 
-def test_greedy_tokens_equal_transformers_qwen2_vl_generate(model: Tarsier2Captioner,
+def test_greedy_tokens_equal_transformers_qwen2_vl_generate(model: Tarsier2CaptionModel,
                                                             prompts: list[ProcessedPrompt],
                                                             reference: list[list[int]]) -> None:
     """transformers' own Qwen2-VL (vision tower, forward, cache, repetition penalty) fed the same
@@ -247,7 +249,7 @@ def test_greedy_tokens_equal_transformers_qwen2_vl_generate(model: Tarsier2Capti
     assert len({tuple(row) for row in reference}) == len(prompts), "inputs should give distinct outputs"
 
 
-def test_repetition_penalty_is_applied_and_equals_transformers(model: Tarsier2Captioner,
+def test_repetition_penalty_is_applied_and_equals_transformers(model: Tarsier2CaptionModel,
                                                                prompts: list[ProcessedPrompt],
                                                                reference: list[list[int]]) -> None:
     without = alone(model, prompts, sampling=SamplingParams(max_new_tokens=MAX_NEW, repetition_penalty=1.0))
@@ -262,14 +264,14 @@ def test_repetition_penalty_is_applied_and_equals_transformers(model: Tarsier2Ca
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 12, 50, 0])
-def test_chunked_prefill_equals_unchunked(model: Tarsier2Captioner, prompts: list[ProcessedPrompt],
+def test_chunked_prefill_equals_unchunked(model: Tarsier2CaptionModel, prompts: list[ProcessedPrompt],
                                           reference: list[list[int]], chunk: int) -> None:
     """A frame is 12 vectors here: chunk 7 splits frames, 12 ends chunks at frame edges."""
     chunked = run(model, prompts[:3], max_rows=3, prefill_chunk=chunk, max_batch_tokens=max(chunk, 3) + 3)
     assert [row.output_ids for row in chunked] == reference[:3]
 
 
-def test_mixed_batch_with_rows_joining_and_leaving_equals_one_at_a_time(model: Tarsier2Captioner,
+def test_mixed_batch_with_rows_joining_and_leaving_equals_one_at_a_time(model: Tarsier2CaptionModel,
                                                                          prompts: list[ProcessedPrompt],
                                                                          reference: list[list[int]],
                                                                          shared_media: Path) -> None:

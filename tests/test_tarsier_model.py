@@ -12,12 +12,12 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import CLIPVisionModel
 
-from tarsier_batch.families import load_caption_model
-from tarsier_batch.families.tarsier import TarsierCaptioner, TarsierConfig, merged_layout
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tarsier import TarsierCaptionModel, TarsierConfig, merged_layout
 from tarsier_batch.families.tarsier.processing import build_prompt, stretch_to_square
 from tarsier_batch.families.tarsier.weights import load_model
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import MediaType, load_media
-from tarsier_batch.tiny import make_tiny_model
 
 
 def test_tiny_checkpoint_has_the_official_layout(tiny_model_dir: Path) -> None:
@@ -56,7 +56,7 @@ def test_tiny_checkpoint_suits_the_official_code_too(tiny_model_dir: Path) -> No
     assert (embeddings.abs().sum(dim=1) > 0).all()
 
 
-def test_special_ids_follow_the_real_models(tiny_model: TarsierCaptioner) -> None:
+def test_special_ids_follow_the_real_models(tiny_model: TarsierCaptionModel) -> None:
     tokenizer, config = tiny_model.processor.tokenizer, tiny_model.config
     base = len(tokenizer) - 2
     assert tokenizer.convert_tokens_to_ids("<image>") == config.image_token_index == base
@@ -93,7 +93,7 @@ def test_prompt_string_is_the_official_one() -> None:
     assert build_prompt(1, "<video>What is this?<image>") == "USER: <image>\nWhat is this? ASSISTANT: "
 
 
-def test_prompt_is_tokenised_in_one_call_with_bos(tiny_model: TarsierCaptioner) -> None:
+def test_prompt_is_tokenised_in_one_call_with_bos(tiny_model: TarsierCaptionModel) -> None:
     tokenizer = tiny_model.processor.tokenizer
     prompt = build_prompt(2, "Describe the video in detail.")
     ids = tiny_model.processor.prompt_ids(prompt)
@@ -110,7 +110,7 @@ def test_frames_are_stretched_to_a_square_without_padding() -> None:
     assert square.getpixel((100, 0)) == square.getpixel((100, 199)) == (255, 0, 0)
 
 
-def test_default_instruction_depends_on_media_type(tiny_model: TarsierCaptioner, shared_media: Path) -> None:
+def test_default_instruction_depends_on_media_type(tiny_model: TarsierCaptionModel, shared_media: Path) -> None:
     def process(name: str, media_type: MediaType, instruction: str | None = None):
         media = load_media(str(shared_media / name), media_type, 8, frame_transform=tiny_model.processor.frame_pixels)
         return tiny_model.processor.process(media, instruction)
@@ -130,7 +130,7 @@ def test_default_instruction_depends_on_media_type(tiny_model: TarsierCaptioner,
     assert video.positions.tolist() == [list(range(video.length))] and video.next_position == video.length
 
 
-def test_vision_vectors_are_the_second_to_last_layer(tiny_model_dir: Path, tiny_model: TarsierCaptioner) -> None:
+def test_vision_vectors_are_the_second_to_last_layer(tiny_model_dir: Path, tiny_model: TarsierCaptionModel) -> None:
     """Dropping the unused last layer gives exactly hidden_states[-2] of the full tower."""
     config = tiny_model.config
     full = CLIPVisionModel(config.vision)
@@ -151,7 +151,7 @@ def test_vision_vectors_are_the_second_to_last_layer(tiny_model_dir: Path, tiny_
     torch.testing.assert_close(patches, expected, rtol=0, atol=0)
 
 
-def test_newline_after_each_row_and_separator_after_each_frame(tiny_model: TarsierCaptioner) -> None:
+def test_newline_after_each_row_and_separator_after_each_frame(tiny_model: TarsierCaptionModel) -> None:
     config = tiny_model.config
     grid, hidden = config.patch_grid, config.text.hidden_size
     patches = torch.randn(2, grid * grid, hidden)

@@ -22,19 +22,19 @@ import pytest
 import torch
 
 from conftest import SAMPLE_DATA
-from tarsier_batch import workers
-from tarsier_batch.families import load_caption_model
-from tarsier_batch.faults import WORKER_FAULTS as FAULT_VARIABLE
-from tarsier_batch.media import MediaType
-from tarsier_batch.sources import MediaItem
-from tarsier_batch.tiny import make_tiny_model
-from tarsier_batch.workers import (
+from tarsier_batch.decoding import workers
+from tarsier_batch.decoding.faults import WORKER_FAULTS as FAULT_VARIABLE
+from tarsier_batch.decoding.workers import (
     Decoded,
     DecodeJob,
     DecodePool,
     decode_item,
     default_workers,
 )
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.inputs.sources import MediaItem
+from tarsier_batch.media import MediaType
 
 GiB = 2**30
 T = TypeVar("T")

@@ -34,8 +34,8 @@ from tarsier_batch.families.tarsier import TarsierConfig  # noqa: E402
 from tarsier_batch.families.tarsier.family import TarsierPromptProcessor  # noqa: E402
 from tarsier_batch.families.tarsier.modeling import TarsierModel  # noqa: E402
 from tarsier_batch.families.tarsier.weights import checkpoint_to_module_key, save_model  # noqa: E402
+from tarsier_batch.families.tiny.tarsier import build  # noqa: E402
 from tarsier_batch.media import Media, MediaType, frame_indices  # noqa: E402
-from tarsier_batch.tiny.tarsier import build  # noqa: E402
 
 FRAMES = 8   # what `tarsier caption` samples for v1
 

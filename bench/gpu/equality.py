@@ -28,9 +28,10 @@ import torch
 
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams
 from tarsier_batch.engine.sampling import _penalise_repeats
-from tarsier_batch.families import CaptionModel, ProcessedPrompt, load_caption_model
+from tarsier_batch.families.base import CaptionModel, ProcessedPrompt
+from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
-from tarsier_batch.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 # Real media of different kinds and lengths (an image, a GIF, videos in three containers), in the repository.

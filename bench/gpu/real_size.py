@@ -30,7 +30,7 @@ from make_real_size_checkpoint import write_checkpoint  # noqa: E402
 from official_baseline import generate_tarsier2, qwen2_vl_for_generation  # noqa: E402
 
 from tarsier_batch.engine import Engine  # noqa: E402
-from tarsier_batch.families import CaptionModel, ProcessedPrompt  # noqa: E402
+from tarsier_batch.families.base import CaptionModel, ProcessedPrompt  # noqa: E402
 
 # The datasheet's dense bfloat16 rate of the H100 SXM and the H200 (the same Hopper tensor cores).
 HOPPER_BF16_PEAK = 989.4e12

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tarsier_batch.families import ProcessedPrompt
+from tarsier_batch.families.base import ProcessedPrompt
 from tarsier_batch.families.tarsier2 import Tarsier2PromptProcessor
 from tarsier_batch.media import Media, MediaType
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
 from ..errors import MODEL_ERROR, OUT_OF_MEMORY, TOO_LARGE, plain_message
 from ..families.base import CaptionModel, ProcessedPrompt
+from ..model.devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
 from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning

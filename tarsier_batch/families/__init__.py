@@ -1,32 +1,3 @@
-"""Model families behind one interface; `load_caption_model` picks the family from config.json (see `catalog`
-for the registry)."""
-
-from __future__ import annotations
-
-import json
-from pathlib import Path
-
-import torch
-
-from ..catalog import FamilyInfo, family_of_config
-from .base import CaptionModel, ProcessedPrompt, Processor
-
-
-def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
-    """Load the checkpoint in `model_dir` with the family its config.json names."""
-    return _family_of(model_dir).code("loader")(model_dir, dtype, device)
-
-
-def load_processor(model_dir: Path) -> Processor:
-    """The checkpoint's CPU side alone (frames and prompt), without its weights: what decoding takes."""
-    return _family_of(model_dir).code("processor_loader")(model_dir)
-
-
-def _family_of(model_dir: Path) -> FamilyInfo:
-    config_path = model_dir / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")
-    return family_of_config(json.loads(config_path.read_text()), str(config_path))
-
-
-__all__ = ["CaptionModel", "ProcessedPrompt", "Processor", "load_caption_model", "load_processor"]
+"""Model families behind one interface: `base` (what a family provides: a CPU processor and a device model),
+`catalog` (the registry: which family a checkpoint is, loading it), one package per family, and the tiny
+random-weight checkpoints (`tiny`). Importing this package imports nothing heavy."""

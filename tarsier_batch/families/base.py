@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from ..catalog import FamilyInfo
 from ..media import MAX_IMAGE_PIXELS, Media, MediaType
+from .catalog import FamilyInfo
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.T
     return hidden
 
 
-class DecoderCaptioner:
+class DecoderCaptionModel:
     """The language-model half shared by the families: `self.model.language_model` holds a
     transformers decoder (`.model`: embeddings, rotary embedding, layers, norm) and `.lm_head`."""
 

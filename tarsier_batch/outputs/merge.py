@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..text import one_line
+from ..errors import one_line
 from .formats import parquet_metadata
 from .schema import OutputColumns
 

@@ -34,8 +34,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import one_line
 from ..storage import READ_ONLY_SCHEMES, filesystem, redact, redact_text, scheme, with_retries
-from ..text import one_line
 from .formats import META_SUFFIX, SHARD_PATTERN, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
 from .store import SETTINGS_FILE, OutputWriteError, work_name

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..sources import Discovery, MediaItem, row_source_exists, skipped_kind
+from ..inputs.sources import Discovery, MediaItem, row_source_exists, skipped_kind
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.

@@ -9,9 +9,9 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import UNKNOWN
-from ..prompt_sets import ANSWER_SUFFIXES, ROW_COLUMNS, TOKEN_IDS_SUFFIX
-from ..results import Answer, CaptionResult
-from ..sources import MediaItem
+from ..inputs.prompt_sets import ANSWER_SUFFIXES, ROW_COLUMNS, TOKEN_IDS_SUFFIX
+from ..inputs.sources import MediaItem
+from .results import Answer, CaptionResult
 
 # Key-value metadata of the final Parquet file.
 PROVENANCE_KEY = "tarsier_batch"          # how the captions were made (includes the resume settings)

@@ -30,8 +30,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import one_line
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
-from ..text import one_line
 from .formats import OutputError, OutputTarget, read_results, with_metadata
 from .schema import OutputColumns, is_long, with_layout
 

@@ -10,10 +10,9 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..errors import UNKNOWN
+from ..errors import UNKNOWN, one_line
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
 from ..outputs.schema import OutputColumns, is_long
-from ..text import one_line
 
 HISTOGRAM_BINS = 12
 

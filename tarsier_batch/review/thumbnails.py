@@ -18,12 +18,12 @@ from typing import Any
 
 from PIL import Image
 
-from ..fork_server import quiet_fork_server
+from ..decoding.fork_server import quiet_fork_server
+from ..errors import one_line
+from ..inputs.sources import MediaItem, item_of_path, readable_copy
+from ..inputs.tars import split_member_path
 from ..media import MediaType, load_media
-from ..sources import MediaItem, item_of_path, readable_copy
 from ..storage import environment, is_url, redact_text
-from ..tars import split_member_path
-from ..text import one_line
 
 JPEG_QUALITY = 70
 CHUNK = 8   # items per task: few round trips, little lost to a crashed worker

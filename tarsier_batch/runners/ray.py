@@ -1,13 +1,13 @@
 """Caption on a Ray cluster: `tarsier caption INPUTS --ray ADDRESS --out ...`.
 
-A run (`run.CaptionRun`) plans, resumes and writes as it does in one process; `RayCaptioning`
-only captions its items elsewhere (`CaptionRun(..., load=lambda settings: RayCaptioning(settings,
+A run (`run.CaptionRun`) plans, resumes and writes as it does in one process; `RayBackend`
+only captions its items elsewhere (`CaptionRun(..., load=lambda settings: RayBackend(settings,
 RaySettings("auto"), reporter))`). They become a Ray Dataset (one row each: its place among the
 inputs and the pickled `MediaItem`). Decoding and preprocessing run as Ray CPU tasks (each Ray
 worker keeps an isolated decoding process with the checkpoint's processor, no weights:
-`workers.DecodePool`). Captioning runs in an actor pool of `RayCaptioner`s, each a `Captioner`
+`workers.DecodePool`). Captioning runs in an actor pool of `RayModelActor`s, each a `Captioner`
 on its own device; an actor takes batches of decoded items, two calls at a time, into one engine
-(`api.CaptionService`), so the next batch's rows join as the last one's leave (continuous
+(`api.EngineServer`), so the next batch's rows join as the last one's leave (continuous
 batching across batches). The results stream back to this process in input order, and the run
 saves them in its part files and writes its output, in any format, as a single run does.
 
@@ -33,17 +33,17 @@ import numpy as np
 
 from .. import storage
 from ..api import Captioner, decode_pool
-from ..checkpoints import resolve_model
-from ..families import load_processor
+from ..decoding.faults import maybe_kill_ray_actor
+from ..decoding.workers import Decoded, DecodePool
+from ..families.catalog import load_processor
 from ..families.generation_config import read_repetition_penalty
-from ..faults import maybe_kill_ray_actor
+from ..inputs.sources import MediaItem
+from ..model.checkpoints import resolve_model
+from ..outputs.results import CaptionResult
 from ..progress import plural
-from ..results import CaptionResult
 from ..run import RunReporter
 from ..settings import CaptionSettings, RaySettings, Resolved
-from ..sources import MediaItem
 from ..version import __version__
-from ..workers import Decoded, DecodePool
 
 CALLS_PER_ACTOR = 2
 
@@ -61,7 +61,7 @@ class RayJob:
     items_per_batch: int             # items in one call of an actor (it runs CALLS_PER_ACTOR at once)
 
 
-class RayCaptioning:
+class RayBackend:
     """Captions a run's items on a Ray cluster: what a run uses instead of a Captioner with --ray.
 
     Made when the run has something to caption: it joins (or starts) the cluster, checks it can
@@ -130,7 +130,7 @@ class RayCaptioning:
                                             max_concurrent_calls_per_actor=CALLS_PER_ACTOR,
                                             enable_true_multi_threading=True)
         captioned = decoded.map_batches(
-            RayCaptioner, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
+            RayModelActor, fn_constructor_kwargs={"job": job}, batch_size=job.items_per_batch, batch_format="numpy",
             compute=actors, num_gpus=self.ray.gpus_per_actor, num_cpus=1, scheduling_strategy="DEFAULT")
         context = ray.data.DataContext.get_current()
         preserved, context.execution_options.preserve_order = context.execution_options.preserve_order, in_order
@@ -168,7 +168,7 @@ def decode_batch(batch: dict[str, np.ndarray], settings: CaptionSettings) -> dic
     return {"position": batch["position"], "decoded": np.array([pickle.dumps(one) for one in decoded], dtype=object)}
 
 
-class RayCaptioner:
+class RayModelActor:
     """A Ray actor: one Captioner, loaded once, captioning batches of decoded items."""
 
     def __init__(self, job: RayJob):

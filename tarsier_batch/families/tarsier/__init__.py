@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .family import TarsierCaptioner, TarsierPromptProcessor, merged_layout
+from .family import TarsierCaptionModel, TarsierPromptProcessor, merged_layout
 from .modeling import ARCHITECTURE, TarsierConfig, TarsierModel
 
 
@@ -13,5 +13,5 @@ def load_processor(model_dir: Path) -> TarsierPromptProcessor:
     return TarsierPromptProcessor(model_dir, TarsierConfig.from_file(model_dir / "config.json"))
 
 
-__all__ = ["ARCHITECTURE", "TarsierCaptioner", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor",
+__all__ = ["ARCHITECTURE", "TarsierCaptionModel", "TarsierConfig", "TarsierModel", "TarsierPromptProcessor",
            "load_processor", "merged_layout"]

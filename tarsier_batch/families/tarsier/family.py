@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from ...catalog import TARSIER
 from ...media import MAX_IMAGE_PIXELS, Media, MediaType, load_media
 from ..base import KVGeometry, LargestItem, ProcessedPrompt, VisionBlock
-from ..decoder import DecoderCaptioner
+from ..catalog import TARSIER
+from ..decoder import DecoderCaptionModel
 from ..generation_config import read_generation_defaults
 from ..temporal import ALWAYS_KEPT, vector_changes
 from .modeling import TarsierConfig
@@ -87,7 +87,7 @@ class TarsierPromptProcessor(TarsierProcessor):
                                pixel_values=torch.stack(list(media.frames)))
 
 
-class TarsierCaptioner(DecoderCaptioner):
+class TarsierCaptionModel(DecoderCaptionModel):
     """A Tarsier v1 checkpoint loaded for captioning."""
 
     family = TARSIER

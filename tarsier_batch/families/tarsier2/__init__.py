@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .family import Tarsier2Captioner, Tarsier2PromptProcessor
+from .family import Tarsier2CaptionModel, Tarsier2PromptProcessor
 from .modeling import Tarsier2Config, Tarsier2Model
 from .positions import VisionSpan, mrope_positions
 
@@ -14,5 +14,5 @@ def load_processor(model_dir: Path) -> Tarsier2PromptProcessor:
     return Tarsier2PromptProcessor(model_dir, Tarsier2Config.from_file(model_dir / "config.json"))
 
 
-__all__ = ["Tarsier2Captioner", "Tarsier2Config", "Tarsier2Model", "Tarsier2PromptProcessor", "VisionSpan",
+__all__ = ["Tarsier2CaptionModel", "Tarsier2Config", "Tarsier2Model", "Tarsier2PromptProcessor", "VisionSpan",
            "load_processor", "mrope_positions"]

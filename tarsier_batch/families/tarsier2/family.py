@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from transformers.initialization import no_init_weights
 
-from ...catalog import TARSIER2
 from ...errors import UNDECODABLE, ItemError
 from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_repeats, load_media
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
-from ..decoder import DecoderCaptioner
+from ..catalog import TARSIER2
+from ..decoder import DecoderCaptionModel
 from ..generation_config import read_generation_defaults
 from ..temporal import vector_changes
 from ..weights import load_weights
@@ -76,7 +76,7 @@ def _vision_run_start(ids: torch.Tensor, image_token_id: int, expected: int, vis
     return start
 
 
-class Tarsier2Captioner(DecoderCaptioner):
+class Tarsier2CaptionModel(DecoderCaptionModel):
     """A Tarsier2 checkpoint loaded for captioning."""
 
     family = TARSIER2

@@ -99,7 +99,7 @@ class Tarsier2Processor:
         """One RGB frame, shrunk to its budget and cut into patches, as the official processor does.
 
         The processor fills a temporal patch by repeating the frame, which is exactly a video
-        frame duplicated; only one copy is kept here (`Tarsier2Captioner` rebuilds the other).
+        frame duplicated; only one copy is kept here (`Tarsier2CaptionModel` rebuilds the other).
         """
         shrunk = shrink_to_pixels(frame, pixel_cap(media_type, frame_count, self.temporal_patch_size))
         out = self.image_processor(images=shrunk, return_tensors="pt")

@@ -9,8 +9,15 @@ and transformers, so that `tarsier models` and flag checks answer at once.
 from __future__ import annotations
 
 import importlib
+import json
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..base import CaptionModel, Processor
 
 
 @dataclass(frozen=True)
@@ -40,18 +47,19 @@ TARSIER = FamilyInfo(
     key="tarsier", name="Tarsier v1", text_model_type="llama", vision="CLIP ViT-L/14 at 336 px, 601 vectors per frame",
     default_frames=8, default_instruction="Describe the video in detail. (images: Describe the image in detail.)",
     checkpoints=("omni-research/Tarsier-7b", "omni-research/Tarsier-34b"), tiny_alias="tiny-random",
-    loader="tarsier_batch.families.tarsier:TarsierCaptioner",
+    loader="tarsier_batch.families.tarsier:TarsierCaptionModel",
     processor_loader="tarsier_batch.families.tarsier:load_processor",
-    frame_sampler="tarsier_batch.media:frame_indices", tiny_builder="tarsier_batch.tiny.tarsier")
+    frame_sampler="tarsier_batch.media:frame_indices", tiny_builder="tarsier_batch.families.tiny.tarsier")
 TARSIER2 = FamilyInfo(
     key="tarsier2", name="Tarsier2", text_model_type="qwen2_vl",
     vision="Qwen2-VL ViT, dynamic resolution (at most 460,800 px per frame)",
     default_frames=16, default_instruction="Describe the video in detail. (images too, as upstream)",
     checkpoints=("omni-research/Tarsier2-Recap-7b", "omni-research/Tarsier2-7b-0115"),
     tiny_alias="tiny-random-tarsier2",
-    loader="tarsier_batch.families.tarsier2:Tarsier2Captioner",
+    loader="tarsier_batch.families.tarsier2:Tarsier2CaptionModel",
     processor_loader="tarsier_batch.families.tarsier2:load_processor",
-    frame_sampler="tarsier_batch.media:frame_indices_without_repeats", tiny_builder="tarsier_batch.tiny.tarsier2")
+    frame_sampler="tarsier_batch.media:frame_indices_without_repeats",
+    tiny_builder="tarsier_batch.families.tiny.tarsier2")
 _FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER]
 DEFAULT_MODEL = TARSIER2.checkpoints[0]
 # With --prune-vision: the first layer that sees only the kept vision tokens (FastV's choice).
@@ -91,3 +99,20 @@ def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
                           for f in _FAMILIES)
     raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
                      f"{text_type!r}; supported: {supported}")
+
+
+def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
+    """Load the checkpoint in `model_dir` with the family its config.json names."""
+    return _family_of(model_dir).code("loader")(model_dir, dtype, device)
+
+
+def load_processor(model_dir: Path) -> Processor:
+    """The checkpoint's CPU side alone (frames and prompt), without its weights: what decoding takes."""
+    return _family_of(model_dir).code("processor_loader")(model_dir)
+
+
+def _family_of(model_dir: Path) -> FamilyInfo:
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")
+    return family_of_config(json.loads(config_path.read_text()), str(config_path))

@@ -21,8 +21,8 @@ from transformers import PreTrainedTokenizerBase
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 
-from ..families.tarsier2 import Tarsier2Config, Tarsier2Model
-from ..families.weights import save_weights
+from ..tarsier2 import Tarsier2Config, Tarsier2Model
+from ..weights import save_weights
 from .common import (
     BASE_VOCAB_SIZE,
     CLIP_MEAN,

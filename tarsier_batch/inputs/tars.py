@@ -28,9 +28,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from . import storage
-from .media import media_type_of
-from .text import printable
+from .. import storage
+from ..errors import printable
+from ..media import media_type_of
 
 SIBLING_LIMIT = 2**20        # bigger siblings are not carried as text: they are payloads, not captions or labels
 REOPEN_GAP = 8 * 2**20       # reading through a gap this small costs less than a new request

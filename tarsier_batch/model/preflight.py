@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
+from ..families.weights import weight_files
+from ..settings import CaptionSettings, SettingsError
 from .devices import CUDA_RESERVED_BYTES, kv_cache_bytes
-from .families.weights import weight_files
-from .settings import CaptionSettings, SettingsError
 
 _STORED_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                  "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}

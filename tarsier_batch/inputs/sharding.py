@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .storage import is_url, redact
+from ..errors import printable
+from ..storage import is_url, redact
 from .tars import split_member_path
-from .text import printable
 
 if TYPE_CHECKING:
     from .sources import MediaItem

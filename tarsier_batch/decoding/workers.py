@@ -48,16 +48,16 @@ from pathlib import Path
 import torch
 from pebble import ProcessExpired, ProcessPool
 
-from . import storage
-from .errors import CRASHED, INTERNAL, NOT_FOUND, OUT_OF_MEMORY, TIMEOUT, UNREADABLE, ItemError, plain_message
-from .families.base import ProcessedPrompt, Processor
-from .families.temporal import drop_static_vision
+from .. import storage
+from ..errors import CRASHED, INTERNAL, NOT_FOUND, OUT_OF_MEMORY, TIMEOUT, UNREADABLE, ItemError, plain_message
+from ..families.base import ProcessedPrompt, Processor
+from ..families.temporal import drop_static_vision
+from ..inputs.prompt_sets import Question
+from ..inputs.sources import MediaItem, readable_copy
+from ..media import MAX_IMAGE_PIXELS, Media
 from .faults import misbehave, worker_faults
 from .fork_server import start_decoding_server
-from .media import MAX_IMAGE_PIXELS, Media
 from .member_lane import MemberLane
-from .prompt_sets import Question
-from .sources import MediaItem, readable_copy
 
 MAX_DEFAULT_WORKERS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from . import storage, tars
-from .errors import plain_message
-from .sources import MediaItem
+from .. import storage
+from ..errors import plain_message
+from ..inputs import tars
+from ..inputs.sources import MediaItem
 
 READ_AHEAD_BYTES = 256 * 2**20   # member bytes read but not yet decoded (one bigger member still passes alone)
 _JOIN_TIMEOUT_S = 30

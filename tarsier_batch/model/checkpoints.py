@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .catalog import families
+from ..families.catalog import families
 
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -83,7 +83,7 @@ def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
         return ResolvedModel(reference, DEMO_CHECKPOINT, None)
     for family in families():
         if reference == family.tiny_alias:
-            from .tiny import ensure_tiny_model
+            from ..families.tiny import ensure_tiny_model
 
             return ResolvedModel(reference, ensure_tiny_model(tiny_model_dir(reference), family.key), None)
     problem = model_reference_problem(reference)

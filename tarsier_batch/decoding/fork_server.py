@@ -105,7 +105,7 @@ def decoding_preload() -> list[str]:
     lives as long as this process). A processor from elsewhere is imported by each worker; it is
     not preloaded, because a module that fails in the server stops every worker.
     """
-    from . import catalog
+    from ..families import catalog
 
     package = __name__.split(".")[0]
     ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
@@ -113,4 +113,4 @@ def decoding_preload() -> list[str]:
                 if family.processor_loader.startswith(package + ".")]
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
-    return ["decord", "av", f"{package}.workers", *families, *storage, *ours]
+    return ["decord", "av", f"{package}.decoding.workers", *families, *storage, *ours]

@@ -17,12 +17,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from . import storage, tars
-from .catalog import TARSIER, FamilyInfo, families, family_of_config
-from .fork_server import quiet_fork_server
-from .media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
-from .sources import item_of_path, readable_copy
-from .text import one_line, printable
+from .. import storage
+from ..decoding.fork_server import quiet_fork_server
+from ..errors import one_line, printable
+from ..families.catalog import TARSIER, FamilyInfo, families, family_of_config
+from ..inputs import tars
+from ..inputs.sources import item_of_path, readable_copy
+from ..media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
 
 DECODE_TIMEOUT_S = 120.0
 

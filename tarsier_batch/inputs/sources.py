@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import storage, tars
-from .errors import NOT_FOUND, ItemError
-from .media import MediaType, media_type_of
+from .. import storage
+from ..errors import NOT_FOUND, ItemError, one_line, printable
+from ..media import MediaType, media_type_of
+from . import tars
 from .prompt_sets import Question
 from .tars import TarMember
-from .text import one_line, printable
 
 PROMPT_SET_KEY = "|prompts-sha256:"   # in an item's key, before the digest of its own prompt set
 

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .settings import SettingsError
+from ..settings import SettingsError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Rows decoding at once when --batch-size is not given. On CUDA the KV cache decides how many

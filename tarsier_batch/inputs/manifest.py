@@ -12,7 +12,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow as pa
 
-from . import storage
+from .. import storage
 from .prompt_sets import PromptSetError, row_prompt_set
 from .sources import Discovery, KeyMode
 

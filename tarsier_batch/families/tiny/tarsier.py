@@ -16,8 +16,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPVisionConfig, LlamaConfig, LlamaTokenizer
 
-from ..families.tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
-from ..families.tarsier.weights import save_model
+from ..tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
+from ..tarsier.weights import save_model
 from .common import (
     BASE_VOCAB_SIZE,
     CLIP_MEAN,
