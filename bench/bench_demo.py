@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tarsier_batch.demo.evaluate import evaluate  # noqa: E402
+from tarsier_batch.demo.evaluate import evaluate_demo  # noqa: E402
 
 SETTINGS = {
     "reference (float32, batch 8, chunk 64)": (),
@@ -39,7 +39,7 @@ def main() -> None:
     results = []
     for name, flags in SETTINGS.items():
         start = time.perf_counter()
-        result = evaluate(args.n, args.seed, args.model, flags)
+        result = evaluate_demo(args.n, args.seed, args.model, flags)
         seconds = time.perf_counter() - start
         results.append({"setting": name, "flags": " ".join(flags), "accuracy": round(result.accuracy, 3),
                         "reversed_accuracy": round(result.reversed_accuracy, 3), "clips": 2 * args.n,

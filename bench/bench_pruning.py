@@ -130,7 +130,7 @@ def prefill_flops(layer_params: int, heads: int, head_dim: int, layers: int, pro
 def one_family(family: str, frames: int, repeats: int, workdir: Path, methods: list[str]) -> dict:
     import torch
 
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
     from tarsier_batch.families.tiny import make_tiny_model
 
     model_dir = make_tiny_model(workdir / family, "deep", seed=0, family=family)
@@ -252,7 +252,7 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 def quality(args: argparse.Namespace) -> dict:
-    from tarsier_batch.demo.evaluate import evaluate
+    from tarsier_batch.demo.evaluate import evaluate_demo
 
     settings = [(0.0, 0)] + _pruning_settings(args.methods, QUALITY_LAYERS)
     results, unpruned = {}, None
@@ -260,7 +260,7 @@ def quality(args: argparse.Namespace) -> dict:
         flags = () if not ratio else ("--prune-vision", str(ratio), "--prune-method", "temporal") if layer == TEMPORAL \
             else ("--prune-vision", str(ratio), "--prune-layer", str(layer))
         start = time.perf_counter()
-        evaluation = evaluate(args.n, args.seed, "demo", flags)
+        evaluation = evaluate_demo(args.n, args.seed, "demo", flags)
         seconds = time.perf_counter() - start
         captions = evaluation.captions
         unpruned = unpruned or captions
@@ -283,7 +283,7 @@ def selectivity(args: argparse.Namespace) -> dict:
 
     from tarsier_batch.demo import HELD_OUT_SEEDS
     from tarsier_batch.demo.clips import BACKGROUNDS, make_clip, write_mp4
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
     from tarsier_batch.inputs.sources import MediaType
     from tarsier_batch.model.checkpoints import resolve_model
 

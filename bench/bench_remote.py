@@ -135,7 +135,7 @@ def main() -> None:
         import boto3
 
         from tarsier_batch.decoding.workers import DecodeJob
-        from tarsier_batch.families.catalog import load_processor
+        from tarsier_batch.families.loading import load_processor
         from tarsier_batch.families.tiny import make_tiny_model
         from tarsier_batch.inputs.sources import discover
 

@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tarsier_batch.engine.profiling import kernel_ops, non_view_ops  # noqa: E402
 from tarsier_batch.families.base import ProcessedPrompt
-from tarsier_batch.families.catalog import load_caption_model  # noqa: E402
+from tarsier_batch.families.loading import load_caption_model  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 
 SAMPLED = dict(temperature=1.0, top_p=0.9, repetition_penalty=1.1)

@@ -26,7 +26,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
 from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel
 from tarsier_batch.families.tarsier2.processing import with_temporal_copies
 from tarsier_batch.families.tiny import make_tiny_model, sizes

@@ -31,7 +31,7 @@ from .decoding.workers import Decoded, DecodeJob, DecodePool, default_workers
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .errors import INTERNAL
 from .families.base import CaptionModel, Processor
-from .families.catalog import load_caption_model, load_processor
+from .families.loading import load_caption_model, load_processor
 from .inputs.sources import MediaItem
 from .media import decoder_versions
 from .model import preflight

@@ -21,35 +21,64 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.traceback import Traceback
 
-from .config import ConfigError, config_defaults
-from .families.catalog import DEFAULT_MODEL, families, family_named
-from .inputs.manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
-from .inputs.prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
-from .inputs.sharding import Shard, ShardError
-from .inputs.sources import Discovery, InputNotFoundError, discover, is_shard
-from .media import MAX_IMAGE_PIXELS
-from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
-from .outputs.formats import OutputError, OutputTarget
-from .outputs.lock import OutputLock, OutputLockedError
-from .outputs.remote import RemoteOutput
-from .outputs.resume import SettingsMismatchError
-from .outputs.schema import RESERVED_NAMES
-from .outputs.store import OutputWriteError, ResultStore
-from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
-from .run import Backend, CaptionRun, LoadingCrashed, RunOutcome, RunReporter, Status, Terminated
-from .settings import (
+from . import (
+    DEFAULT_MODEL,
+    DEMO_ACCURACY,
+    DEMO_ALIAS,
     DTYPES,
     FLUSH_ROWS,
     FLUSH_SECONDS,
+    MAX_IMAGE_PIXELS,
     PRUNE_METHODS,
+    RESERVED_NAMES,
+    Backend,
+    CaptionRun,
     CaptionSettings,
+    Discovery,
+    InputNotFoundError,
+    LineLog,
+    LoadingCrashed,
+    Manifest,
+    ManifestError,
+    ModelNotFoundError,
+    OutputError,
+    OutputLockedError,
+    OutputTarget,
+    OutputWriteError,
+    PromptSetError,
+    Question,
     RaySettings,
+    RemoteOutput,
+    Reporter,
+    RunOutcome,
+    RunReporter,
     RunSettings,
+    RunStats,
     SamplingParams,
     SettingsError,
+    SettingsMismatchError,
+    Shard,
+    ShardError,
+    Status,
+    StorageError,
+    Terminated,
+    __version__,
+    check_manifest_path,
+    discover,
+    family_named,
+    is_shard,
+    make_reporters,
+    model_families,
+    model_reference_problem,
+    output_at,
+    parse_asks,
+    plural,
+    print_summary,
+    read_manifest,
+    read_prompt_set,
+    sibling_columns,
 )
-from .storage import StorageError, is_url
-from .version import __version__
+from .config import ConfigError, config_defaults
 
 T = TypeVar("T")
 
@@ -409,12 +438,10 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
 
 
 def _output(location: str, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
-    """The output at `location`: a local path, or an object store URL staged locally. A read-only scheme
-    (http, https, hf) or a missing storage backend stops the command here, before anything is loaded."""
-    if not is_url(location):
-        return OutputTarget(Path(location), shard_rows)
+    """The output at `location`; a read-only scheme or a missing storage backend stops the command here, before
+    anything is loaded."""
     try:
-        return RemoteOutput(location, shard_rows)
+        return output_at(location, shard_rows)
     except (OutputError, StorageError) as error:
         _fail(str(error))
 
@@ -453,7 +480,7 @@ def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: floa
 def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Backend]:
     """A run's loader that captions on the cluster (Ray is imported only when there is something to caption)."""
     def load(settings: CaptionSettings) -> Backend:
-        from .runners.ray import RayBackend
+        from . import RayBackend
 
         return RayBackend(settings, ray, reporter)
     return load
@@ -579,7 +606,7 @@ def _stop_signals() -> Iterator[None]:
 @app.command()
 def models() -> None:
     """List the model families, their known checkpoints and their defaults."""
-    for family in families():
+    for family in model_families():
         default = " (the default --model)" if DEFAULT_MODEL in family.checkpoints else ""
         typer.echo(f"{family.name}{default}\n"
                    f"  config.json:  model_type 'llava', text_config.model_type '{family.text_model_type}'\n"
@@ -612,7 +639,7 @@ def inspect_command(
     Decodes the sampled frames exactly as captioning does, in a child process (a decoder crash or
     hang is reported). Exit code 0 if every file would caption, 1 if some would fail.
     """
-    from .review.inspection import family_for, inspect_file
+    from . import family_for, inspect_file
 
     if model is not None and family is not None:
         _fail("give --model or --family, not both")
@@ -657,31 +684,15 @@ def merge_command(
     inputs, with the same settings and columns. The merged file is what one run over all the
     inputs writes, and a later 'tarsier caption' without --shard can continue it.
     """
-    from .outputs.merge import MergeError, merge_shards
+    from . import MergeError, merge_outputs
 
     output = _output(out)
-    remote = output if isinstance(output, RemoteOutput) else None
-    target = remote.target if remote is not None else output
     try:
-        target.check()
-    except OutputError as error:
+        merged = merge_outputs(folder, output)
+    except (MergeError, OutputError, OutputLockedError, OutputWriteError, OSError) as error:
         _fail(str(error))
-    if remote is None and target.path.resolve().parent == folder.resolve() and target.path.suffix.lower() == ".parquet":
-        _fail(f"--out {out} is inside {folder}: a later merge would read it as a shard; write it elsewhere")
-    try:
-        merged = merge_shards(folder)
-        if remote is None:
-            target.path.parent.mkdir(parents=True, exist_ok=True)
-        with remote.held() if remote is not None else OutputLock(target.path):
-            ResultStore(target, merged.columns).commit(merged.rows, merged.provenance, merged.summary)
-            if remote is not None:
-                remote.publish()
-    except (MergeError, OutputLockedError, OutputWriteError, OSError) as error:
-        _fail(str(error))
-    failed = sum(row["error"] is not None for row in merged.rows)
-    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {target.shown} "
-               f"({plural(len(merged.columns.file_rows(merged.rows)), 'row')}, "
-               f"{failed} failed)", err=True)
+    typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {merged.written} "
+               f"({plural(merged.rows, 'row')}, {merged.failed} failed)", err=True)
 
 
 @app.command("report", no_args_is_help=True)
@@ -709,7 +720,7 @@ def report_command(
     """
     import time
 
-    from .review import check_results_path, write_report
+    from . import check_results_path, write_report
 
     if out.is_dir():
         _fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
@@ -749,10 +760,10 @@ def eval_demo_command(
     (`reversed_accuracy`). Exit 1 when either is below 0.95. Options after `--` go to
     `tarsier caption`, to measure what a setting costs: `eval-demo -- --dtype bfloat16`.
     """
-    from .demo.evaluate import evaluate
+    from . import evaluate_demo
 
     try:
-        result = evaluate(n, seed, model, tuple(context.args))
+        result = evaluate_demo(n, seed, model, tuple(context.args))
     except RuntimeError as error:
         _fail(str(error))
     for name, expected, got in result.mistakes[:20]:
@@ -780,7 +791,7 @@ def make_tiny_model_command(
         _fail(str(error))
     if directory.exists() and any(directory.iterdir()):
         _fail(f"{directory} exists and is not empty")
-    from .families.tiny import make_tiny_model
+    from . import make_tiny_model
 
     try:
         typer.echo(make_tiny_model(directory, size, seed, family))

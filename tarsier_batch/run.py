@@ -33,7 +33,7 @@ from .inputs.sources import Discovery, MediaItem, discover
 from .model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from .outputs.formats import OutputTarget
 from .outputs.lock import OutputLock
-from .outputs.remote import RemoteOutput, UploadError
+from .outputs.remote import RemoteOutput, UploadError, output_at
 from .outputs.results import CaptionResult
 from .outputs.resume import Plan, check_settings, describe_plan, plan_run
 from .outputs.schema import OutputColumns
@@ -42,7 +42,7 @@ from .outputs.stream import JsonLinesStream
 from .outputs.writer import RowWriter
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
-from .storage import is_url, redact_text
+from .storage import redact_text
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -220,15 +220,13 @@ class CaptionRun:
         if load is None and settings.caption.isolate_decoding:
             check_main_is_guarded()   # now, not once the model is loaded
         self.stream = out if hasattr(out, "write") else None
-        self.remote = RemoteOutput(out) if isinstance(out, str) and is_url(out) else \
-            out if isinstance(out, RemoteOutput) else None
+        output = None if self.stream is not None else \
+            out if isinstance(out, (OutputTarget, RemoteOutput)) else output_at(out)  # type: ignore[arg-type]
+        self.remote = output if isinstance(output, RemoteOutput) else None
         if self.stream is not None:
             settings.check_streamable()
-            self.target = None
-        elif self.remote is not None:
-            self.target = self.remote.target   # the staged copy; the store works on it as on any local output
-        else:
-            self.target = out if isinstance(out, OutputTarget) else OutputTarget(Path(out))  # type: ignore[arg-type]
+        # The store works on a remote output's staged copy as on any local output.
+        self.target = self.remote.target if self.remote is not None else output
         kept_fields = []
         if isinstance(inputs, Manifest):
             for name, renamed in inputs.renamed.items():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 

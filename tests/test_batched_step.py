@@ -142,7 +142,7 @@ def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_m
     import torch._dynamo
 
     from tarsier_batch.engine.decode_step import DecodeStep
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
     from tarsier_batch.families.tiny import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path_factory.mktemp(f"compile-{family}"), "tiny", seed=0, family=family)

@@ -117,7 +117,7 @@ def test_compiled_decode_steps_of_pruned_rows_equal_eager(tiny_model_dir, prompt
     """--compile with pruning: each decode step one graph over two caches (the early layers' and the late
     layers'), in a process that has compiled decode steps for other models before (their caches' sizes and
     layer ranges differ: the graph must not branch on them)."""
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
 
     compiled_model = load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     config = PruneConfig(0.5, 1)
@@ -139,7 +139,7 @@ def test_compiled_decode_step_writes_the_cache_in_place(tiny_model_dir, prompts)
     import torch._inductor.config
 
     from tarsier_batch.engine import Engine, EngineConfig
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
 
     model = load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     engine = Engine(model, EngineConfig(max_rows=3, prefill_chunk=0, kv_cache_tokens=4096, compile=True),

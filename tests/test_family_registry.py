@@ -53,7 +53,7 @@ def load_toy_model(model_dir: Path, dtype: torch.dtype, device: torch.device) ->
 
 @pytest.fixture
 def toy_registered(monkeypatch) -> None:
-    monkeypatch.setattr(catalog, "_FAMILIES", list(catalog.families()))   # unregistered again after the test
+    monkeypatch.setattr(catalog, "_FAMILIES", list(catalog.model_families()))   # unregistered again after the test
     register_family(TOY)
 
 

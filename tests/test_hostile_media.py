@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from awkward_media import Fails, Ok, frame_number, halves, make_awkward_inputs
 from tarsier_batch.cli import app
 from tarsier_batch.errors import KINDS, ItemError, printable
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import (
     Media,

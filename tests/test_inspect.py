@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from awkward_media import make_awkward_inputs
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
-from tarsier_batch.families.catalog import TARSIER, TARSIER2, load_caption_model
+from tarsier_batch.families.catalog import TARSIER, TARSIER2
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
 from tarsier_batch.review.inspection import _in_child, inspect_file

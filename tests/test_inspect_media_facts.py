@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
-from tarsier_batch.families.catalog import TARSIER, TARSIER2, FamilyInfo, load_caption_model
+from tarsier_batch.families.catalog import TARSIER, TARSIER2, FamilyInfo
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
 from tarsier_batch.review.inspection import Inspection, family_for, inspect_file

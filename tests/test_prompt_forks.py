@@ -14,7 +14,7 @@ from tarsier_batch.engine.kv_cache import KVCache
 from tarsier_batch.engine.pruning import PruneConfig
 from tarsier_batch.engine.scheduler import Scheduler, SchedulerConfig
 from tarsier_batch.families.base import KVGeometry, ProcessedPrompt
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.temporal import drop_static_vision
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of

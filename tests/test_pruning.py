@@ -189,7 +189,7 @@ def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, pro
 def test_tarsier2_pruned_rows_keep_their_mrope_positions_and_equal_the_reference(shared_media, tmp_path_factory):
     """M-RoPE: survivors keep their (t, h, w) positions, decoding continues after the rope delta; mixed frame
     counts batched and chunked equal each row alone, which equals the plain reference."""
-    from tarsier_batch.families.catalog import load_caption_model
+    from tarsier_batch.families.loading import load_caption_model
     from tarsier_batch.families.tiny import make_tiny_model
     from test_tarsier2 import process as process2
 

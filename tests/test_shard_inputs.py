@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tarsier_batch.decoding.workers import DecodeJob, DecodePool
-from tarsier_batch.families.catalog import load_processor
+from tarsier_batch.families.loading import load_processor
 from tarsier_batch.inputs.sharding import Shard
 from tarsier_batch.inputs.sources import discover
 

@@ -18,7 +18,7 @@ from tarsier_batch.cli import app
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.engine.sampling import select_tokens
 from tarsier_batch.families.base import ProcessedPrompt
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel, VisionSpan, mrope_positions
 from tarsier_batch.families.tarsier2.processing import pixel_cap, shrink_to_pixels, with_temporal_copies
 from tarsier_batch.families.tiny import make_tiny_model

@@ -12,7 +12,7 @@ from PIL import Image
 from safetensors import safe_open
 from transformers import CLIPVisionModel
 
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptionModel, TarsierConfig, merged_layout
 from tarsier_batch.families.tarsier.processing import build_prompt, stretch_to_square
 from tarsier_batch.families.tarsier.weights import load_model

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from tarsier_batch.cli import app
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams
 from tarsier_batch.families.base import ProcessedPrompt, VisionBlock, embed_whole_prompt
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.temporal import ALWAYS_KEPT, drop_static_vision
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of

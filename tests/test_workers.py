@@ -31,7 +31,7 @@ from tarsier_batch.decoding.workers import (
     decode_item,
     default_workers,
 )
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.inputs.sources import MediaItem
 from tarsier_batch.media import MediaType

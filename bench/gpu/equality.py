@@ -29,7 +29,7 @@ import torch
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams
 from tarsier_batch.engine.sampling import _penalise_repeats
 from tarsier_batch.families.base import CaptionModel, ProcessedPrompt
-from tarsier_batch.families.catalog import load_caption_model
+from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
 

@@ -109,7 +109,7 @@ def decoding_preload() -> list[str]:
 
     package = __name__.split(".")[0]
     ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
-    families = [family.processor_loader.partition(":")[0] for family in catalog.families()
+    families = [family.processor_loader.partition(":")[0] for family in catalog.model_families()
                 if family.processor_loader.startswith(package + ".")]
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)

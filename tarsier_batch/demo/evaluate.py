@@ -38,7 +38,7 @@ class Evaluation:
         return self.reversed_correct / self.n if self.n else 0.0
 
 
-def evaluate(n: int, seed: int, model: str = "demo", extra_flags: tuple[str, ...] = ()) -> Evaluation:
+def evaluate_demo(n: int, seed: int, model: str = "demo", extra_flags: tuple[str, ...] = ()) -> Evaluation:
     """Caption `n` held-out clips (and each played backwards) with `model`; exact-match accuracy."""
     draw = random.Random(seed)
     seeds = draw.sample(range(*HELD_OUT_SEEDS), n)

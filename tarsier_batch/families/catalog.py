@@ -9,15 +9,8 @@ and transformers, so that `tarsier models` and flag checks answer at once.
 from __future__ import annotations
 
 import importlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..base import CaptionModel, Processor
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -74,7 +67,7 @@ def register_family(family: FamilyInfo) -> None:
     _FAMILIES.append(family)
 
 
-def families() -> tuple[FamilyInfo, ...]:
+def model_families() -> tuple[FamilyInfo, ...]:
     """The registered families, the default model's first."""
     return tuple(_FAMILIES)
 
@@ -100,19 +93,3 @@ def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
     raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
                      f"{text_type!r}; supported: {supported}")
 
-
-def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
-    """Load the checkpoint in `model_dir` with the family its config.json names."""
-    return _family_of(model_dir).code("loader")(model_dir, dtype, device)
-
-
-def load_processor(model_dir: Path) -> Processor:
-    """The checkpoint's CPU side alone (frames and prompt), without its weights: what decoding takes."""
-    return _family_of(model_dir).code("processor_loader")(model_dir)
-
-
-def _family_of(model_dir: Path) -> FamilyInfo:
-    config_path = model_dir / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")
-    return family_of_config(json.loads(config_path.read_text()), str(config_path))

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..families.catalog import families
+from ..families.catalog import model_families
 
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -42,12 +42,12 @@ def tiny_model_dir(alias: str) -> Path:
 
 def needs_building(reference: str) -> bool:
     """Whether `reference` is a built-in random model not built yet (the first use builds it)."""
-    return any(reference == family.tiny_alias for family in families()) and \
+    return any(reference == family.tiny_alias for family in model_families()) and \
         not (tiny_model_dir(reference) / "model.safetensors").exists()
 
 
 DEMO_ALIAS = "demo"
-DEMO_CHECKPOINT = Path(__file__).resolve().parent / "demo" / "checkpoint"
+DEMO_CHECKPOINT = Path(__file__).resolve().parents[1] / "demo" / "checkpoint"   # the package's demo/ folder
 # As measured by `tarsier dev eval-demo` over 1,000 held-out clips, one mistake (README, "The demo model");
 # `tarsier models` and the README state it in these same words.
 DEMO_ACCURACY = "99.9 % of held-out clips exactly right"
@@ -57,15 +57,15 @@ def model_reference_problem(reference: str) -> str | None:
     """Why `reference` names no checkpoint, from the name and the local disk alone (no torch, no download), with
     the closest built-in or known name; None when it may name one (whether a Hugging Face id exists is the hub's
     to say, and a directory's contents are checked when loading)."""
-    if reference == DEMO_ALIAS or any(reference == family.tiny_alias for family in families()):
+    if reference == DEMO_ALIAS or any(reference == family.tiny_alias for family in model_families()):
         return None
     local = Path(reference).expanduser()
     if local.is_dir():
         return None
     if not local.exists() and reference.count("/") == 1 and not reference.startswith((".", "/", "~")):
         return None
-    known = [DEMO_ALIAS, *(family.tiny_alias for family in families()),
-             *(checkpoint for family in families() for checkpoint in family.checkpoints)]
+    known = [DEMO_ALIAS, *(family.tiny_alias for family in model_families()),
+             *(checkpoint for family in model_families() for checkpoint in family.checkpoints)]
     by_lower = {name.lower(): name for name in known}   # 'Demo' is a near miss of 'demo' too
     close = difflib.get_close_matches(reference.lower(), list(by_lower), n=1)
     hint = f"did you mean {by_lower[close[0]]!r}?" if close else "see 'tarsier models'"
@@ -81,7 +81,7 @@ def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
             raise ModelNotFoundError(f"the demo model is missing from this installation ({DEMO_CHECKPOINT}); "
                                      f"train it with tools/train_demo_model.py")
         return ResolvedModel(reference, DEMO_CHECKPOINT, None)
-    for family in families():
+    for family in model_families():
         if reference == family.tiny_alias:
             from ..families.tiny import ensure_tiny_model
 

@@ -1,6 +1,7 @@
 """`tarsier merge`: join the outputs of `--shard I/N` runs into the output one run would have written.
 
-Each shard's Parquet output records which shard it is, how many inputs the whole run listed,
+`merge_outputs(folder, out)` does all of it (what the command calls); `merge_shards(folder)` only reads and
+merges. Each shard's Parquet output records which shard it is, how many inputs the whole run listed,
 and each row's place among them (`Shard.provenance`). Merging checks that the files are one
 complete set made the same way (every shard once, the same inputs, the same settings and
 columns), then interleaves the rows back into input order.
@@ -17,8 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import one_line
-from .formats import parquet_metadata
+from .formats import OutputTarget, parquet_metadata
+from .lock import OutputLock
+from .remote import RemoteOutput, output_at
 from .schema import OutputColumns
+from .store import ResultStore
 
 # Per-item counts of a run's summary: a merged run's are the shards' sums.
 _SUMMED = ("total", "captioned", "failed", "already_done", "missing_kept", "missing_pruned", "left_for_later",
@@ -59,6 +63,43 @@ class Merged:
     provenance: dict[str, Any]
     summary: dict[str, Any]
     shards: int
+
+
+@dataclass(frozen=True)
+class MergeReport:
+    """What `merge_outputs` wrote."""
+
+    shards: int
+    rows: int        # one per file (with --long, a file's questions are one)
+    failed: int      # rows with an error
+    written: str     # the output, as shown to the user (a URL without its signature)
+
+
+def merge_outputs(folder: Path, out: str | Path | OutputTarget | RemoteOutput) -> MergeReport:
+    """Merge the shard outputs in `folder` into `out` (a .parquet, .jsonl or .csv path or object store URL),
+    under `out`'s lock, replacing it atomically: the output one run over all the inputs would have written,
+    which a later run without a shard continues.
+
+    Raises `MergeError` (not one complete, consistent set), `OutputError` (an output it cannot write),
+    `OutputLockedError` (another run writes `out`), `OutputWriteError` or `OSError`; nothing is written then.
+    """
+    output = output_at(out) if isinstance(out, (str, Path)) else out
+    remote = output if isinstance(output, RemoteOutput) else None
+    target = remote.target if remote is not None else output
+    assert isinstance(target, OutputTarget)
+    target.check()
+    if remote is None and target.path.resolve().parent == folder.resolve() and target.path.suffix.lower() == ".parquet":
+        raise MergeError(f"--out {target.shown} is inside {folder}: a later merge would read it as a shard; "
+                         f"write it elsewhere")
+    merged = merge_shards(folder)
+    if remote is None:
+        target.path.parent.mkdir(parents=True, exist_ok=True)
+    with remote.held() if remote is not None else OutputLock(target.path):
+        ResultStore(target, merged.columns).commit(merged.rows, merged.provenance, merged.summary)
+        if remote is not None:
+            remote.publish()
+    return MergeReport(merged.shards, len(merged.columns.file_rows(merged.rows)),
+                       sum(row["error"] is not None for row in merged.rows), target.shown)
 
 
 def merge_shards(folder: Path) -> Merged:

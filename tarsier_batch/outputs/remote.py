@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import one_line
-from ..storage import READ_ONLY_SCHEMES, filesystem, redact, redact_text, scheme, with_retries
+from ..storage import READ_ONLY_SCHEMES, filesystem, is_url, redact, redact_text, scheme, with_retries
 from .formats import META_SUFFIX, SHARD_PATTERN, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
 from .store import SETTINGS_FILE, OutputWriteError, work_name
@@ -55,6 +55,15 @@ class UploadError(OutputWriteError):
 def staging_root() -> Path:
     """Where outputs at URLs are staged: a cache (a killed run's copy is only ever replaced, never read)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tarsier-batch" / "staging"
+
+
+def output_at(location: str | Path, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
+    """The output at `location`: a local path, or an object store URL staged locally (a read-only scheme or a
+    missing storage backend raises `OutputError` or `StorageError` here, before anything is read or written).
+    With `shard_rows`, a folder (or prefix) of shards."""
+    if isinstance(location, str) and is_url(location):
+        return RemoteOutput(location, shard_rows)
+    return OutputTarget(Path(location), shard_rows)
 
 
 class RemoteOutput:

@@ -20,7 +20,7 @@ from typing import Any
 from .. import storage
 from ..decoding.fork_server import quiet_fork_server
 from ..errors import one_line, printable
-from ..families.catalog import TARSIER, FamilyInfo, families, family_of_config
+from ..families.catalog import TARSIER, FamilyInfo, family_of_config, model_families
 from ..inputs import tars
 from ..inputs.sources import item_of_path, readable_copy
 from ..media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
@@ -90,7 +90,7 @@ def family_for(model: str) -> FamilyInfo:
     """The family of `--model`: a built-in alias, a known hub id, or a checkpoint folder's config.json."""
     if model == "demo":   # the shipped demo model is a Tarsier v1
         return TARSIER
-    for family in families():
+    for family in model_families():
         if model == family.tiny_alias or model in family.checkpoints:
             return family
     config = Path(model).expanduser() / "config.json"

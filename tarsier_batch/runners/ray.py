@@ -35,8 +35,8 @@ from .. import storage
 from ..api import Captioner, decode_pool
 from ..decoding.faults import maybe_kill_ray_actor
 from ..decoding.workers import Decoded, DecodePool
-from ..families.catalog import load_processor
 from ..families.generation_config import read_repetition_penalty
+from ..families.loading import load_processor
 from ..inputs.sources import MediaItem
 from ..model.checkpoints import resolve_model
 from ..outputs.results import CaptionResult

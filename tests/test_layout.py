@@ -1,0 +1,186 @@
+"""The package's shape: folders in the order a file goes through the tool, imports that run one way.
+
+Read from the source (every import: at the top, inside functions and under TYPE_CHECKING), so that a
+new import against the grain fails here, not as a circular-import error at some later start.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tarsier_batch"
+
+# Lowest first. A module imports only from its own unit (a top-level module, or a folder) and from units
+# of lower ranks; units of one rank never import each other.
+LAYERS: list[set[str]] = [
+    {"version", "errors", "storage", "demo"},   # shared by all: item errors and safe text, URLs, the demo's files
+    {"media"},                                  # what a media file holds: types, frames as the official code samples
+    {"inputs"},                                           # where items come from
+    {"families"},                                         # what a model family is (processor, modules, registry)
+    {"settings"},                                         # every setting of a run, checked once
+    {"model"},                                            # what to load and whether it fits
+    {"engine", "decoding", "outputs"},                    # batched generation; bytes -> model inputs; rows saved
+    {"progress"},                                         # a run's statistics and displays
+    {"api"},                                              # Captioner: the model loaded once, fed by decoding
+    {"run"},                                              # CaptionRun: one run over an output
+    {"runners", "review", "config"},                      # Ray; reports and inspection; the CLI's config file
+    {""},                                                 # the public names (the package's __init__)
+    {"cli"},                                              # the command line: a client of the public names
+    {"__main__"},                                         # python -m tarsier_batch
+]
+
+
+def _modules() -> dict[str, Path]:
+    """Every module by dotted name below the package ('' is the package itself)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imported(name: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules of this package that `node`, in module `name`, imports."""
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+        return [target.removeprefix("tarsier_batch").lstrip(".") for target in targets
+                if target == "tarsier_batch" or target.startswith("tarsier_batch.")]
+    if node.level:
+        base = name.split(".") if name else []
+        if MODULES[name].name != "__init__.py":
+            base = base[:-1]
+        base = base[:len(base) - node.level + 1]
+        module = ".".join([*base, *([node.module] if node.module else [])])
+    elif node.module == "tarsier_batch" or (node.module or "").startswith("tarsier_batch."):
+        module = node.module.removeprefix("tarsier_batch").lstrip(".")
+    else:
+        return []
+    # `from package import submodule` imports the submodule; `from module import name` the module.
+    return [f"{module}.{alias.name}".lstrip(".") if f"{module}.{alias.name}".lstrip(".") in MODULES else module
+            for alias in node.names]
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _imported(name, node):
+                    while target not in MODULES:   # a name inside a module: the module
+                        target = target.rpartition(".")[0]
+                    if target != name:
+                        edges.add(target)
+    return graph
+
+
+def _unit(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _rank(module: str) -> int:
+    return next(rank for rank, units in enumerate(LAYERS) if _unit(module) in units)
+
+
+def test_the_top_level_holds_at_most_twelve_modules_and_every_unit_has_a_layer() -> None:
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    units = {_unit(module) for module in MODULES}
+    assert units == set().union(*LAYERS), units ^ set().union(*LAYERS)
+
+
+def test_imports_run_from_higher_layers_to_lower_ones_only() -> None:
+    against = [f"{module} imports {target}" for module, targets in _graph().items() for target in sorted(targets)
+               if _unit(module) != _unit(target) and _rank(module) <= _rank(target)]
+    assert not against, "\n".join(against)
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    graph = _graph()
+    # Tarjan's strongly connected components: any with two or more modules is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not circles, circles
+
+
+def test_the_command_line_uses_only_the_public_names() -> None:
+    """cli.py is a client of the library: it imports from `tarsier_batch` itself (the names `__all__` lists)
+    and from its own config file module, nothing from inside the package."""
+    import tarsier_batch
+
+    tree = ast.parse((PACKAGE / "cli.py").read_text())
+    private = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if node.module is None:
+                private += [alias.name for alias in node.names if alias.name not in tarsier_batch.__all__]
+            elif node.module != "config":
+                private.append(node.module)
+        elif isinstance(node, ast.Import):
+            private += [alias.name for alias in node.names if alias.name.startswith("tarsier_batch")]
+    assert not private, private
+
+
+def test_the_public_names_are_listed_alike_everywhere_and_all_import() -> None:
+    """`__all__`, the lazy map and the TYPE_CHECKING imports (what type checkers read) name the same
+    things from the same modules, and each name resolves."""
+    import tarsier_batch
+
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    checked: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for statement in node.body:
+                assert isinstance(statement, ast.ImportFrom)
+                checked.update({alias.name: statement.module or "" for alias in statement.names})
+    exports = tarsier_batch._EXPORTS
+    assert checked == exports
+    assert sorted(tarsier_batch.__all__) == sorted(["__version__", *exports])
+    for name in tarsier_batch.__all__:
+        assert getattr(tarsier_batch, name) is not None, name
+
+
+@pytest.mark.parametrize("module", ["tarsier_batch.families", "tarsier_batch.families.catalog",
+                                    "tarsier_batch.inputs.sources", "tarsier_batch.model.checkpoints",
+                                    "tarsier_batch.settings"])
+def test_modules_the_command_line_needs_at_start_import_nothing_heavy(module: str) -> None:
+    """The folders' own __init__ files stay light: checking a flag must not import torch through them."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
