@@ -374,9 +374,11 @@ def caption(
               f"give --out shard-{shard_spec.index}.parquet")
     found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
     try:
+        if log_file:   # its folder is made, as --out's is (shards/shard-0.log beside shards/shard-0.parquet)
+            log_file.parent.mkdir(parents=True, exist_ok=True)
         log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
     except OSError as error:
-        _fail(str(error))
+        _fail(f"--log-file {log_file}: {error.strerror or error}")
     log = LineLog(file=log_handle)
     reporter = _CliReporter(console, quiet, log)
     try:

@@ -120,7 +120,7 @@ class LoggingReporter:
 
 
 class Backend(Protocol):
-    """What captions a run's items: a `Captioner` in this process, or a cluster (`runners.ray.RayBackend`)."""
+    """Where a run's captions are made: a `Captioner` in this process, or a Ray cluster (`runners.ray.RayBackend`)."""
 
     def caption(self, items: Iterable[MediaItem], on_tokens: Callable[[int], None] | None = None,
                 in_order: bool = True) -> Iterator[CaptionResult]:
@@ -146,7 +146,7 @@ def load_captioner(settings: CaptionSettings, items: int | None = None) -> Backe
 
 
 class ItemLoop:
-    """Feeds the plan's items to a captioner and hands every finished row to the sink.
+    """The loop inside a run: feeds the plan's items to the backend and hands every finished row to the sink.
 
     An item whose content another item of the run shares (same key: links to one file,
     copies with `--key sha256`) is captioned once; each path still gets its own row.

@@ -48,18 +48,41 @@ def runnable_blocks(page: Path) -> list[str]:
     return re.findall(r"<!-- runnable -->\n```sh\n(.*?)```", page.read_text(), re.S)
 
 
-RUNNABLE_PAGES = [REPO / "README.md", *sorted(page for page in (REPO / "docs").glob("*.md")
-                                              if page.name != "index.md" and runnable_blocks(page))]
+def runnable_files(page: Path) -> dict[str, str]:
+    """The code blocks a page marks `<!-- runnable: NAME -->`: files the page tells the reader to save as NAME."""
+    return dict(re.findall(r"<!-- runnable: ([\w.-]+) -->\n```\w*\n(.*?)```", page.read_text(), re.S))
 
 
-@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=lambda page: page.name)
-def test_the_runnable_shell_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
-    """Every marked block of the page in one shell, in order, in a folder holding a copy of sample_data, with this
-    environment's `tarsier` and `python` first on the PATH (as in the environment the install section creates)."""
+TASK_PAGES = sorted(page for page in (REPO / "docs").glob("*.md") if page.name != "index.md" and runnable_blocks(page))
+
+
+def run_page(page: Path, folder: Path) -> None:
+    """Every marked block of the page in one shell, in order, in a folder holding a copy of sample_data and the
+    page's files, with this environment's `tarsier` and `python` first on the PATH (as in the environment the
+    install section creates)."""
     blocks = runnable_blocks(page)
     assert blocks
-    shutil.copytree(REPO / "sample_data", tmp_path / "sample_data")
+    shutil.copytree(REPO / "sample_data", folder / "sample_data")
+    for name, text in runnable_files(page).items():
+        (folder / name).write_text(text)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(blocks)], cwd=tmp_path, env=env,
+    done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(blocks)], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_readmes_runnable_shell_blocks_run_as_written(tmp_path: Path) -> None:
+    run_page(REPO / "README.md", tmp_path)
+
+
+@pytest.mark.docs
+@pytest.mark.parametrize("page", TASK_PAGES, ids=lambda page: page.name)
+def test_the_task_pages_runnable_blocks_run_as_written(page: Path, tmp_path: Path) -> None:
+    run_page(page, tmp_path)
+
+
+def test_every_task_page_has_runnable_blocks() -> None:
+    """A new user follows a task page's commands as written: each page about a task shows them runnable."""
+    reference = {"index.md", "benchmarks.md", "changelog.md", "development.md"}
+    pages = {page.name for page in (REPO / "docs").glob("*.md")} - reference
+    assert pages == {page.name for page in TASK_PAGES}

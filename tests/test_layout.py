@@ -184,3 +184,11 @@ def test_modules_the_command_line_needs_at_start_import_nothing_heavy(module: st
     code = f"import sys, {module}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_every_public_name_is_on_the_python_api_page() -> None:
+    import tarsier_batch
+
+    page = (PACKAGE.parent / "docs" / "python-api.md").read_text()
+    missing = [name for name in tarsier_batch.__all__ if name != "__version__" and f"`{name}" not in page]
+    assert not missing, missing

@@ -169,7 +169,7 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
     import re
 
     (folder / "broken.mp4").write_bytes(b"not a video")
-    log = tmp_path / "run.log"
+    log = tmp_path / "logs" / "run.log"   # its folder is made, as --out's is
     result = caption(str(folder), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"),
                      "--max-new-tokens", "2", "--quiet", "--log-file", str(log))
     assert result.exit_code == 1 and result.output == ""
@@ -181,6 +181,15 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
     assert any(text.startswith(f"failed {folder / 'broken.mp4'}: ") for text in texts)
     assert texts[-2].startswith("4/4 items, 1 failed")
     assert texts[-1].startswith("done: captioned 3; failed 1;")
+
+
+def test_a_log_file_that_cannot_be_written_stops_at_once_naming_the_flag(folder: Path, tmp_path: Path) -> None:
+    (tmp_path / "plain-file").write_text("")
+    result = caption(str(folder), "--model", "demo", "--out", str(tmp_path / "r.parquet"),
+                     "--log-file", str(tmp_path / "plain-file" / "run.log"))
+    assert result.exit_code == 2
+    assert result.output.strip().startswith(f"Error: --log-file {tmp_path / 'plain-file' / 'run.log'}: ")
+    assert not (tmp_path / "r.parquet").exists()
 
 
 # --- kills and signals, in real processes --------------------------------------------------------------------
