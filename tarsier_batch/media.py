@@ -97,6 +97,50 @@ def _check_counts(total_frames: int, num_frames: int) -> None:
         raise ValueError("at least one frame must be requested")
 
 
+@dataclass(frozen=True)
+class Span:
+    """A stretch of a video, [start_s, end_s) in seconds from its first frame: what a segment's row captions."""
+
+    start_s: float
+    end_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_s < self.end_s:
+            raise ValueError(f"a span runs from a start at or after 0 s to a later end, not {self}")
+
+    def __str__(self) -> str:
+        return f"{self.start_s:g}-{self.end_s:g} s"
+
+
+# A frame whose start time is within this of a span's boundary counts as at the boundary (times are rounded
+# from the stream's time base: 1/12288 s and the like).
+_SPAN_TOLERANCE_S = 1e-6
+
+
+def frames_in_span(starts: list[float], span: Span) -> range:
+    """The frames (display order) that start within `span`; `starts` are the frames' start times, ascending,
+    the first at 0. A span past the end is clipped to it (an empty range: nothing of it is in the video)."""
+    return range(bisect.bisect_left(starts, span.start_s - _SPAN_TOLERANCE_S),
+                 bisect.bisect_left(starts, span.end_s - _SPAN_TOLERANCE_S))
+
+
+def sample_span(starts: list[float], span: Span | None, num_frames: int, sampler: FrameSampler) -> list[int]:
+    """Frame indices `sampler` picks within `span`, as if the span were the whole file (None: the whole file)."""
+    if span is None:
+        return sampler(len(starts), num_frames)
+    frames = frames_in_span(starts, span)
+    if not frames:
+        raise ItemError(UNDECODABLE, f"no frame in {span}: the video's frames start between 0 and "
+                                     f"{starts[-1]:g} s" if starts else "the video has no frames")
+    return [frames.start + index for index in sampler(len(frames), num_frames)]
+
+
+def _from_first_frame(starts: list[float]) -> list[float]:
+    """Start times counted from the first frame, ascending (a stream may start at a later timestamp)."""
+    starts = sorted(starts)
+    return [start - starts[0] for start in starts] if starts else starts
+
+
 # Chooses `num_frames` frame indices of a clip of `total_frames` frames.
 FrameSampler = Callable[[int, int], list[int]]
 # Applied to each sampled frame (an RGB PIL image) as soon as it is decoded, e.g. a model's
@@ -125,8 +169,9 @@ class Media:
 
 def load_media(path: str, media_type: MediaType, num_frames: int,
                frame_transform: FrameTransform | None = None, sampler: FrameSampler = frame_indices,
-               max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
-    """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame).
+               max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
+    """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame); with `span`, within
+    that stretch of a video only, as if it were the whole file (`sample_span`).
 
     With `frame_transform`, each sampled frame is transformed soon after it is decoded and only
     the result is kept. Full-resolution frames are released before decoding goes on, except
@@ -136,8 +181,10 @@ def load_media(path: str, media_type: MediaType, num_frames: int,
     GIF of more than `max_image_pixels` pixels (None: any) fails without being decoded.
     """
     check_regular_file(path)
+    if span is not None and media_type is not MediaType.VIDEO:
+        raise ItemError(UNDECODABLE, f"a span ({span}) applies to videos only; this is {media_type.value}")
     if media_type is MediaType.VIDEO:
-        return _load_video(path, num_frames, frame_transform, sampler)
+        return _load_video(path, num_frames, frame_transform, sampler, span)
     if media_type is MediaType.GIF:
         return _load_gif(path, num_frames, frame_transform, sampler, max_image_pixels)
     return _load_image(path, num_frames, frame_transform, sampler, max_image_pixels)
@@ -176,7 +223,8 @@ def decoder_versions() -> dict[str, str]:
             "gif": f"pillow {PIL.__version__}", "image": f"pillow {PIL.__version__}"}
 
 
-def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler) -> Media:
+def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+                span: Span | None = None) -> Media:
     """decord where it gives the frames asked for, as they are shown (the official decoder, so the
     official pixels); PyAV otherwise, and when decord fails.
 
@@ -189,11 +237,11 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     failures: list[str] = []
     if decord_problem(source) is None:
         try:
-            return _load_video_decord(path, source, num_frames, transform, sampler)
+            return _load_video_decord(path, source, num_frames, transform, sampler, span)
         except _DecoderFailure as failure:
             failures.append(f"decord: {failure}")
     try:
-        return _load_video_pyav(path, source, num_frames, transform, sampler)
+        return _load_video_pyav(path, source, num_frames, transform, sampler, span)
     except _DecoderFailure as failure:
         failures.append(f"pyav: {failure}")
     why = _why_no_decoder_opens(source)
@@ -374,27 +422,28 @@ class _SampledFrames:
 
 
 def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTransform | None,
-                     sampler: FrameSampler) -> Media:
+                     sampler: FrameSampler, span: Span | None = None) -> Media:
     """Decode with FFmpeg through PyAV from the start of the file: no seeking, so the frames asked for.
 
-    Frames are counted by demuxing (no decoding: a packet is a frame). One decoding pass keeps
-    the sampled frames, each shown as a player shows it (`_displayed`) and transformed at once.
-    A damaged packet is skipped and a damaged or truncated container is read up to the damage;
-    if then not as many frames decode as packets were counted, the frames are sampled again
-    from the decoded count and decoded once more, so the indices follow `sampler` over frames
-    that exist, the last one included. Every frame is decoded (only sampled ones are converted
-    to RGB): ~150 frames/s for 1080p H.264 on one core, slower than decord's seeking on long
-    videos.
+    Frames are counted by demuxing (no decoding: a packet is a frame, its presentation time the
+    frame's). One decoding pass keeps the sampled frames, each shown as a player shows it
+    (`_displayed`) and transformed at once. A damaged packet is skipped and a damaged or
+    truncated container is read up to the damage; if then not as many frames decode as packets
+    were counted, the frames are sampled again from the decoded count and decoded once more, so
+    the indices follow `sampler` over frames that exist, the last one included. Every frame is
+    decoded (only sampled ones are converted to RGB): ~150 frames/s for 1080p H.264 on one core,
+    slower than decord's seeking on long videos.
     """
     import av
 
     try:
         with _video_stream(source) as (container, stream):
-            total = sum(1 for _ in _packets(container, stream))
+            starts = _packet_starts(container, stream)
+        total = len(starts)
         for _ in range(2):
             if total < 1:
                 raise _DecoderFailure("no video frame decodes")
-            indices = sampler(total, num_frames)
+            indices = sample_span(starts[:total], span, num_frames, sampler)
             sampled = _decode_sampled(source, indices, transform)
             if sampled.frame_count == total:
                 break
@@ -406,6 +455,16 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
     frames = [sampled.results[index] for index in indices]  # a repeated index reuses its result
     return Media(path, MediaType.VIDEO, frames, indices, sampled.width, sampled.height,
                  total / sampled.fps if sampled.fps else None, "pyav")
+
+
+def _packet_starts(container: Any, stream: Any) -> list[float]:
+    """Each frame's start time in display order, from the first frame's, read from the packets (no decoding).
+    Packets without a timestamp are given their place at the stream's frame rate."""
+    times = [packet.pts for packet in _packets(container, stream)]
+    if None in times:
+        rate = float(stream.average_rate or 0) or 25.0
+        return [index / rate for index in range(len(times))]
+    return _from_first_frame([float(time * stream.time_base) for time in times])
 
 
 def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None) -> _SampledFrames:
@@ -440,7 +499,7 @@ def _displayed(frame: Any, aspect: Fraction) -> Image.Image:
 
 
 def _load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
-                       sampler: FrameSampler) -> Media:
+                       sampler: FrameSampler, span: Span | None = None) -> Media:
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
@@ -449,9 +508,10 @@ def _load_video_decord(path: str, source: str, num_frames: int, transform: Frame
         total = len(reader)
         keyframes = [int(key) for key in reader.get_key_indices()]
         fps = reader.get_avg_fps()
+        starts = _from_first_frame(reader.get_frame_timestamp(range(total))[:, 0].tolist()) if span else []
     if total < 1:
         raise _DecoderFailure("no frames")
-    indices = sampler(total, num_frames)
+    indices = sample_span(starts, span, num_frames, sampler) if span else sampler(total, num_frames)
     # decord's get_batch on the whole index list decodes each distinct index in order (seeking
     # unless the reader can simply decode forward to it) and copies repeats. Calling it with
     # one index at a time, in the same order, runs the same decoder steps (plus a seek between

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from ..media import MAX_IMAGE_PIXELS, Media, MediaType
+from ..media import MAX_IMAGE_PIXELS, Media, MediaType, Span
 from .catalog import FamilyInfo
 
 
@@ -122,8 +122,9 @@ class Processor(Protocol):
     default_frames: int  # frames sampled from a video when the user does not say
 
     def load_media(self, path: str, media_type: MediaType, num_frames: int,
-                   max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
-        """Decode and sample a file the family's way; each frame is preprocessed as soon as it is decoded."""
+                   max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
+        """Decode and sample a file (or, with `span`, a stretch of a video) the family's way; each frame is
+        preprocessed as soon as it is decoded."""
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media` from `load_media`; `instruction` None means the family's default for the media type."""

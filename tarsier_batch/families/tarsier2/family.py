@@ -10,7 +10,7 @@ import torch
 from transformers.initialization import no_init_weights
 
 from ...errors import UNDECODABLE, ItemError
-from ...media import MAX_IMAGE_PIXELS, Media, MediaType, frame_indices_without_repeats, load_media
+from ...media import MAX_IMAGE_PIXELS, Media, MediaType, Span, frame_indices_without_repeats, load_media
 from ..base import KVGeometry, ProcessedPrompt, VisionBlock
 from ..catalog import TARSIER2
 from ..decoder import DecoderCaptionModel
@@ -33,11 +33,11 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
         self.image_token_id = config.image_token_id
 
     def load_media(self, path: str, media_type: MediaType, num_frames: int,
-                   max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> Media:
+                   max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """Tarsier2 sampling (a clip of at most `num_frames` frames gives all of them, no repeats)."""
         transform = functools.partial(self.frame_patches, media_type=media_type)
         return load_media(path, media_type, num_frames, frame_transform=transform,
-                          sampler=frame_indices_without_repeats, max_image_pixels=max_image_pixels)
+                          sampler=frame_indices_without_repeats, max_image_pixels=max_image_pixels, span=span)
 
     def vision_changes(self, prompt: ProcessedPrompt) -> list[torch.Tensor | None]:
         """Per merged token, from the pixels of the patches it covers (consecutive in a frame's patches, in the

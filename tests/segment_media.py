@@ -1,0 +1,50 @@
+"""Long test videos whose frames say their own number, with scene cuts at known times: made here with PyAV.
+
+Frame i carries i in binary as 12 black or white blocks (readable after lossy compression), over a
+background whose colour changes at each scene cut.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+from PIL import Image
+
+W, H = 96, 64
+BITS, BLOCK = 12, 8
+# Scene colours: far apart, so that a cut changes every pixel of the background.
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]
+
+
+def picture(index: int, scene: int) -> np.ndarray:
+    frame = np.empty((H, W, 3), np.uint8)
+    frame[:] = COLOURS[scene % len(COLOURS)]
+    for bit in range(BITS):
+        frame[H - 2 * BLOCK:H - BLOCK, bit * BLOCK:(bit + 1) * BLOCK] = 255 if index >> bit & 1 else 0
+    return frame
+
+
+def frame_number(frame: Image.Image | np.ndarray) -> int:
+    """The number a decoded frame of `write_numbered_video` carries."""
+    pixels = np.asarray(frame)
+    row = pixels[H - 2 * BLOCK + 2:H - BLOCK - 2]
+    return sum(1 << bit for bit in range(BITS) if row[:, bit * BLOCK + 2:(bit + 1) * BLOCK - 2].mean() > 128)
+
+
+def write_numbered_video(path: Path, seconds: float, fps: int = 10, scene_s: float | None = None,
+                         codec: str = "libx264") -> Path:
+    """A `seconds`-long video at `fps`, frames numbered from 0, a new scene every `scene_s` seconds."""
+    frames = round(seconds * fps)
+    assert frames < 1 << BITS
+    with av.open(str(path), "w") as output:
+        stream = output.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        for index in range(frames):
+            scene = int(index / fps // scene_s) if scene_s else 0
+            for packet in stream.encode(av.VideoFrame.from_ndarray(picture(index, scene), format="rgb24")):
+                output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return path

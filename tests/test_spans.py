@@ -1,0 +1,86 @@
+"""A span of a video is sampled as if it were the whole file: the official formula over the frames that start
+within it, by decord and by PyAV alike (checked by the number each decoded frame carries in its pixels)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from segment_media import frame_number, write_numbered_video
+from tarsier_batch.errors import UNDECODABLE, ItemError
+from tarsier_batch.media import (
+    MediaType,
+    Span,
+    _load_video_pyav,
+    frame_indices,
+    frame_indices_without_repeats,
+    load_media,
+)
+
+
+@pytest.fixture(scope="module")
+def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """65 s at 10 fps: frame i starts at i / 10 s."""
+    return write_numbered_video(tmp_path_factory.mktemp("spans") / "numbered.mp4", 65)
+
+
+def decoded(path: Path, decoder: str, span: Span | None, frames: int = 8, sampler=frame_indices):
+    if decoder == "decord":
+        media = load_media(str(path), MediaType.VIDEO, frames, sampler=sampler, span=span)
+    else:
+        media = _load_video_pyav(str(path), os.path.abspath(path), frames, None, sampler, span)
+    assert media.decoder == decoder
+    return media
+
+
+@pytest.mark.parametrize("decoder", ["decord", "pyav"])
+@pytest.mark.parametrize(("span", "first", "count"), [
+    (Span(10, 20), 100, 100),      # frames 100..199
+    (Span(12.34, 17.0), 124, 46),  # a start between frames: the first frame that starts within it
+    (Span(60, 70), 600, 50),       # past the end: clipped to the last frame
+    (Span(0, 0.25), 0, 3),         # shorter than the frames asked: v1 repeats frames
+])
+def test_a_span_samples_the_official_indices_within_it(video: Path, decoder: str, span: Span, first: int,
+                                                        count: int) -> None:
+    media = decoded(video, decoder, span)
+    expected = [first + index for index in frame_indices(count, 8)]
+    assert media.frame_indices == expected
+    assert [frame_number(frame) for frame in media.frames] == expected   # the pixels are those frames'
+    assert media.duration_s == pytest.approx(65.0)   # the file's facts stay the file's
+
+
+@pytest.mark.parametrize("decoder", ["decord", "pyav"])
+def test_tarsier2_sampling_within_a_short_span_gives_each_frame_once(video: Path, decoder: str) -> None:
+    media = decoded(video, decoder, Span(30, 30.5), frames=16, sampler=frame_indices_without_repeats)
+    assert media.frame_indices == [300, 301, 302, 303, 304]
+    assert [frame_number(frame) for frame in media.frames] == media.frame_indices
+
+
+def test_the_whole_file_as_a_span_samples_what_no_span_samples(video: Path) -> None:
+    assert decoded(video, "decord", Span(0, 65)).frame_indices == decoded(video, "decord", None).frame_indices
+
+
+@pytest.mark.parametrize("decoder", ["decord", "pyav"])
+def test_a_span_after_the_end_is_an_error_of_its_own(video: Path, decoder: str) -> None:
+    with pytest.raises(ItemError, match=r"no frame in 70-80 s: the video's frames start between 0 and 64.9 s") as error:
+        if decoder == "decord":
+            load_media(str(video), MediaType.VIDEO, 8, span=Span(70, 80))
+        else:   # PyAV's failure is the decoder's own (load_media would then say both)
+            _load_video_pyav(str(video), os.path.abspath(video), 8, None, frame_indices, Span(70, 80))
+    assert error.value.kind == UNDECODABLE
+
+
+def test_a_span_applies_to_videos_only(tmp_path: Path) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "still.png")
+    with pytest.raises(ItemError, match="applies to videos only"):
+        load_media(str(tmp_path / "still.png"), MediaType.IMAGE, 8, span=Span(0, 1))
+
+
+def test_a_span_must_run_forwards_from_zero() -> None:
+    for start, end in [(-1, 2), (5, 5), (6, 5)]:
+        with pytest.raises(ValueError):
+            Span(start, end)
