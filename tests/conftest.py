@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+# PyAV before any test module imports decord: decord's own FFmpeg libraries, loaded first, leave PyAV unable to
+# open some encoders (libvpx-vp9 fails with EINVAL), which the tests use to make their media.
+import av  # noqa: F401  # isort: skip
 import pytest
 import torch
 
