@@ -1,0 +1,70 @@
+"""`--segments`: the spec's grammar, and the windows a fixed spec gives a video of a known length."""
+
+from __future__ import annotations
+
+import pytest
+
+from tarsier_batch.inputs.segments import Segmenting, SegmentsError, parse_duration
+from tarsier_batch.media import Span
+
+
+def spans(spec: str, duration_s: float) -> list[tuple[float, float]]:
+    return [(span.start_s, span.end_s) for span in Segmenting.parse(spec).fixed_spans(duration_s)]
+
+
+def test_ten_second_windows_of_a_65_second_video_are_seven_rows() -> None:
+    assert spans("fixed:10s", 65) == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 50), (50, 60), (60, 65)]
+
+
+def test_a_tail_shorter_than_min_joins_the_window_before_it() -> None:
+    assert spans("fixed:10s", 61.5) == [(0, 10), (10, 20), (20, 30), (30, 40), (40, 50), (50, 61.5)]
+    assert spans("fixed:10s,min=6s", 65)[-1] == (50, 65)
+    assert spans("fixed:10s,min=0", 60.1)[-1] == (60, 60.1)
+
+
+def test_overlapping_windows_start_window_minus_overlap_apart() -> None:
+    assert spans("fixed:10s,overlap=2s", 25) == [(0, 10), (8, 18), (16, 25)]
+    assert spans("fixed:10s,overlap=4s", 22) == [(0, 10), (6, 16), (12, 22)]
+
+
+def test_a_video_shorter_than_one_window_is_one_row() -> None:
+    assert spans("fixed:10s", 4.2) == [(0, 4.2)]
+    assert spans("fixed:10s", 10) == [(0, 10)]
+
+
+def test_every_window_is_a_span_of_the_video() -> None:
+    windows = Segmenting.parse("fixed:7s,overlap=1.5s,min=3s").fixed_spans(3600)
+    assert all(isinstance(window, Span) and window.end_s <= 3600 for window in windows)
+    assert windows[-1] == Span(3597, 3600) and len(windows) == 655   # starts 5.5 s apart; the 3 s tail is kept
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("10", 10), ("10s", 10), ("2.5s", 2.5), ("1m30s", 90), ("1h", 3600),
+                                               ("1h2m3s", 3723)])
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "s", "10x", "-1s", "1m1h", "ten"])
+def test_what_is_not_a_duration_says_so(text: str) -> None:
+    with pytest.raises(SegmentsError, match="is not a duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("fixed", "give the window's length"),
+    ("fixed:0s", "longer than 0 s"),
+    ("fixed:10s,overlap=10s", "shorter than the window"),
+    ("fixed:10s,step=2s", "is not overlap=LENGTH or min=LENGTH"),
+    ("windows:10s", "give whole, fixed:10s"),
+    ("scenes:3", "takes no value"),
+])
+def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
+    with pytest.raises(SegmentsError, match=message):
+        Segmenting.parse(text)
+
+
+def test_the_canonical_spec_reads_back_as_the_same_segmenting() -> None:
+    for text in ["whole", "scenes", "fixed:10s", "fixed:1m,overlap=2.5s,min=0s"]:
+        segmenting = Segmenting.parse(text)
+        assert Segmenting.parse(str(segmenting)) == segmenting
+    assert str(Segmenting.parse("fixed:10")) == "fixed:10s,overlap=0s,min=2s"
