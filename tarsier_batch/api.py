@@ -423,11 +423,12 @@ def _described(decoded: Decoded, elapsed: float) -> CaptionResult:
     media = decoded.media
     assert media is not None
     return CaptionResult(
-        path=decoded.item.row_path, media_type=media.media_type.value, key=decoded.item.stable_key,
+        path=decoded.item.row_path, span=decoded.item.span, media_type=media.media_type.value,
+        key=decoded.item.stable_key,
         num_frames=len(media.frame_indices), frame_indices=media.frame_indices, width=media.width,
         height=media.height, duration_s=media.duration_s, decoder=media.decoder, elapsed_s=elapsed)
 
 
 def _error_result(decoded: Decoded, message: str, kind: str) -> CaptionResult:
-    return CaptionResult(path=decoded.item.row_path, media_type=decoded.item.media_type.value,
+    return CaptionResult(path=decoded.item.row_path, span=decoded.item.span, media_type=decoded.item.media_type.value,
                          key=decoded.item.stable_key, error=message, error_kind=kind, elapsed_s=decoded.seconds)

@@ -29,7 +29,7 @@ from .decoding.fork_server import check_main_is_guarded, start_decoding_server
 from .errors import one_line
 from .inputs.manifest import Manifest
 from .inputs.prompt_sets import PromptSetError, check_prompt_set
-from .inputs.sources import Discovery, MediaItem, discover
+from .inputs.sources import Discovery, MediaItem, discover, row_id_of
 from .model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from .outputs.formats import OutputTarget
 from .outputs.lock import OutputLock
@@ -157,7 +157,7 @@ class ItemLoop:
         self.items, self.plan, self.store, self.stats = items, plan, store, stats
         self.model_name, self.columns = model_name, columns
         self.new_rows: dict[str, dict[str, Any]] = {}
-        self._by_path = {item.row_path: item for item in items}
+        self._by_id = {item.row_id: item for item in items}
 
     def run(self, backend: Backend, reporters: list[Reporter]) -> Iterator[CaptionResult]:
         """Caption the plan's items, yielding each row's result as it is saved (same-content copies too), in the
@@ -178,15 +178,16 @@ class ItemLoop:
     def final_rows(self) -> list[dict[str, Any]]:
         """Every row of the output; rows of earlier runs get this run's file facts and manifest columns."""
         rows = self.plan.ordered_rows(self.items, self.new_rows)
-        return [{**row, **self.columns.item_values(self._by_path[row["path"]])} if row["path"] in self._by_path
+        return [{**row, **self.columns.item_values(self._by_id[row_id_of(row)])} if row_id_of(row) in self._by_id
                 else row for row in rows]
 
     def _copies(self, result: CaptionResult) -> list[CaptionResult]:
         return [replace(result, path=item.row_path) for item in self.plan.sharing.get(result.key or "", [])]
 
     def _finish(self, result: CaptionResult, reporters: list[Reporter]) -> None:
-        row = self.columns.row(result, self._by_path[result.path], self.model_name, self.plan.earlier.get(result.path))
-        self.new_rows[result.path] = row
+        row = self.columns.row(result, self._by_id[result.row_id], self.model_name,
+                               self.plan.earlier.get(result.row_id))
+        self.new_rows[result.row_id] = row
         self.store.add(row)
         self.stats.record(result)
         for reporter in reporters:
@@ -262,7 +263,8 @@ class CaptionRun:
             raise SettingsError(f"the manifest's kept column {taken[0]!r} is also a column of {{prompt_set}}; "
                                 f"rename the question or leave the column out of --keep-columns")
         self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields),
-                                     tuple(question.name for question in questions), settings.long)
+                                     tuple(question.name for question in questions), settings.long,
+                                     spans=any(item.span is not None for item in inputs.items))
         self.all_items = inputs.items
         shard = settings.shard
         self.discovery = (replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard
@@ -293,7 +295,7 @@ class CaptionRun:
         plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
                         questions=self.questions)
         limit = self.settings.limit
-        later = {item.row_path for item in plan.limit(limit)} if limit else set()
+        later = {item.row_id for item in plan.limit(limit)} if limit else set()
         return describe_plan(self.discovery, stored, plan, later, tuple(self.questions or ()))
 
     def execute(self) -> RunOutcome:
@@ -371,7 +373,7 @@ class CaptionRun:
         stats = RunStats(total=plan.items_to_caption, skipped=self.discovery.skipped_count,
                          already_done=len(plan.done), missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later)
-        sink = self.store or JsonLinesStream(plan.captioned_paths(self.items), self.stream, self.columns)  # type: ignore[arg-type]
+        sink = self.store or JsonLinesStream(plan.captioned_ids(self.items), self.stream, self.columns)  # type: ignore[arg-type]
         loop = ItemLoop(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
@@ -465,7 +467,7 @@ class CaptionRun:
         else:
             rows = loop.final_rows()
             unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
-                and [row["path"] for row in rows] == list(stored.rows) and stored.long == self.columns.long
+                and [row_id_of(row) for row in rows] == list(stored.rows) and stored.long == self.columns.long
             if shard:
                 provenance = {**provenance, "shard": shard.provenance(self.all_items, rows)}
             if not unchanged:

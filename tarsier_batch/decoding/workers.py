@@ -137,7 +137,7 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     try:
         # Each frame is preprocessed as soon as it is decoded, so only its pixels are kept.
         with readable_copy(item) as path:
-            media = job.processor.load_media(path, item.media_type, job.frames, job.max_image_pixels)
+            media = job.processor.load_media(path, item.media_type, job.frames, job.max_image_pixels, item.span)
         questions = [question for question in (item.prompt_set if item.prompt_set is not None else job.prompt_set)
                      if item.questions is None or question.name in item.questions]
         texts = [question.text for question in questions] or [item.prompt or job.instruction]

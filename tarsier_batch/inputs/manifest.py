@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
@@ -13,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pyarrow as pa
 
 from .. import storage
+from ..media import MediaType, Span, media_type_of
 from .prompt_sets import PromptSetError, row_prompt_set
 from .sources import Discovery, KeyMode
 
@@ -20,6 +22,7 @@ MANIFEST_SUFFIXES = (".csv", ".tsv", ".jsonl", ".ndjson", ".parquet")
 PATH_COLUMNS = ("path", "file_name", "video", "image")   # tried in this order when --path-column is not given
 PROMPT_COLUMN = "prompt"
 PROMPTS_COLUMN = "prompts"   # a row's own prompt set: a JSON object of question name -> text
+SPAN_COLUMNS = ("start_s", "end_s")   # a row's span of its video, in seconds: the row captions only that stretch
 RENAMED_PREFIX = "input_"   # a kept column named like an output column is renamed with this prefix
 
 
@@ -44,8 +47,11 @@ def read_manifest(path: Path | str, key_mode: KeyMode, reserved: frozenset[str],
     media. A `prompt` column (empty cells: the run's prompt) gives rows their own prompt; a
     `prompts` column (empty cells: the run's set) their own prompt set.
     `keep_columns` is "all" or comma-separated names carried into each output row; a kept
-    column that is also an output column (`reserved`) is renamed `input_<name>`. A path listed
-    twice is refused: output rows are identified by path.
+    column that is also an output column (`reserved`) is renamed `input_<name>`. `start_s` and
+    `end_s` columns give a row a span of its video (empty cells: the whole file): one file may be
+    listed once per span, each its own row and segment (numbered in the manifest's order). A file
+    listed twice with the same span (or twice whole) is refused: output rows are identified by path
+    and span.
     """
     if storage.is_url(str(path)):   # read from a local copy; its relative rows are objects beside it
         shown = storage.redact(str(path))
@@ -88,18 +94,24 @@ def _manifest_of(table: pa.Table, path: str, key_mode: KeyMode, reserved: frozen
                             f"make each row's prompt one of its questions")
     row_prompt_sets = table.column(PROMPTS_COLUMN).to_pylist() if PROMPTS_COLUMN in table.column_names else None
     kept_values = {name: table.column(name).to_pylist() for name in kept}
+    spans = _row_spans(table, path)
     discovery = Discovery()
-    first_row: dict[str, int] = {}
+    first_row: dict[tuple[str, Span | None], int] = {}
+    segments: Counter[str] = Counter()   # spans listed so far per file: the next one's segment number
     for index, value in enumerate(table.column(column).to_pylist()):
         row_number = index + 1
         if not isinstance(value, str) or not value.strip():
             raise ManifestError(f"{path}: row {row_number} has no path in column '{column}'")
         media_path = value.strip() if storage.is_url(value.strip()) else resolve(value)
         url = storage.is_url(media_path)
-        if media_path in first_row:
-            raise ManifestError(f"{path}: row {row_number} repeats the path of row {first_row[media_path]} "
-                                f"({value}); give each file one row")
-        first_row[media_path] = row_number
+        span = spans[index]
+        if (media_path, span) in first_row:
+            raise ManifestError(f"{path}: row {row_number} repeats the path{' and span' if span else ''} of row "
+                                f"{first_row[media_path, span]} ({value}); give each file (or span) one row")
+        first_row[media_path, span] = row_number
+        if span is not None and media_type_of(storage.url_name(media_path) if url else media_path) \
+                is not MediaType.VIDEO:
+            raise ManifestError(f"{path}: row {row_number} gives {value} a span, which applies to videos only")
         prompt = row_prompts[index] if row_prompts is not None else None
         columns = {renamed.get(name, name): values[index] for name, values in kept_values.items()}
         try:
@@ -107,13 +119,38 @@ def _manifest_of(table: pa.Table, path: str, key_mode: KeyMode, reserved: frozen
         except PromptSetError as error:
             raise ManifestError(f"{path}: row {row_number}, column '{PROMPTS_COLUMN}': {error}") from None
         own_prompt = prompt if prompt and prompt.strip() else None
+        listed = len(discovery.items)
         if url:   # its facts (for the key) from the store: one request per row
             facts = _object_facts(path, row_number, media_path) if key_mode else None
             discovery.add_object(media_path, facts, key_mode, own_prompt, columns, prompt_set)
         else:
             discovery.add(media_path, key_mode, own_prompt, columns, prompt_set)
+        if span is not None and len(discovery.items) > listed:
+            discovery.items[-1] = replace(discovery.items[-1], span=span, segment=segments[media_path])
+            segments[media_path] += 1
     fields = [pa.field(renamed.get(name, name), table.schema.field(name).type) for name in kept]
     return Manifest(discovery, fields, renamed)
+
+
+def _row_spans(table: pa.Table, path: str) -> list[Span | None]:
+    """Each row's span from the `start_s` and `end_s` columns (None: the whole file, also without the columns)."""
+    present = [name for name in SPAN_COLUMNS if name in table.column_names]
+    if not present:
+        return [None] * table.num_rows
+    if len(present) == 1:
+        raise ManifestError(f"{path}: a '{present[0]}' column needs its partner: give both start_s and end_s")
+    spans: list[Span | None] = []
+    for number, (start, end) in enumerate(zip(*(table.column(name).to_pylist() for name in SPAN_COLUMNS)), 1):
+        cells = [None if cell is None or str(cell).strip() == "" else cell for cell in (start, end)]
+        if cells == [None, None]:
+            spans.append(None)
+            continue
+        try:
+            spans.append(Span(float(cells[0]), float(cells[1])))   # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ManifestError(f"{path}: row {number}: start_s {start!r} and end_s {end!r} must be seconds, the "
+                                f"start at or after 0 and before the end") from None
+    return spans
 
 
 def _object_facts(path: Path, row_number: int, url: str) -> storage.ObjectFacts | None:
@@ -212,7 +249,7 @@ def _kept_columns(table: pa.Table, asked: str | None, path: Path) -> list[str]:
         return []
     names = table.column_names
     if asked.strip() == "all":  # the path column too: its original (relative) value is what users join on
-        return [name for name in names if name not in (PROMPT_COLUMN, PROMPTS_COLUMN)]
+        return [name for name in names if name not in (PROMPT_COLUMN, PROMPTS_COLUMN, *SPAN_COLUMNS)]
     wanted = [name.strip() for name in asked.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in names]
     if unknown:

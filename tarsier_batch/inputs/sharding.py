@@ -14,14 +14,12 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import printable
 from ..storage import is_url, redact
+from .sources import MediaItem, row_id_of
 from .tars import split_member_path
-
-if TYPE_CHECKING:
-    from .sources import MediaItem
 
 _SHARD_TEXT = re.compile(r"(\d+)/(\d+)")
 
@@ -63,9 +61,9 @@ class Shard:
         row's position is its item's place among `items` (None for a row kept from an earlier
         run whose file is no longer an input), so merged rows come out in input order.
         """
-        position = {item.row_path: number for number, item in enumerate(items)}
+        position = {item.row_id: number for number, item in enumerate(items)}
         return {"index": self.index, "count": self.count, "inputs": len(items),
-                "positions": [position.get(row["path"]) for row in rows]}
+                "positions": [position.get(row_id_of(row)) for row in rows]}
 
 
 def shard_of(path: str, count: int) -> int:

@@ -7,6 +7,7 @@ import contextlib
 import glob
 import hashlib
 import os
+import re
 import stat
 from collections import Counter
 from collections.abc import Iterator
@@ -16,12 +17,15 @@ from typing import Any, Literal
 
 from .. import storage
 from ..errors import NOT_FOUND, ItemError, one_line, printable
-from ..media import MediaType, media_type_of
+from ..media import MediaType, Span, media_type_of
 from . import tars
 from .prompt_sets import Question
 from .tars import TarMember
 
 PROMPT_SET_KEY = "|prompts-sha256:"   # in an item's key, before the digest of its own prompt set
+# A segment's row is identified by its file's path (or key) with its span as a media fragment (W3C Media
+# Fragments: `clip.mp4#t=10,20` names seconds 10 to 20 of clip.mp4).
+_SPAN_FRAGMENT = re.compile(r"#t=[0-9.]+,[0-9.]+$")
 
 KeyMode = Literal["path", "sha256"]
 KEY_MODES: tuple[KeyMode, ...] = ("path", "sha256")
@@ -65,21 +69,46 @@ class MediaItem:
     shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
     # The member's bytes, read ahead by the decoding pool's shard reader on their way to a worker.
     content: bytearray | None = field(default=None, repr=False, compare=False)
+    # A segment: the stretch of the video its row captions, and its number among the file's segments.
+    span: Span | None = None
+    segment: int | None = None
 
     @property
     def stable_key(self) -> str:
-        return self.key or self.path
+        """Its content's identity across runs: `key` (or the path), and a segment's span."""
+        return with_span(self.key or self.path, self.span)
 
     @property
     def sampling_key(self) -> str:
         """What its sampling stream derives from: its key without its own prompt set's part, so that a question of
         the set draws what the question asked alone (`--prompt`) draws."""
-        return self.stable_key.split(PROMPT_SET_KEY)[0]
+        return with_span((self.key or self.path).split(PROMPT_SET_KEY)[0], self.span)
 
     @property
     def row_path(self) -> str:
         """The path as stored in its output row (undecodable bytes escaped, a URL without its credentials)."""
         return printable(storage.redact(self.path))
+
+    @property
+    def row_id(self) -> str:
+        """Its row's identity in an output: the row path, and a segment's span (`row_id_of` for a stored row)."""
+        return with_span(self.row_path, self.span)
+
+
+def with_span(name: str, span: Span | None) -> str:
+    """`name` (a path or key), for a segment with its span as a media fragment: `clip.mp4#t=10,20`."""
+    return name if span is None else f"{name}#t={_seconds(span.start_s)},{_seconds(span.end_s)}"
+
+
+def _seconds(value: float) -> str:
+    """Seconds to the microsecond, without trailing zeros: spans closer than that are the same row."""
+    return f"{value:.6f}".rstrip("0").rstrip(".")
+
+
+def row_id_of(row: dict[str, Any]) -> str:
+    """A stored row's identity (`MediaItem.row_id`): its path, and a segment's span from its columns."""
+    start, end = row.get("start_s"), row.get("end_s")
+    return with_span(row["path"], None if start is None or end is None else Span(start, end))
 
 
 @dataclass
@@ -378,9 +407,10 @@ def _walk(directory: str, recursive: bool, unreadable: list[str]) -> list[str]:
     return sorted(files)
 
 
-def row_source_exists(row_path: str) -> bool:
+def row_source_exists(row_id: str) -> bool:
     """Whether what an output row was made from is still there: its file, its object, or its member's shard (a
-    store that cannot be asked keeps the row)."""
+    store that cannot be asked keeps the row); `row_id` as `MediaItem.row_id`, a segment's span included."""
+    row_path = _SPAN_FRAGMENT.sub("", row_id)
     split = tars.split_member_path(row_path)
     source = split[0] if split is not None else row_path
     if not storage.is_url(source):

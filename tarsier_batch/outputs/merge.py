@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import one_line
+from ..inputs.sources import row_id_of
 from .formats import OutputTarget, parquet_metadata
 from .lock import OutputLock
 from .remote import RemoteOutput, output_at
@@ -118,9 +119,10 @@ def merge_shards(folder: Path) -> Merged:
     seen: dict[str, Path] = {}
     for output in outputs:
         for number, (row, position) in enumerate(zip(output.rows, output.shard["positions"])):
-            if row["path"] in seen:
-                raise MergeError(f"{row['path']} has a row in both {seen[row['path']].name} and {output.path.name}")
-            seen[row["path"]] = output.path
+            if row_id_of(row) in seen:
+                raise MergeError(f"{row_id_of(row)} has a row in both {seen[row_id_of(row)].name} and "
+                                 f"{output.path.name}")
+            seen[row_id_of(row)] = output.path
             # Rows kept from earlier runs (no position) go last, as a single run puts them.
             placed.append((position is None, position or 0, output.shard["index"], number, row))
     placed.sort(key=lambda entry: entry[:4])

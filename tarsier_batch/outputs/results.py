@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..inputs.sources import with_span
+from ..media import Span
+
 
 @dataclass
 class Answer:
@@ -24,7 +27,8 @@ class CaptionResult:
     """One output row. `prompt_tokens` counts the merged prefill (text plus vision vectors).
 
     `path` is the item's path as the caller gave it (the CLI gives absolute paths); `key` is
-    its stable identity for resuming (see `sources.item_key`); `decoder` names what produced
+    its stable identity for resuming (see `sources.item_key`); `span` the stretch of the video a
+    segment's row captions (None: the whole file); `decoder` names what produced
     the frames ("decord", "pyav" or "pillow"). With a prompt set, `answers` holds each question
     asked (by name), `generated_tokens` their sum, and the other caption fields are None; `error`
     then also says which questions failed. `error_kind` classifies `error` (one of `errors.KINDS`; None on
@@ -50,7 +54,13 @@ class CaptionResult:
     elapsed_s: float = 0.0
     generated_ids: list[int] | None = None
     answers: dict[str, Answer] = field(default_factory=dict)
+    span: Span | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def row_id(self) -> str:
+        """Its row's identity in the output (`MediaItem.row_id`)."""
+        return with_span(self.path, self.span)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..inputs.sources import Discovery, MediaItem, row_source_exists, skipped_kind
+from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.
@@ -63,7 +63,7 @@ def _differs(name: str, old: Any, now: Any) -> bool:
 class Plan:
     """Rows that need no work, items to caption, and what happens to the other stored rows."""
 
-    done: dict[str, dict[str, Any]] = field(default_factory=dict)         # path -> finished row
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)         # row id -> finished row
     todo: list[MediaItem] = field(default_factory=list)                   # one item per key
     sharing: dict[str, list[MediaItem]] = field(default_factory=dict)     # key -> more items with that content
     reused: list[str] = field(default_factory=list)   # paths in `done` whose row copies another path's caption
@@ -86,15 +86,15 @@ class Plan:
         self.todo = self.todo[:count]
         return later + [more for item in later for more in self.sharing.pop(item.stable_key, [])]
 
-    def captioned_paths(self, items: list[MediaItem]) -> list[str]:
-        """The row paths this run captions, in input order."""
-        planned = {item.row_path for item in self.todo} | \
-            {item.row_path for more in self.sharing.values() for item in more}
-        return [item.row_path for item in items if item.row_path in planned]
+    def captioned_ids(self, items: list[MediaItem]) -> list[str]:
+        """The rows (by `MediaItem.row_id`) this run captions, in input order."""
+        planned = {item.row_id for item in self.todo} | \
+            {item.row_id for more in self.sharing.values() for item in more}
+        return [item.row_id for item in items if item.row_id in planned]
 
     def ordered_rows(self, items: list[MediaItem], new_rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The final rows: this run's items in input order, then the kept rows in their stored order."""
-        rows = [self.done.get(item.row_path) or new_rows.get(item.row_path) or self.earlier.get(item.row_path)
+        rows = [self.done.get(item.row_id) or new_rows.get(item.row_id) or self.earlier.get(item.row_id)
                 for item in items]
         return [row for row in rows if row is not None] + self.kept
 
@@ -120,22 +120,22 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     for item in items:
         key = item.stable_key
         item_questions = questions_by_key[key]
-        row = stored.rows.get(item.row_path)
+        row = stored.rows.get(item.row_id)
         if row is not None and row["key"] == key:
             retry = retry_errors and row["error"] is not None
             unanswered = _unanswered(row, item_questions)
             if (item_questions and not unanswered) or not (retry or (row["error"] is None and unanswered)):
-                plan.done[item.row_path] = row
+                plan.done[item.row_id] = row
                 continue
             plan.retried += retry
-            plan.earlier[item.row_path] = row
+            plan.earlier[item.row_id] = row
             if item_questions:
                 item = replace(item, questions=unanswered)
         elif row is not None:
             plan.changed += 1
         if key in captioned_content:
-            plan.done[item.row_path] = {**captioned_content[key], "path": item.row_path}
-            plan.reused.append(item.row_path)
+            plan.done[item.row_id] = {**captioned_content[key], "path": item.row_path}
+            plan.reused.append(item.row_id)
         elif key in planned:
             plan.sharing.setdefault(key, []).append(item)
             # The item captioned for this content answers what any of its paths still needs.
@@ -147,7 +147,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
         else:
             planned[key] = len(plan.todo)
             plan.todo.append(item)
-    paths = {item.row_path for item in items}
+    paths = {item.row_id for item in items}
     for path, row in stored.rows.items():
         if path in paths:
             continue
@@ -186,9 +186,9 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
     stored rows of paths not in this run, `keep` or `drop` (--prune-missing). With a prompt set
     (`questions`), the counts also say how many items each question is asked of (`ask`).
     """
-    shared_with = {item.row_path: first.row_path
+    shared_with = {item.row_id: first.row_id
                    for first in plan.todo for item in plan.sharing.get(first.stable_key, [])}
-    todo = {item.row_path: item for item in plan.todo}
+    todo = {item.row_id: item for item in plan.todo}
     lines: list[tuple[str, str, str]] = []
     counts: Counter[tuple[str, str]] = Counter()   # (action, kind of reason)
 
@@ -197,7 +197,7 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
         counts[action, kind or reason] += 1
 
     for item in discovery.items:
-        path = item.row_path
+        path = item.row_id
         row = stored.rows.get(path)
         if path in plan.done:
             add("skip", path, "done earlier" if row is not None else "same content done earlier")
@@ -216,7 +216,7 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
                 counts["ask", question] += 1
     for path in discovery.skipped_paths:
         add("skip", path, f"not media ({skipped_kind(path)})", "not media")
-    kept = {row["path"] for row in plan.kept}
+    kept = {row_id_of(row) for row in plan.kept}
     for path in stored.rows:
         if path in kept:
             add("keep", path, "not in this run, row kept" if exists(path) else "file gone, row kept")

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from ..errors import UNKNOWN
 from ..inputs.prompt_sets import ANSWER_SUFFIXES, ROW_COLUMNS, TOKEN_IDS_SUFFIX
-from ..inputs.sources import MediaItem
+from ..inputs.sources import MediaItem, row_id_of
 from .results import Answer, CaptionResult
 
 # Key-value metadata of the final Parquet file.
@@ -41,12 +41,15 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
     ("mtime", pa.timestamp("us", tz="UTC")),
 ]
 _SHA256_COLUMN = ("sha256", pa.string())
+# A segment's (a stretch of a video, its own row): its number among the file's segments and its span.
+_SPAN_COLUMNS = [("segment", pa.int32()), ("start_s", pa.float64()), ("end_s", pa.float64())]
 # The long layout's (`--long`): which question of the set a row answers.
 _QUESTION_COLUMN = ("question", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
 _MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder")
-RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN, _QUESTION_COLUMN])
+RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + _SPAN_COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN,
+                                                                           _QUESTION_COLUMN])
 # With a prompt set, each question's columns take the place of these (its answer, in `caption`'s place).
 _ANSWER_COLUMNS = ("caption", "prompt", "prompt_tokens", "generated_tokens", "finish_reason")
 _ANSWER_TYPES = dict(zip(("",) + ANSWER_SUFFIXES, (pa.string(), pa.string(), pa.int32(), pa.int32(), pa.string())))
@@ -65,6 +68,7 @@ class OutputColumns:
     # The output file holds a row per (item, question), with the single prompt's columns and `question`
     # (`--long`). Rows in memory and in part files stay one per item: only the file's layout differs.
     long: bool = False
+    spans: bool = False   # rows of segments: `segment`, `start_s` and `end_s` after `key`
 
     @classmethod
     def of_schema(cls, schema: pa.Schema, provenance: dict[str, Any]) -> OutputColumns:
@@ -77,16 +81,19 @@ class OutputColumns:
         names = set(schema.names)
         questions = () if "finish_reason" in names else \
             tuple(name for name in schema.names if name + "_finish_reason" in names)
-        fixed = {name for name, _ in _COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]} | \
+        fixed = {name for name, _ in _COLUMNS + _SPAN_COLUMNS} | {_SHA256_COLUMN[0], _TOKEN_IDS_COLUMN[0]} | \
             {column for question in questions for column in _question_columns(question, True)}
         return cls(_TOKEN_IDS_COLUMN[0] in names or any(q + TOKEN_IDS_SUFFIX in names for q in questions),
-                   _SHA256_COLUMN[0] in names, tuple(field for field in schema if field.name not in fixed), questions)
+                   _SHA256_COLUMN[0] in names, tuple(field for field in schema if field.name not in fixed), questions,
+                   spans=_SPAN_COLUMNS[1][0] in names)
 
     def schema(self) -> pa.Schema:
         columns: list[tuple[str, pa.DataType]] = []
         for name, kind in _COLUMNS:
             if not self.questions or name not in _ANSWER_COLUMNS:
                 columns.append((name, kind))
+            if name == "key" and self.spans:
+                columns += _SPAN_COLUMNS
             elif name == "caption":
                 columns += [pair for question in self.questions
                             for pair in _question_columns(question, self.with_token_ids).items()]
@@ -125,9 +132,9 @@ class OutputColumns:
         for row in table.to_pylist():
             question = row.pop(_QUESTION_COLUMN[0])
             answer = [row.pop(name, None) for name in single]
-            item = items.get(row["path"])
+            item = items.get(row_id_of(row))
             if item is None:
-                item = items[row["path"]] = {**row, **{column: None for name in self.questions
+                item = items[row_id_of(row)] = {**row, **{column: None for name in self.questions
                                                        for column in _question_columns(name, self.with_token_ids)}}
             if item["error"] is None and row["error"] is not None:
                 item["error"], item["error_kind"] = row["error"], row.get("error_kind")
@@ -186,6 +193,10 @@ class OutputColumns:
         mtime = None if facts.mtime_ns is None else \
             datetime.fromtimestamp(facts.mtime_ns / 1e9, tz=timezone.utc)
         values: dict[str, Any] = {"size_bytes": facts.size_bytes, "mtime": mtime}
+        if self.spans:
+            span = item.span
+            values.update(segment=item.segment, start_s=None if span is None else span.start_s,
+                          end_s=None if span is None else span.end_s)
         if self.hashed:
             values["sha256"] = facts.sha256
         values.update({kept.name: item.columns.get(kept.name) for kept in self.kept})

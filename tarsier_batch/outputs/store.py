@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import one_line
+from ..inputs.sources import row_id_of
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from .formats import OutputError, OutputTarget, read_results, with_metadata
 from .schema import OutputColumns, is_long, with_layout
@@ -230,8 +231,8 @@ def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
 
 def _take_rows(stored: StoredRows, rows: list[dict[str, Any]]) -> None:
     for row in rows:
-        stored.rows.pop(row["path"], None)  # re-inserted last: the newest row of a path comes last
-        stored.rows[row["path"]] = row
+        stored.rows.pop(row_id_of(row), None)  # re-inserted last: the newest row of a path comes last
+        stored.rows[row_id_of(row)] = row
 
 
 def write_atomically(path: Path, write: Callable[[Path], None], temporary: Path | None = None) -> None:

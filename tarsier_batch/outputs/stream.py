@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
+from ..inputs.sources import row_id_of
 from .formats import json_line
 from .schema import OutputColumns
 
@@ -24,7 +25,7 @@ class JsonLinesStream:
         self.saved_rows = 0
 
     def add(self, row: dict[str, Any]) -> None:
-        self._waiting[row["path"]] = row
+        self._waiting[row_id_of(row)] = row
         while self._next < len(self._order) and self._order[self._next] in self._waiting:
             for line in self.columns.file_rows([self._waiting.pop(self._order[self._next])]):
                 self.handle.write(json_line(line))

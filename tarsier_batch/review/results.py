@@ -54,13 +54,13 @@ def check_results_path(path: Path) -> None:
 def load_results(path: Path) -> Results:
     """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance."""
     check_results_path(path)
-    base = OutputColumns(with_token_ids=True, hashed=True).schema()
+    base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
     try:
         table, provenance, summary = read_results(OutputTarget.existing(path), base)
         # A merged output whose first shard was empty keeps only the stored settings: the names are there too.
         questions = [question["name"] for question in provenance.get("prompt_set") or []] or \
             list((provenance.get("settings") or {}).get("prompt_set") or [])
-        columns = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions))
+        columns = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions), spans=True)
         with_answers = columns.read_schema()
         if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
             table = read_results(OutputTarget.existing(path), with_answers)[0]

@@ -1,0 +1,154 @@
+"""Rows below the file: a manifest's `start_s`/`end_s` give one file several rows, each captioning its span, each
+identified by (path, span) through resume, streams, shards and merge."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from segment_media import write_numbered_video
+from tarsier_batch.cli import app
+from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.media import frame_indices
+
+runner = CliRunner()
+
+
+def caption(*args: str):
+    return runner.invoke(app, ["caption", *args, "--max-new-tokens", "4"])
+
+
+@pytest.fixture(scope="module")
+def tiny_tarsier2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-tarsier2"), "tiny", seed=0, family="tarsier2")
+
+
+@pytest.fixture(scope="module")
+def long_video(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """65 s at 10 fps, a new scene every 4 s."""
+    return write_numbered_video(tmp_path_factory.mktemp("segments") / "long.mp4", 65, scene_s=4)
+
+
+def manifest(folder: Path, rows: list[tuple]) -> Path:
+    lines = ["path,start_s,end_s,id"] + [",".join("" if cell is None else str(cell) for cell in row) for row in rows]
+    path = folder / "clips.csv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def rows_of(out: Path) -> list[dict]:
+    return pq.read_table(out).to_pylist()
+
+
+def test_each_span_is_a_row_sampled_within_it_and_a_second_run_has_nothing_to_do(
+        long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    listed = manifest(tmp_path, [(long_video, 0, 10, "a"), (long_video, 10, 20, "b"), (long_video, 60, 70, "c"),
+                                 (long_video, None, None, "whole")])
+    out = tmp_path / "out.parquet"
+    args = ["--manifest", str(listed), "--keep-columns", "id", "--model", str(tiny_model_dir), "-o", str(out)]
+    assert caption(*args).exit_code == 0
+    rows = rows_of(out)
+    assert [(row["id"], row["segment"], row["start_s"], row["end_s"]) for row in rows] == [
+        ("a", 0, 0.0, 10.0), ("b", 1, 10.0, 20.0), ("c", 2, 60.0, 70.0), ("whole", None, None, None)]
+    assert {row["path"] for row in rows} == {str(long_video)}   # the file's path: rows of one file group by it
+    assert rows[0]["frame_indices"] == frame_indices(100, 8)
+    assert rows[1]["frame_indices"] == [100 + index for index in frame_indices(100, 8)]
+    assert rows[2]["frame_indices"] == [600 + index for index in frame_indices(50, 8)]   # clipped at the end
+    assert rows[3]["frame_indices"] == frame_indices(650, 8)
+    assert len({row["key"] for row in rows}) == 4 and rows[1]["key"].endswith("#t=10,20")
+    assert all(row["error"] is None for row in rows)
+
+    again = caption(*args)
+    assert "captioned 0; failed 0; done earlier 4" in again.output
+
+    # One more span: only it is captioned; the others stay as they were.
+    listed = manifest(tmp_path, [(long_video, 0, 10, "a"), (long_video, 10, 20, "b"), (long_video, 60, 70, "c"),
+                                 (long_video, None, None, "whole"), (long_video, 30, 40, "d")])
+    more = caption(*args)
+    assert "captioned 1; failed 0; done earlier 4" in more.output, more.output
+    assert [row["id"] for row in rows_of(out)] == ["a", "b", "c", "whole", "d"]
+    assert [row["elapsed_s"] for row in rows_of(out)[:4]] == [row["elapsed_s"] for row in rows]   # kept as stored
+
+
+def cut(source: Path, first: int, stop: int, out: Path) -> Path:
+    """Frames [first, stop) of `source` in a file of their own, losslessly (x264 at qp 0 keeps the decoded YUV)."""
+    with av.open(str(source)) as container, av.open(str(out), "w") as output:
+        stream = output.add_stream("libx264", rate=Fraction(10))
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        stream.options = {"qp": "0"}
+        for number, frame in enumerate(container.decode(video=0)):
+            if first <= number < stop:
+                frame.pts, frame.time_base = number - first, Fraction(1, 10)
+                for packet in stream.encode(frame):
+                    output.mux(packet)
+        for packet in stream.encode():
+            output.mux(packet)
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_tarsier2_dir"])
+def test_a_span_is_captioned_as_its_frames_alone_are(long_video: Path, model: str, tmp_path: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    """The span's caption (greedy, float32) equals the caption of a file holding exactly its frames."""
+    model_dir = request.getfixturevalue(model)
+    alone = cut(long_video, 120, 200, tmp_path / "alone.mp4")   # 12-20 s
+    listed = manifest(tmp_path, [(long_video, 12, 20, "span"), (alone, None, None, "alone")])
+    out = tmp_path / "out.parquet"
+    result = caption("--manifest", str(listed), "--keep-columns", "id", "--model", str(model_dir), "-o", str(out),
+                     "--with-token-ids")
+    assert result.exit_code == 0, result.output
+    span, whole = rows_of(out)
+    assert [index - 120 for index in span["frame_indices"]] == whole["frame_indices"]
+    assert span["generated_ids"] == whole["generated_ids"] and span["caption"] == whole["caption"]
+    assert span["prompt_tokens"] == whole["prompt_tokens"]
+
+
+def test_spans_stream_in_order_and_shards_merge_back_per_span(long_video: Path, tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    other = write_numbered_video(tmp_path / "other.mp4", 12)
+    listed = manifest(tmp_path, [(long_video, 0, 10, "a"), (other, 0, 6, "b"), (long_video, 10, 20, "c"),
+                                 (other, 6, 12, "d")])
+    streamed = caption("--manifest", str(listed), "--keep-columns", "id", "--model", str(tiny_model_dir), "-o", "-",
+                       "--quiet")
+    assert streamed.exit_code == 0, streamed.output
+    lines = [json.loads(line) for line in streamed.stdout.splitlines()]
+    assert [(line["id"], line["segment"], line["start_s"]) for line in lines] == \
+        [("a", 0, 0.0), ("b", 0, 0.0), ("c", 1, 10.0), ("d", 1, 6.0)]
+
+    for index in range(2):
+        done = caption("--manifest", str(listed), "--keep-columns", "id", "--model", str(tiny_model_dir),
+                       "--shard", f"{index}/2", "-o", str(tmp_path / "shards" / f"shard-{index}.parquet"))
+        assert done.exit_code == 0, done.output
+    shards = [rows_of(tmp_path / "shards" / f"shard-{index}.parquet") for index in range(2)]
+    assert sorted(len(rows) for rows in shards) in ([0, 4], [2, 2])   # a file's segments stay in one shard
+    merged = runner.invoke(app, ["merge", str(tmp_path / "shards"), "-o", str(tmp_path / "all.parquet")])
+    assert merged.exit_code == 0, merged.output
+    assert [row["id"] for row in rows_of(tmp_path / "all.parquet")] == ["a", "b", "c", "d"]
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([("{video}", 0, 10, "a"), ("{video}", 0, 10, "b")], "row 2 repeats the path and span of row 1"),
+    ([("{video}", 10, 5, "a")], "row 1: start_s '10' and end_s '5' must be seconds"),
+    ([("{video}", "soon", 5, "a")], "must be seconds"),
+    ([("{image}", 0, 1, "a")], "a span, which applies to videos only"),
+])
+def test_a_manifest_with_bad_spans_stops_before_anything_loads(long_video: Path, tmp_path: Path, rows: list,
+                                                               message: str) -> None:
+    image = tmp_path / "still.png"
+    image.write_bytes(b"")
+    listed = manifest(tmp_path, [tuple(str(cell).format(video=long_video, image=image) for cell in row)
+                                 for row in rows])
+    result = caption("--manifest", str(listed), "--model", "demo", "-o", str(tmp_path / "out.parquet"))
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_one_span_column_without_its_partner_is_refused(long_video: Path, tmp_path: Path) -> None:
+    (tmp_path / "half.csv").write_text(f"path,start_s\n{long_video},3\n")
+    result = caption("--manifest", str(tmp_path / "half.csv"), "--model", "demo", "-o", str(tmp_path / "o.parquet"))
+    assert result.exit_code == 2 and "needs its partner" in result.output
