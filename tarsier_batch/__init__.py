@@ -30,6 +30,7 @@ _EXPORTS = {
     "Question": "inputs.prompt_sets", "PromptSetError": "inputs.prompt_sets",
     "read_prompt_set": "inputs.prompt_sets", "parse_asks": "inputs.prompt_sets",
     "Shard": "inputs.sharding", "ShardError": "inputs.sharding",
+    "Segmenting": "inputs.segments", "SegmentsError": "inputs.segments",
     "StorageError": "storage",
     "MAX_IMAGE_PIXELS": "media",
     # models
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from .families.tiny import make_tiny_model
     from .inputs.manifest import Manifest, ManifestError, check_manifest_path, read_manifest, sibling_columns
     from .inputs.prompt_sets import PromptSetError, Question, parse_asks, read_prompt_set
+    from .inputs.segments import Segmenting, SegmentsError
     from .inputs.sharding import Shard, ShardError
     from .inputs.sources import Discovery, InputNotFoundError, MediaItem, discover, is_shard
     from .media import MAX_IMAGE_PIXELS
@@ -113,6 +115,6 @@ __all__ = ["__version__", "Answer", "Backend", "Captioner", "CaptionResult", "Ca
            "ModelNotFoundError", "NotEnoughMemory", "output_at", "OutputError", "OutputLockedError", "OutputTarget",
            "OutputWriteError", "parse_asks", "plural", "print_summary", "PromptSetError", "PRUNE_METHODS",
            "Question", "RayBackend", "RaySettings", "read_manifest", "read_prompt_set", "RemoteOutput", "Reporter",
-           "RESERVED_NAMES", "RunOutcome", "RunReporter", "RunSettings", "RunStats", "SamplingParams",
-           "SettingsError", "SettingsMismatchError", "Shard", "ShardError", "sibling_columns", "Status",
-           "StorageError", "Terminated", "write_report"]
+           "RESERVED_NAMES", "RunOutcome", "RunReporter", "RunSettings", "RunStats", "SamplingParams", "Segmenting",
+           "SegmentsError", "SettingsError", "SettingsMismatchError", "Shard", "ShardError", "sibling_columns",
+           "Status", "StorageError", "Terminated", "write_report"]

@@ -55,6 +55,8 @@ from . import (
     RunSettings,
     RunStats,
     SamplingParams,
+    Segmenting,
+    SegmentsError,
     SettingsError,
     SettingsMismatchError,
     Shard,
@@ -229,6 +231,11 @@ def caption(
         "--long",
         help="With --ask/--prompts: one row per file and question (a 'question' column and the single prompt's "
              "columns) instead of one row per file with each question's columns.")] = False,
+    segments: Annotated[str, typer.Option(
+        metavar="SPEC",
+        help="Rows per video: 'whole' (one per file), or 'fixed:10s', a row per 10 s window, each sampled like a "
+             "file of its own (',overlap=2s': windows repeat 2 s; ',min=2s': a shorter last window joins the one "
+             "before).")] = "whole",
     frames: Annotated[Optional[int], typer.Option(
         min=1, metavar="N",
         help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].",
@@ -364,7 +371,8 @@ def caption(
         _fail(problem)
     settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value,
                          shard=shard_spec, overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing,
-                         limit=limit, fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds)
+                         limit=limit, fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds,
+                         segments=_segmenting(segments))
     if stream:
         _settings(settings.check_streamable)
     ray_settings = _check_ray_flags(ray, shard_spec, ray_workers, ray_gpus_per_worker, device) \
@@ -437,6 +445,13 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
     except (ManifestError, OutputError) as error:
         _fail(str(error))
     return output
+
+
+def _segmenting(spec: str) -> Segmenting:
+    try:
+        return Segmenting.parse(spec)
+    except SegmentsError as error:
+        _fail(str(error))
 
 
 def _output(location: str, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:

@@ -249,6 +249,36 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     raise ItemError(UNDECODABLE, f"cannot decode video: {said}" if why is None else f"{why}; {said}")
 
 
+def video_duration(path: str) -> float:
+    """Seconds from the first frame's start to the last frame's end: the stretch spans are cut from (what
+    `sample_span` counts in). decord's frame timestamps where it reads the file, else PyAV's packet times."""
+    check_regular_file(path)
+    source = os.path.abspath(path)
+    if decord_problem(source) is None:
+        import decord
+
+        decord.logging.set_level(decord.logging.QUIET)
+        try:
+            with _decord_failures():
+                reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
+                if len(reader) > 0:
+                    stamps = reader.get_frame_timestamp([0, len(reader) - 1])
+                    return float(stamps[-1][1] - stamps[0][0])
+        except _DecoderFailure:
+            pass
+    import av
+
+    try:
+        with _video_stream(source) as (container, stream):
+            starts = _packet_starts(container, stream)
+            rate = float(stream.average_rate or 0) or 25.0
+    except (av.FFmpegError, _DecoderFailure) as error:
+        raise ItemError(UNDECODABLE, f"cannot read the video's length: {_short(error)}") from None
+    if not starts:
+        raise ItemError(UNDECODABLE, "the video has no frames")
+    return starts[-1] + 1 / rate
+
+
 def _why_no_decoder_opens(source: str) -> str | None:
     """What the file's bytes say about why no decoder opened it, where they say more than the decoders: FFmpeg
     gives "Invalid data found when processing input" alike for text, random bytes and an MP4 cut short."""

@@ -30,6 +30,7 @@ from .errors import one_line
 from .inputs.manifest import Manifest
 from .inputs.prompt_sets import PromptSetError, check_prompt_set
 from .inputs.sources import Discovery, MediaItem, discover, row_id_of
+from .media import MediaType
 from .model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from .outputs.formats import OutputTarget
 from .outputs.lock import OutputLock
@@ -264,13 +265,15 @@ class CaptionRun:
                                 f"rename the question or leave the column out of --keep-columns")
         self.columns = OutputColumns(settings.with_token_ids, settings.key == "sha256", tuple(kept_fields),
                                      tuple(question.name for question in questions), settings.long,
-                                     spans=any(item.span is not None for item in inputs.items))
+                                     spans=settings.segments.mode != "whole"
+                                     or any(item.span is not None for item in inputs.items))
         self.all_items = inputs.items
         shard = settings.shard
         self.discovery = (replace(inputs, items=[item for item in inputs.items if shard.holds(item)]) if shard
                           else inputs)
         self.store = self._store(self.target) if self.target is not None else None
         self.outcome: RunOutcome | None = None   # how the run ended, once it has
+        self._segmented = False   # the videos were cut into their windows (--segments fixed)
 
     @property
     def items(self) -> list[MediaItem]:
@@ -292,6 +295,7 @@ class CaptionRun:
         else:
             with self.remote.peek() as copy:
                 stored = self._stored(self._store(copy.target))
+        self._cut_into_segments()
         plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
                         questions=self.questions)
         limit = self.settings.limit
@@ -328,8 +332,9 @@ class CaptionRun:
                 if self.remote is not None:   # under the lock: what the store holds now is the truth
                     self.remote.pull(outputs=not self.settings.overwrite)
                 stored = self._stored(self.store)
+                self._cut_into_segments()
                 plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
-                        questions=self.questions)
+                                questions=self.questions)
                 self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
                 status, reason = _stopped_by(stop)
@@ -353,6 +358,23 @@ class CaptionRun:
             self.target.path.parent.mkdir(parents=True, exist_ok=True)
             with OutputLock(self.target.path):
                 yield
+
+    def _cut_into_segments(self) -> None:
+        """With `--segments fixed`, each video of the run becomes its windows (once): their lengths are read in
+        decoding workers, where a file that crashes or hangs a decoder costs only its probe (and keeps the file
+        whole: its decoding then says what is wrong)."""
+        segmenting = self.settings.segments
+        if segmenting.mode == "whole" or self._segmented:
+            return
+        from .decoding.probe import video_durations  # here: the decoding modules import torch
+        from .decoding.workers import default_workers
+
+        videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
+        caption = self.settings.caption
+        lengths = video_durations(videos, caption.workers or default_workers(), caption.decode_timeout_s)
+        self.discovery = replace(self.discovery, items=segmenting.split(
+            self.items, {item.row_id: length for item, length in zip(videos, lengths)}))
+        self._segmented = True
 
     def _store(self, target: OutputTarget) -> ResultStore:
         remote = self.remote

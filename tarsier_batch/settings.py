@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .families.catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from .inputs.prompt_sets import PromptSetError, Question, check_prompt_set
+from .inputs.segments import Segmenting
 from .media import MAX_IMAGE_PIXELS
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ class RunSettings:
     fail_on_empty: bool = False      # a run over inputs with no media fails
     flush_rows: int = FLUSH_ROWS     # save finished rows every this many rows...
     flush_seconds: float = FLUSH_SECONDS   # ...or this long after the last save
+    segments: Segmenting = field(default_factory=Segmenting)   # a row per file, or per window or scene of a video
 
     def __post_init__(self) -> None:
         if self.key not in KEY_MODES:
@@ -284,5 +286,6 @@ def resume_settings(settings: RunSettings, resolved: Resolved | None = None) -> 
     if resolved is not None or penalty is not None:
         decided["repetition_penalty"] = penalty
     decided.update(prune=caption.pruning, with_token_ids=settings.with_token_ids, key=settings.key,
-                   shard=str(settings.shard) if settings.shard else None)
+                   shard=str(settings.shard) if settings.shard else None,
+                   segments=None if settings.segments.mode == "whole" else str(settings.segments))
     return decided

@@ -10,6 +10,7 @@ from pathlib import Path
 import av
 import pyarrow.parquet as pq
 import pytest
+from PIL import Image
 from typer.testing import CliRunner
 
 from segment_media import write_numbered_video
@@ -152,3 +153,64 @@ def test_one_span_column_without_its_partner_is_refused(long_video: Path, tmp_pa
     (tmp_path / "half.csv").write_text(f"path,start_s\n{long_video},3\n")
     result = caption("--manifest", str(tmp_path / "half.csv"), "--model", "demo", "-o", str(tmp_path / "o.parquet"))
     assert result.exit_code == 2 and "needs its partner" in result.output
+
+
+# --- --segments fixed: windows cut from each video's length --------------------------------------------------
+
+def test_fixed_windows_give_a_row_per_window_and_a_row_per_image_or_short_video(
+        long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    short = write_numbered_video(tmp_path / "short.mp4", 4)
+    still = tmp_path / "still.png"
+    Image.new("RGB", (32, 32), "red").save(still)
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all")
+    out = tmp_path / "out.parquet"
+    args = [str(long_video), str(short), str(still), str(tmp_path / "broken.mp4"), "--segments", "fixed:10s",
+            "--model", str(tiny_model_dir), "-o", str(out)]
+    plan = caption(*args, "--dry-run")
+    assert f"caption\t{long_video}#t=60,65\tnew" in plan.output and f"caption\t{short}#t=0,4\tnew" in plan.output
+    done = caption(*args)
+    assert done.exit_code == 1, done.output   # the broken file's row is an error
+    rows = rows_of(out)
+    windows = [row for row in rows if row["path"] == str(long_video)]
+    assert [(row["segment"], row["start_s"], row["end_s"]) for row in windows] == \
+        [(number, 10.0 * number, min(10.0 * number + 10, 65.0)) for number in range(7)]
+    assert [row["frame_indices"] for row in windows] == \
+        [[100 * number + index for index in frame_indices(100 if number < 6 else 50, 8)] for number in range(7)]
+    by_path = {row["path"]: row for row in rows if row["path"] != str(long_video)}
+    assert (by_path[str(short)]["segment"], by_path[str(short)]["end_s"]) == (0, 4.0)   # shorter than a window
+    assert by_path[str(still)]["segment"] is None and by_path[str(still)]["error"] is None
+    broken = by_path[str(tmp_path / "broken.mp4")]
+    assert broken["segment"] is None and broken["error_kind"] == "undecodable"   # its length unknown: one row
+
+    assert "captioned 0; failed 0; done earlier 10" in caption(*args).output   # the error row too
+    changed = caption(*args[:-4], "--segments", "fixed:20s", "--model", str(tiny_model_dir), "-o", str(out))
+    assert changed.exit_code == 2
+    assert "segments 'fixed:10s,overlap=0s,min=2s' there, 'fixed:20s,overlap=0s,min=2s' now" in changed.output
+    assert len(changed.output.strip().splitlines()) == 1
+
+
+def test_a_bad_segments_spec_stops_at_once(tmp_path: Path) -> None:
+    result = caption(str(tmp_path), "--segments", "fixed:10x", "--model", "demo", "-o", str(tmp_path / "o.parquet"))
+    assert result.exit_code == 2 and "'10x' is not a duration" in result.output
+
+
+def test_kill_9_mid_file_then_rerun_captions_only_the_missing_windows(long_video: Path, tiny_model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    from test_resume_cli import parts, start, wait_for
+
+    args = [str(long_video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "--max-new-tokens", "4",
+            "--batch-size", "1", "--flush-rows", "1", "--quiet"]
+    reference = tmp_path / "reference.parquet"
+    assert caption(*args[:-1], "-o", str(reference)).exit_code == 0
+    out = tmp_path / "out.parquet"
+    run = start([*args, "--out", str(out)])
+    wait_for(lambda: parts(out) >= 3, run, "3 parts")
+    run.kill()
+    run.wait()
+    saved = parts(out)
+    assert 3 <= saved < 7
+    again = caption(*args[:-1], "-o", str(out))
+    assert f"captioned {7 - saved}; failed 0; done earlier {saved}" in again.output, again.output
+    stable = ["path", "segment", "start_s", "end_s", "key", "caption", "frame_indices"]
+    assert [{name: row[name] for name in stable} for row in rows_of(out)] == \
+        [{name: row[name] for name in stable} for row in rows_of(reference)]

@@ -431,10 +431,9 @@ _faults: tuple[tuple[str, str], ...] = ()
 _start_error: str | None = None
 
 
-def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tuple[str, str], ...]) -> None:
-    """pebble's initializer. Never raises: a worker that fails here would break the whole pool,
-    so the failure is kept and becomes every item's error instead."""
-    global _job, _memory_limit, _faults, _start_error
+def quiet_worker(environment: dict[str, str] | None = None) -> None:
+    """What a worker process does first: native log lines off the terminal, Ctrl-C left to the parent, SIGTERM
+    final; `environment` (object-store settings) set, as a fork server keeps the one it started with."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)  # decord and FFmpeg log from native code: keep it off the terminal
     os.dup2(devnull, 2)
@@ -443,6 +442,14 @@ def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tupl
     # pebble's SIGTERM handler is Python code, which never runs while a decoder hangs in native
     # code: pebble would wait 3 s before SIGKILL on each timeout and each worker at shutdown.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(environment or {})
+
+
+def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tuple[str, str], ...]) -> None:
+    """pebble's initializer. Never raises: a worker that fails here would break the whole pool,
+    so the failure is kept and becomes every item's error instead."""
+    global _job, _memory_limit, _faults, _start_error
+    quiet_worker()
     _memory_limit, _faults = memory_limit_bytes, faults
     try:
         torch.set_num_threads(1)  # the cores belong to the model and the other workers

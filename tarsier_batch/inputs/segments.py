@@ -1,12 +1,11 @@
-"""How a long video becomes rows: `--segments` says whether a file is one row (the default), fixed windows of
-time, or its scenes, and this module turns the spec and a video's length into the spans (`media.Span`) whose
-rows the run makes.
+"""How a long video becomes rows: `--segments` says whether a file is one row (the default) or a row per fixed
+window of time, and this module turns the spec and a video's length into the spans (`media.Span`) whose rows
+the run makes.
 
-    whole                          one row per file (today's behaviour)
+    whole                          one row per file
     fixed:10s                      windows of 10 s from the start
     fixed:10s,overlap=2s,min=3s    each window starts 8 s after the one before; a last window shorter than
                                    3 s (default 2 s) joins the one before it
-    scenes                         shot cuts (PySceneDetect's content detector)
 
 A file shorter than one window, and an image, gives one row.
 """
@@ -15,12 +14,13 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..media import Span
+from ..media import MediaType, Span
+from .sources import MediaItem
 
-Mode = Literal["whole", "fixed", "scenes"]
+Mode = Literal["whole", "fixed"]
 DEFAULT_MIN_S = 2.0
 _DURATION = re.compile(r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$")
 
@@ -58,15 +58,15 @@ class Segmenting:
 
     @classmethod
     def parse(cls, text: str) -> Segmenting:
-        """`whole`, `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]` or `scenes`; raises SegmentsError."""
+        """`whole` or `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]`; raises SegmentsError."""
         mode, _, rest = text.strip().partition(":")
-        if mode in ("whole", "scenes"):
+        if mode == "whole":
             if rest:
-                raise SegmentsError(f"--segments {mode} takes no value after ':' (got {text!r})")
-            return cls(mode)   # type: ignore[arg-type]
+                raise SegmentsError(f"--segments whole takes no value after ':' (got {text!r})")
+            return cls()
         if mode != "fixed":
-            raise SegmentsError(f"--segments {text!r}: give whole, fixed:10s (windows of 10 s; optional "
-                                f",overlap=2s and ,min=2s) or scenes")
+            raise SegmentsError(f"--segments {text!r}: give whole, or fixed:10s (windows of 10 s; optional "
+                                f",overlap=2s and ,min=2s)")
         length, *options = rest.split(",")
         values = {"overlap": 0.0, "min": DEFAULT_MIN_S}
         for option in options:
@@ -101,3 +101,17 @@ class Segmenting:
         if len(spans) > 1 and spans[-1].end_s - spans[-1].start_s < self.min_s:
             spans[-2:] = [Span(spans[-2].start_s, duration_s)]
         return spans
+
+    def split(self, items: list[MediaItem], durations: dict[str, float | None]) -> list[MediaItem]:
+        """`items` with each video cut into its fixed windows, in place (`durations`: seconds by row id; a video
+        whose length is unknown, an image or an item with a span of its own stays as it is)."""
+        assert self.mode == "fixed"
+        cut: list[MediaItem] = []
+        for item in items:
+            duration = durations.get(item.row_id)
+            if item.media_type is not MediaType.VIDEO or item.span is not None or not duration:
+                cut.append(item)
+                continue
+            cut += [replace(item, span=span, segment=number)
+                    for number, span in enumerate(self.fixed_spans(duration))]
+        return cut

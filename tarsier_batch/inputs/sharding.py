@@ -63,7 +63,8 @@ class Shard:
         """
         position = {item.row_id: number for number, item in enumerate(items)}
         return {"index": self.index, "count": self.count, "inputs": len(items),
-                "positions": [position.get(row_id_of(row)) for row in rows]}
+                # A window cut from a listed file (--segments) takes its file's place: its rows stay in order.
+                "positions": [position.get(row_id_of(row), position.get(row["path"])) for row in rows]}
 
 
 def shard_of(path: str, count: int) -> int:
