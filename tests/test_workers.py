@@ -34,7 +34,7 @@ from tarsier_batch.decoding.workers import (
 from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.inputs.sources import MediaItem
-from tarsier_batch.media import MediaType
+from tarsier_batch.media import MediaType, Span
 
 GiB = 2**30
 T = TypeVar("T")
@@ -265,7 +265,8 @@ def test_threads_turn_failures_into_errors_too(job: DecodeJob, faulty: dict[str,
     class OutOfMemory:
         default_frames = 8
 
-        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None):
+        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None,
+                       span: Span | None = None):
             raise MemoryError
 
     starving = DecodeJob(OutOfMemory(), 8, None)  # type: ignore[arg-type]
@@ -298,7 +299,8 @@ def test_allocation_failures_inside_decoders_name_the_limit(monkeypatch: pytest.
                                                             faulty: dict[str, MediaItem]) -> None:
     """What a worker returns when FFmpeg reports ENOMEM (run here, in-process, on the worker's code path)."""
     class NoMemory:
-        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None):
+        def load_media(self, path: str, media_type: MediaType, num_frames: int, max_image_pixels: int | None,
+                       span: Span | None = None):
             raise ValueError(f"cannot decode video: pyav: {os.strerror(errno.ENOMEM)}")
 
     monkeypatch.setattr(workers, "_job", DecodeJob(NoMemory(), 8, None))  # type: ignore[arg-type]
