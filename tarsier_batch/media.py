@@ -528,17 +528,45 @@ def _displayed(frame: Any, aspect: Fraction) -> Image.Image:
     return image
 
 
+class _OpenVideo:
+    """A video open with decord, and what sampling needs of it: frame count, keyframes, rate, frame start times."""
+
+    def __init__(self, source: str, with_starts: bool = False):
+        import decord
+
+        stat = os.stat(source)
+        self.identity = (source, stat.st_size, stat.st_mtime_ns)
+        self.reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
+        self.total = len(self.reader)
+        self.keyframes = [int(key) for key in self.reader.get_key_indices()]
+        self.fps = self.reader.get_avg_fps()
+        self.starts = _from_first_frame(self.reader.get_frame_timestamp(range(self.total))[:, 0].tolist()) \
+            if with_starts and self.total else []
+
+
+# The video whose spans this thread decodes, kept open: a worker takes a long video's windows one after
+# another, and opening reads the whole index (for an hour of video, longer than decoding a window's frames).
+_spans_video = threading.local()
+
+
+def _open_for_spans(source: str) -> _OpenVideo:
+    """`source` open for its spans: the one this thread opened last if it is the same unchanged file."""
+    stat = os.stat(source)
+    kept: _OpenVideo | None = getattr(_spans_video, "opened", None)
+    if kept is None or kept.identity != (source, stat.st_size, stat.st_mtime_ns):
+        _spans_video.opened = None   # the other video's reader goes before this one is opened
+        _spans_video.opened = _OpenVideo(source, with_starts=True)
+    return _spans_video.opened
+
+
 def _load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
                        sampler: FrameSampler, span: Span | None = None) -> Media:
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
     with _decord_failures():
-        reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
-        total = len(reader)
-        keyframes = [int(key) for key in reader.get_key_indices()]
-        fps = reader.get_avg_fps()
-        starts = _from_first_frame(reader.get_frame_timestamp(range(total))[:, 0].tolist()) if span else []
+        opened = _OpenVideo(source) if span is None else _open_for_spans(source)
+    reader, total, keyframes, fps, starts = opened.reader, opened.total, opened.keyframes, opened.fps, opened.starts
     if total < 1:
         raise _DecoderFailure("no frames")
     indices = sample_span(starts, span, num_frames, sampler) if span else sampler(total, num_frames)

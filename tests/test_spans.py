@@ -84,3 +84,19 @@ def test_a_span_must_run_forwards_from_zero() -> None:
     for start, end in [(-1, 2), (5, 5), (6, 5)]:
         with pytest.raises(ValueError):
             Span(start, end)
+
+
+def test_windows_decoded_one_after_another_from_one_open_video_equal_each_decoded_fresh(video: Path) -> None:
+    """A thread keeps the video it decodes spans of open (opening reads the whole index): what it gives for a
+    window does not depend on which window it decoded before."""
+    import numpy as np
+
+    from tarsier_batch import media
+
+    windows = [Span(start, start + 10) for start in (0, 10, 30, 20, 50)]
+    in_order = [load_media(str(video), MediaType.VIDEO, 8, span=window).frames for window in windows]
+    assert media._spans_video.opened.identity[0] == os.path.abspath(video)   # kept open between them
+    for window, frames in zip(windows, in_order):
+        media._spans_video.opened = None
+        fresh = load_media(str(video), MediaType.VIDEO, 8, span=window).frames
+        assert all(np.array_equal(np.asarray(one), np.asarray(other)) for one, other in zip(frames, fresh))
