@@ -176,3 +176,20 @@ def test_report_usage_errors(tmp_path: Path, monkeypatch, args: list[str], messa
     (tmp_path / "r.parquet").write_text("x")
     done = runner.invoke(app, ["report", *args])
     assert done.exit_code == 2 and message in done.output and len(done.output.splitlines()) == 1, done.output
+
+
+def test_a_segment_is_an_item_of_its_own_named_by_its_span(numbered_clip: Path, tmp_path: Path) -> None:
+    columns = OutputColumns(spans=True)
+    rows = [{"path": str(numbered_clip), "key": f"k#t={start},{start + 1}", "segment": number, "start_s": start,
+             "end_s": start + 1.0, "media_type": "video", "model": "m", "caption": f"window {number}",
+             "num_frames": 2, "frame_indices": [10 * number, 10 * number + 9], "width": W, "height": H,
+             "finish_reason": "eos", "elapsed_s": 0.1} for number, start in enumerate([0.0, 1.0, 2.0])]
+    results = tmp_path / "segments.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=with_metadata(columns.schema(), {"settings": {}}, {})), results)
+    made = runner.invoke(app, ["report", str(results), "-o", str(tmp_path / "report.html"), "--workers", "0"])
+    assert made.exit_code == 0, made.output
+    data = json.loads(re.search(r'<script type="application/json" id=data>(.*?)</script>',
+                                (tmp_path / "report.html").read_text(), re.S).group(1))
+    assert [item["path"] for item in data["items"]] == [f"{numbered_clip}#t=0,1", f"{numbered_clip}#t=1,2",
+                                                        f"{numbered_clip}#t=2,3"]
+    assert all(item["strip"] for item in data["items"])

@@ -214,3 +214,16 @@ def test_kill_9_mid_file_then_rerun_captions_only_the_missing_windows(long_video
     stable = ["path", "segment", "start_s", "end_s", "key", "caption", "frame_indices"]
     assert [{name: row[name] for name in stable} for row in rows_of(out)] == \
         [{name: row[name] for name in stable} for row in rows_of(reference)]
+
+
+def test_questions_are_asked_of_each_window_and_the_long_layout_has_a_row_per_window_and_question(
+        long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "asked.parquet"
+    args = [str(long_video), "--segments", "fixed:30s", "--model", str(tiny_model_dir), "--ask", "what=What?",
+            "--ask", "who=Who?", "--long", "-o", str(out)]
+    assert caption(*args).exit_code == 0
+    rows = rows_of(out)
+    assert [(row["segment"], row["question"]) for row in rows] == \
+        [(0, "what"), (0, "who"), (1, "what"), (1, "who"), (2, "what"), (2, "who")]   # 0-30, 30-60, 60-65
+    assert [row["end_s"] for row in rows[::2]] == [30.0, 60.0, 65.0]
+    assert "captioned 0; failed 0; done earlier 3" in caption(*args).output

@@ -16,6 +16,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from ..inputs.sources import row_id_of
 from ..progress import plural
 from .results import Figures, Results, answers
 
@@ -40,6 +41,7 @@ def render(results: Results, figures: Figures, strips: list[dict[str, str | None
 
 def _item(row: dict[str, Any], strip: dict[str, str | None], results: Results) -> dict[str, Any]:
     item = {name: row.get(name) for name in ITEM_FIELDS}
+    item["path"] = row_id_of(row)   # a segment's with its span (`clip.mp4#t=10,20`): a row of its own
     item.update(strip=bool(strip.get("uri")), stripProblem=strip.get("problem"),
                 extra={name: _plain(row.get(name)) for name in results.extra_columns})
     if results.questions:   # a prompt set: each question's answer, under its name
