@@ -227,3 +227,18 @@ def test_questions_are_asked_of_each_window_and_the_long_layout_has_a_row_per_wi
         [(0, "what"), (0, "who"), (1, "what"), (1, "who"), (2, "what"), (2, "who")]   # 0-30, 30-60, 60-65
     assert [row["end_s"] for row in rows[::2]] == [30.0, 60.0, 65.0]
     assert "captioned 0; failed 0; done earlier 3" in caption(*args).output
+
+
+def test_windows_of_shards_merge_back_in_file_then_window_order(long_video: Path, tiny_model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    other = write_numbered_video(tmp_path / "other.mp4", 25)
+    common = [str(long_video), str(other), "--segments", "fixed:20s", "--model", str(tiny_model_dir)]
+    for index in range(2):
+        done = caption(*common, "--shard", f"{index}/2", "-o", str(tmp_path / "shards" / f"shard-{index}.parquet"))
+        assert done.exit_code == 0, done.output
+    merged = runner.invoke(app, ["merge", str(tmp_path / "shards"), "-o", str(tmp_path / "all.parquet")])
+    assert merged.exit_code == 0, merged.output
+    assert [(Path(row["path"]).name, row["segment"]) for row in rows_of(tmp_path / "all.parquet")] == \
+        [("long.mp4", 0), ("long.mp4", 1), ("long.mp4", 2), ("long.mp4", 3), ("other.mp4", 0), ("other.mp4", 1)]
+    whole = caption(*common, "-o", str(tmp_path / "all.parquet"))   # the merged file continues as one run's
+    assert "captioned 0; failed 0; done earlier 6" in whole.output, whole.output
