@@ -233,9 +233,10 @@ def caption(
              "columns) instead of one row per file with each question's columns.")] = False,
     segments: Annotated[str, typer.Option(
         metavar="SPEC",
-        help="Rows per video: 'whole' (one per file), or 'fixed:10s', a row per 10 s window, each sampled like a "
-             "file of its own (',overlap=2s': windows repeat 2 s; ',min=2s': a shorter last window joins the one "
-             "before).")] = "whole",
+        help="Rows per video, each sampled like a file of its own: 'whole' (one per file); 'fixed:10s', a row per "
+             "10 s window (',overlap=2s': windows repeat 2 s; ',min=2s': a shorter last window joins the one "
+             "before); 'scenes', a row per shot (the scenes extra; ',threshold=27': higher finds fewer cuts, "
+             "',min=0.5s': the shortest shot, ',max=30s': longer shots split evenly).")] = "whole",
     frames: Annotated[Optional[int], typer.Option(
         min=1, metavar="N",
         help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].",
@@ -449,9 +450,11 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
 
 def _segmenting(spec: str) -> Segmenting:
     try:
-        return Segmenting.parse(spec)
+        segmenting = Segmenting.parse(spec)
+        segmenting.check_available()
     except SegmentsError as error:
         _fail(str(error))
+    return segmenting
 
 
 def _output(location: str, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:

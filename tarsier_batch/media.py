@@ -249,6 +249,21 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     raise ItemError(UNDECODABLE, f"cannot decode video: {said}" if why is None else f"{why}; {said}")
 
 
+def frame_starts(path: str) -> list[float]:
+    """Each frame's start time in display order, from the first frame's: the times `sample_span` counts in
+    (decord's where it reads the file, else PyAV's packet times)."""
+    check_regular_file(path)
+    source = os.path.abspath(path)
+    if decord_problem(source) is None:
+        try:
+            with _decord_failures():
+                return _OpenVideo(source, with_starts=True).starts
+        except _DecoderFailure:
+            pass
+    with _video_stream(source) as (container, stream):
+        return _packet_starts(container, stream)
+
+
 def video_duration(path: str) -> float:
     """Seconds from the first frame's start to the last frame's end: the stretch spans are cut from (what
     `sample_span` counts in). decord's frame timestamps where it reads the file, else PyAV's packet times."""

@@ -29,6 +29,7 @@ from .decoding.fork_server import check_main_is_guarded, start_decoding_server
 from .errors import one_line
 from .inputs.manifest import Manifest
 from .inputs.prompt_sets import PromptSetError, check_prompt_set
+from .inputs.segments import SegmentsError
 from .inputs.sources import Discovery, MediaItem, discover, row_id_of
 from .media import MediaType
 from .model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
@@ -221,6 +222,10 @@ class CaptionRun:
         self._load_backend = load
         if load is None and settings.caption.isolate_decoding:
             check_main_is_guarded()   # now, not once the model is loaded
+        try:
+            settings.segments.check_available()
+        except SegmentsError as error:
+            raise SettingsError(str(error)) from None
         self.stream = out if hasattr(out, "write") else None
         output = None if self.stream is not None else \
             out if isinstance(out, (OutputTarget, RemoteOutput)) else output_at(out)  # type: ignore[arg-type]
@@ -360,20 +365,20 @@ class CaptionRun:
                 yield
 
     def _cut_into_segments(self) -> None:
-        """With `--segments fixed`, each video of the run becomes its windows (once): their lengths are read in
-        decoding workers, where a file that crashes or hangs a decoder costs only its probe (and keeps the file
-        whole: its decoding then says what is wrong)."""
+        """With `--segments`, each video of the run becomes its spans (once): what cutting needs of a video (its
+        length, its shots) is read in decoding workers, where a file that crashes or hangs a decoder costs only
+        its probe (and keeps the file whole: its decoding then says what is wrong)."""
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
-        from .decoding.probe import video_durations  # here: the decoding modules import torch
+        from .decoding.probe import video_facts  # here: the decoding modules import torch
         from .decoding.workers import default_workers
 
         videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
         caption = self.settings.caption
-        lengths = video_durations(videos, caption.workers or default_workers(), caption.decode_timeout_s)
+        facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s)
         self.discovery = replace(self.discovery, items=segmenting.split(
-            self.items, {item.row_id: length for item, length in zip(videos, lengths)}))
+            self.items, {item.row_id: known for item, known in zip(videos, facts)}))
         self._segmented = True
 
     def _store(self, target: OutputTarget) -> ResultStore:

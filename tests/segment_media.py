@@ -14,8 +14,8 @@ from PIL import Image
 
 W, H = 96, 64
 BITS, BLOCK = 12, 8
-# Scene colours: far apart, so that a cut changes every pixel of the background.
-COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200), (200, 30, 200)]
+# Scene colours: each far from the next in hue and in brightness, so that a cut is plain to a content detector.
+COLOURS = [(240, 240, 240), (20, 20, 140), (250, 200, 30), (10, 90, 10), (230, 40, 200), (15, 15, 15)]
 
 
 def picture(index: int, scene: int) -> np.ndarray:

@@ -242,3 +242,42 @@ def test_windows_of_shards_merge_back_in_file_then_window_order(long_video: Path
         [("long.mp4", 0), ("long.mp4", 1), ("long.mp4", 2), ("long.mp4", 3), ("other.mp4", 0), ("other.mp4", 1)]
     whole = caption(*common, "-o", str(tmp_path / "all.parquet"))   # the merged file continues as one run's
     assert "captioned 0; failed 0; done earlier 6" in whole.output, whole.output
+
+
+# --- --segments scenes: a row per shot --------------------------------------------------------------------
+
+def test_scenes_are_found_at_the_cuts_and_each_samples_its_own_shot(long_video: Path, tiny_model_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """`long_video` changes colour every 4 s (40 frames): 17 shots, each cut found within a frame."""
+    out = tmp_path / "shots.parquet"
+    done = caption(str(long_video), "--segments", "scenes", "--model", str(tiny_model_dir), "-o", str(out))
+    assert done.exit_code == 0, done.output
+    rows = rows_of(out)
+    assert len(rows) == 17
+    assert all(abs(row["start_s"] - 4 * number) <= 0.1 for number, row in enumerate(rows))
+    assert rows[-1]["end_s"] == 65.0
+    for number, row in enumerate(rows[:-1]):   # frames of its own shot only: 40 * number up to 40 * number + 39
+        assert 40 * number - 1 <= row["frame_indices"][0] and row["frame_indices"][-1] <= 40 * number + 40
+
+    split = caption(str(long_video), "--segments", "scenes,max=3s", "--model", str(tiny_model_dir),
+                    "-o", str(tmp_path / "split.parquet"))
+    assert split.exit_code == 0 and len(rows_of(tmp_path / "split.parquet")) == 33   # 16 shots of 4 s in 2, 1 s
+
+
+def test_a_threshold_no_cut_reaches_gives_one_shot(long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "one.parquet"
+    assert caption(str(long_video), "--segments", "scenes,threshold=250", "--model", str(tiny_model_dir),
+                   "-o", str(out)).exit_code == 0
+    assert [(row["segment"], row["start_s"], row["end_s"]) for row in rows_of(out)] == [(0, 0.0, 65.0)]
+
+
+def test_scenes_without_pyscenedetect_stop_at_once_with_the_install_line(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "scenedetect"
+                        else real(name, *rest))
+    result = caption(str(tmp_path), "--segments", "scenes", "--model", "demo", "-o", str(tmp_path / "o.parquet"))
+    assert result.exit_code == 2
+    assert "needs PySceneDetect: pip install 'tarsier-batch[scenes]'" in result.output

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tarsier_batch.inputs.segments import Segmenting, SegmentsError, parse_duration
+from tarsier_batch.inputs.segments import Segmenting, SegmentsError, VideoFacts, parse_duration
 from tarsier_batch.media import Span
 
 
@@ -54,9 +54,15 @@ def test_what_is_not_a_duration_says_so(text: str) -> None:
     ("fixed", "give the window's length"),
     ("fixed:0s", "longer than 0 s"),
     ("fixed:10s,overlap=10s", "shorter than the window"),
-    ("fixed:10s,step=2s", "is not overlap=LENGTH or min=LENGTH"),
-    ("windows:10s", "give whole, or fixed:10s"),
-    ("whole:3", "takes no value"),
+    ("fixed:10s,step=2s", "is not one of overlap=, min="),
+    ("fixed:10s,max=20s", "is not one of overlap=, min="),
+    ("windows:10s", "give whole, fixed:10s"),
+    ("whole:3", "takes nothing more"),
+    ("scenes:3", "scenes takes no ':LENGTH'"),
+    ("scenes,threshold=high", "is not a number"),
+    ("scenes,threshold=0", "must be above 0"),
+    ("scenes,max=0s", "longer than 0 s"),
+    ("scenes,overlap=2s", "is not one of threshold=, min=, max="),
 ])
 def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
     with pytest.raises(SegmentsError, match=message):
@@ -64,7 +70,19 @@ def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
 
 
 def test_the_canonical_spec_reads_back_as_the_same_segmenting() -> None:
-    for text in ["whole", "fixed:10s", "fixed:1m,overlap=2.5s,min=0s"]:
+    for text in ["whole", "fixed:10s", "fixed:1m,overlap=2.5s,min=0s", "scenes", "scenes,threshold=40,min=1s,max=30s"]:
         segmenting = Segmenting.parse(text)
         assert Segmenting.parse(str(segmenting)) == segmenting
     assert str(Segmenting.parse("fixed:10")) == "fixed:10s,overlap=0s,min=2s"
+    assert str(Segmenting.parse("scenes")) == "scenes,threshold=27,min=0.5s"
+
+
+def test_shots_are_the_spans_between_cuts_and_long_ones_split_evenly() -> None:
+    facts = VideoFacts(65.0, (4.0, 30.0, 64.9))
+    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(facts)] == \
+        [(0, 4), (4, 30), (30, 64.9), (64.9, 65)]
+    split = Segmenting.parse("scenes,max=10s").spans(facts)
+    assert [(round(span.start_s, 6), round(span.end_s, 6)) for span in split] == \
+        [(0, 4), (4, 12.666667), (12.666667, 21.333333), (21.333333, 30), (30, 38.725), (38.725, 47.45),
+         (47.45, 56.175), (56.175, 64.9), (64.9, 65)]
+    assert Segmenting.parse("scenes").spans(VideoFacts(12.0)) == [Span(0, 12)]   # no cut: one shot

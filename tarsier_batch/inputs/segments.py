@@ -1,18 +1,24 @@
-"""How a long video becomes rows: `--segments` says whether a file is one row (the default) or a row per fixed
-window of time, and this module turns the spec and a video's length into the spans (`media.Span`) whose rows
-the run makes.
+"""How a long video becomes rows: `--segments` says whether a file is one row (the default), a row per fixed
+window of time, or a row per shot, and this module turns the spec and what a video holds (its length, its
+cuts) into the spans (`media.Span`) whose rows the run makes.
 
-    whole                          one row per file
-    fixed:10s                      windows of 10 s from the start
-    fixed:10s,overlap=2s,min=3s    each window starts 8 s after the one before; a last window shorter than
-                                   3 s (default 2 s) joins the one before it
+    whole                                   one row per file
+    fixed:10s                               windows of 10 s from the start
+    fixed:10s,overlap=2s,min=3s             each window starts 8 s after the one before; a last window shorter
+                                            than 3 s (default 2 s) joins the one before it
+    scenes                                  a row per shot, cut where the picture changes (PySceneDetect's
+                                            content detector, the `scenes` extra)
+    scenes,threshold=27,min=0.5s,max=30s    its threshold (default 27: higher finds fewer cuts), the shortest
+                                            shot (default 0.5 s), and shots longer than `max` split evenly
 
 A file shorter than one window, and an image, gives one row.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -20,9 +26,12 @@ from typing import Literal
 from ..media import MediaType, Span
 from .sources import MediaItem
 
-Mode = Literal["whole", "fixed"]
-DEFAULT_MIN_S = 2.0
+Mode = Literal["whole", "fixed", "scenes"]
+DEFAULT_MIN_S = {"fixed": 2.0, "scenes": 0.5}
+DEFAULT_THRESHOLD = 27.0   # PySceneDetect's own default for its content detector
 _DURATION = re.compile(r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$")
+_SPECS = "give whole, fixed:10s (windows of 10 s; options overlap=2s, min=2s) or scenes (options threshold=27, " \
+         "min=0.5s, max=30s)"
 
 
 class SegmentsError(ValueError):
@@ -38,50 +47,95 @@ def parse_duration(text: str) -> float:
 
 
 @dataclass(frozen=True)
+class VideoFacts:
+    """What cutting a video needs of it: its length and, for scenes, where its shots change (seconds from its
+    first frame, ascending)."""
+
+    duration_s: float
+    cuts_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Segmenting:
     """How files are cut into rows; `str()` gives the canonical spec (what a resumed run must match)."""
 
     mode: Mode = "whole"
-    window_s: float = 0.0        # fixed: each window's length
-    overlap_s: float = 0.0       # fixed: how much of a window the next one repeats
-    min_s: float = DEFAULT_MIN_S  # fixed: a last window shorter than this joins the one before it
+    window_s: float = 0.0         # fixed: each window's length
+    overlap_s: float = 0.0        # fixed: how much of a window the next one repeats
+    min_s: float = 0.0            # fixed: a shorter last window joins the one before; scenes: the shortest shot
+    threshold: float = DEFAULT_THRESHOLD   # scenes: how much the picture must change for a cut
+    max_s: float | None = None    # scenes: a longer shot is split evenly into parts of at most this
 
     def __post_init__(self) -> None:
+        if self.min_s < 0:
+            raise SegmentsError("min= cannot be negative")
         if self.mode == "fixed":
             if self.window_s <= 0:
                 raise SegmentsError("a fixed window must be longer than 0 s")
             if not 0 <= self.overlap_s < self.window_s:
                 raise SegmentsError(f"overlap={self.overlap_s:g}s must be shorter than the window "
                                     f"({self.window_s:g}s)")
-            if self.min_s < 0:
-                raise SegmentsError("min= cannot be negative")
+        if self.mode == "scenes":
+            if self.threshold <= 0:
+                raise SegmentsError("threshold= must be above 0")
+            if self.max_s is not None and self.max_s <= 0:
+                raise SegmentsError("max= must be longer than 0 s")
 
     @classmethod
     def parse(cls, text: str) -> Segmenting:
-        """`whole` or `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]`; raises SegmentsError."""
-        mode, _, rest = text.strip().partition(":")
+        """`whole`, `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]` or `scenes[,threshold=N][,min=LENGTH]
+        [,max=LENGTH]`; raises SegmentsError."""
+        head, *options = text.strip().split(",")
+        mode, _, length = head.partition(":")
+        if mode not in ("whole", "fixed", "scenes"):
+            raise SegmentsError(f"--segments {text!r}: {_SPECS}")
         if mode == "whole":
-            if rest:
-                raise SegmentsError(f"--segments whole takes no value after ':' (got {text!r})")
+            if length or options:
+                raise SegmentsError(f"--segments whole takes nothing more (got {text!r})")
             return cls()
-        if mode != "fixed":
-            raise SegmentsError(f"--segments {text!r}: give whole, or fixed:10s (windows of 10 s; optional "
-                                f",overlap=2s and ,min=2s)")
-        length, *options = rest.split(",")
-        values = {"overlap": 0.0, "min": DEFAULT_MIN_S}
+        if (mode == "fixed") != bool(length):
+            raise SegmentsError(f"--segments {text!r}: " + ("give the window's length, as in fixed:10s"
+                                                            if mode == "fixed" else "scenes takes no ':LENGTH'"))
+        allowed = ("overlap", "min") if mode == "fixed" else ("threshold", "min", "max")
+        values: dict[str, float] = {}
         for option in options:
-            name, equals, value = option.partition("=")
-            if not equals or name.strip() not in values:
-                raise SegmentsError(f"--segments {text!r}: {option!r} is not overlap=LENGTH or min=LENGTH")
-            values[name.strip()] = parse_duration(value)
-        if not length:
-            raise SegmentsError(f"--segments {text!r}: give the window's length, as in fixed:10s")
-        return cls("fixed", parse_duration(length), values["overlap"], values["min"])
+            name, equals, value = (part.strip() for part in option.partition("="))
+            if not equals or name not in allowed:
+                raise SegmentsError(f"--segments {text!r}: {option!r} is not one of "
+                                    f"{', '.join(name + '=' for name in allowed)}")
+            try:
+                values[name] = float(value) if name == "threshold" else parse_duration(value)
+            except ValueError:
+                raise SegmentsError(f"--segments {text!r}: threshold={value!r} is not a number") from None
+        if mode == "fixed":
+            return cls("fixed", parse_duration(length), values.get("overlap", 0.0),
+                       values.get("min", DEFAULT_MIN_S["fixed"]))
+        return cls("scenes", min_s=values.get("min", DEFAULT_MIN_S["scenes"]),
+                   threshold=values.get("threshold", DEFAULT_THRESHOLD), max_s=values.get("max"))
 
     def __str__(self) -> str:
-        if self.mode != "fixed":
-            return self.mode
-        return f"fixed:{self.window_s:g}s,overlap={self.overlap_s:g}s,min={self.min_s:g}s"
+        if self.mode == "fixed":
+            return f"fixed:{self.window_s:g}s,overlap={self.overlap_s:g}s,min={self.min_s:g}s"
+        if self.mode == "scenes":
+            return f"scenes,threshold={self.threshold:g},min={self.min_s:g}s" + \
+                (f",max={self.max_s:g}s" if self.max_s is not None else "")
+        return "whole"
+
+    def check_available(self) -> None:
+        """Scenes need PySceneDetect (the `scenes` extra): refuse now, not in every worker."""
+        if self.mode == "scenes" and importlib.util.find_spec("scenedetect") is None:
+            raise SegmentsError("--segments scenes needs PySceneDetect: pip install 'tarsier-batch[scenes]'")
+
+    def spans(self, facts: VideoFacts) -> list[Span]:
+        """The spans of a video with these facts."""
+        if self.mode == "fixed":
+            return self.fixed_spans(facts.duration_s)
+        assert self.mode == "scenes"
+        bounds = [0.0, *(cut for cut in facts.cuts_s if 0 < cut < facts.duration_s), facts.duration_s]
+        shots = [Span(start, end) for start, end in zip(bounds, bounds[1:])]
+        if self.max_s is None:
+            return shots
+        return [part for shot in shots for part in _even_parts(shot, self.max_s)]
 
     def fixed_spans(self, duration_s: float) -> list[Span]:
         """The windows of a video `duration_s` long: from 0, one every `window - overlap` seconds, the last one
@@ -102,16 +156,24 @@ class Segmenting:
             spans[-2:] = [Span(spans[-2].start_s, duration_s)]
         return spans
 
-    def split(self, items: list[MediaItem], durations: dict[str, float | None]) -> list[MediaItem]:
-        """`items` with each video cut into its fixed windows, in place (`durations`: seconds by row id; a video
-        whose length is unknown, an image or an item with a span of its own stays as it is)."""
-        assert self.mode == "fixed"
+    def split(self, items: list[MediaItem], facts: dict[str, VideoFacts | None]) -> list[MediaItem]:
+        """`items` with each video cut into its spans, in place (`facts` by row id; a video whose facts are
+        unknown, an image or an item with a span of its own stays as it is)."""
+        assert self.mode != "whole"
         cut: list[MediaItem] = []
         for item in items:
-            duration = durations.get(item.row_id)
-            if item.media_type is not MediaType.VIDEO or item.span is not None or not duration:
+            known = facts.get(item.row_id)
+            if item.media_type is not MediaType.VIDEO or item.span is not None or known is None \
+                    or known.duration_s <= 0:
                 cut.append(item)
                 continue
-            cut += [replace(item, span=span, segment=number)
-                    for number, span in enumerate(self.fixed_spans(duration))]
+            cut += [replace(item, span=span, segment=number) for number, span in enumerate(self.spans(known))]
         return cut
+
+
+def _even_parts(span: Span, longest_s: float) -> list[Span]:
+    """`span` in equal parts of at most `longest_s` seconds."""
+    count = math.ceil((span.end_s - span.start_s) / longest_s - 1e-9)
+    step = (span.end_s - span.start_s) / count
+    ends = [span.start_s + number * step for number in range(1, count)] + [span.end_s]
+    return [Span(start, end) for start, end in zip([span.start_s, *ends[:-1]], ends)]
