@@ -14,7 +14,9 @@ Makes (in a temporary folder) a long H.264 video and a 1-minute one of the same 
   its keyframes, as `ffmpeg -f segment -c copy` cuts: no re-encoding). Target ratio <= 1.5;
 - end to end: the cut-then-caption way (cut into files with PyAV, then `tarsier caption` on the folder)
   against `tarsier caption LONG --segments fixed:WINDOW`, same model, same run, repeats interleaved.
-  Target: the second at least as fast (ratio >= 1.0), with no intermediate files.
+  Target: the second at least as fast (ratio >= 1.0), with no intermediate files;
+- scene detection: frames per second of `--segments scenes`' detection pass over the long file, in this
+  process (what a probe worker runs), when PySceneDetect is installed.
 
 Prints JSON.
 """
@@ -22,6 +24,7 @@ Prints JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -38,8 +41,9 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tarsier_batch.decoding.scenes import cut_times  # noqa: E402
 from tarsier_batch.families.loading import load_processor  # noqa: E402
-from tarsier_batch.media import MediaType, Span  # noqa: E402
+from tarsier_batch.media import MediaType, Span, frame_starts  # noqa: E402
 from tarsier_batch.model.checkpoints import resolve_model  # noqa: E402
 
 
@@ -180,6 +184,15 @@ def main() -> None:
                                    "-o", str(folder / f"segments-{repeat}.parquet")), check=True)
             segments.append(time.perf_counter() - began)
 
+        scenes: dict[str, object] = {"skipped": "PySceneDetect is not installed (the scenes extra)"}
+        if importlib.util.find_spec("scenedetect") is not None:
+            began = time.perf_counter()
+            cuts = cut_times(str(long), 27.0, 0.5)
+            seconds = time.perf_counter() - began
+            frames_in_file = len(frame_starts(str(long)))
+            scenes = {"frames": frames_in_file, "seconds": round(seconds, 1),
+                      "frames_per_s": round(frames_in_file / seconds), "cuts_found": len(cuts)}
+
     result = {
         "video": {"minutes": args.minutes, "height": args.height, "fps": args.fps, "window_s": args.window,
                   "windows": len(pieces), "model": args.model, "frames": frames, "made_in_s": round(made_s, 1)},
@@ -194,6 +207,7 @@ def main() -> None:
                        "segments_s": round(statistics.median(segments), 1),
                        "speedup": round(statistics.median(cut_then_caption) / statistics.median(segments), 3),
                        "target_speedup_at_least": 1.0},
+        "scene_detection": scenes,
     }
     print(json.dumps(result, indent=2))
 
