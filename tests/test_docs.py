@@ -71,6 +71,7 @@ def run_page(page: Path, folder: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
+@pytest.mark.docs
 def test_the_readmes_runnable_shell_blocks_run_as_written(tmp_path: Path) -> None:
     run_page(REPO / "README.md", tmp_path)
 
