@@ -338,3 +338,17 @@ def test_ray_reads_objects_and_shards_from_a_store_without_a_shared_path(cluster
     assert pq.read_table(io.BytesIO(body)).drop(["elapsed_s"]).to_pylist() == expected
     again = caption(tiny_model_dir, *inputs, "--ray", "local", "-o", out)
     assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 4" in again.output, again.output
+
+
+@pytest.mark.ray
+def test_windows_on_ray_are_the_single_process_windows(cluster: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--segments on Ray: each window an item of its own, decoded within its span by the cluster's workers."""
+    flags = [str(SAMPLE_DATA / "ball_h264.mp4"), str(SAMPLE_DATA / "still.png"), "--segments", "fixed:1s"]
+    single = tmp_path / "single.parquet"
+    assert caption(tiny_model_dir, *flags, "-o", str(single), "--quiet").exit_code == 0
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, *flags, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    assert "captioning 4 items on Ray" in done.output   # 0-1, 1-2, 2-4 s (a last 1 s joins the one before), the image
+    table, _, _ = read_results(OutputTarget.existing(out), OutputColumns(with_token_ids=True, spans=True).schema())
+    assert table.drop(["elapsed_s"]).to_pylist() == pq.read_table(single).drop(["elapsed_s"]).to_pylist()
