@@ -546,11 +546,10 @@ def _displayed(frame: Any, aspect: Fraction) -> Image.Image:
 class _OpenVideo:
     """A video open with decord, and what sampling needs of it: frame count, keyframes, rate, frame start times."""
 
-    def __init__(self, source: str, with_starts: bool = False):
+    def __init__(self, source: str, with_starts: bool = False, identity: tuple[str, int, int] | None = None):
         import decord
 
-        stat = os.stat(source)
-        self.identity = (source, stat.st_size, stat.st_mtime_ns)
+        self.identity = identity   # (path, size, mtime) of a video kept open for its spans
         self.reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
         self.total = len(self.reader)
         self.keyframes = [int(key) for key in self.reader.get_key_indices()]
@@ -567,10 +566,11 @@ _spans_video = threading.local()
 def _open_for_spans(source: str) -> _OpenVideo:
     """`source` open for its spans: the one this thread opened last if it is the same unchanged file."""
     stat = os.stat(source)
+    identity = (source, stat.st_size, stat.st_mtime_ns)
     kept: _OpenVideo | None = getattr(_spans_video, "opened", None)
-    if kept is None or kept.identity != (source, stat.st_size, stat.st_mtime_ns):
+    if kept is None or kept.identity != identity:
         _spans_video.opened = None   # the other video's reader goes before this one is opened
-        _spans_video.opened = _OpenVideo(source, with_starts=True)
+        _spans_video.opened = _OpenVideo(source, with_starts=True, identity=identity)
     return _spans_video.opened
 
 
