@@ -38,7 +38,8 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_summary(tmp_path: Path) -> 
     results = dry_run(tmp_path)
     summary, stages = results["summary"], results["stages"]
     assert summary["stages_failed"] == [], {name: stages[name].get("error") for name in summary["stages_failed"]}
-    assert summary["stages_done"] == ["env", "equality", "build", "engine", "baseline", "decode", "attention", "cli"]
+    assert summary["stages_done"] == ["env", "equality", "build", "engine", "baseline", "decode", "profile",
+                                      "attention", "cli"]
     assert summary["stages_skipped"] == ["compiled"]   # compiling on the CPU takes --with-compile
     assert SUMMARY_KEYS <= set(summary)
     # Float32 on the CPU: every scenario of both families gives each row its ids alone, on inputs whose outputs
@@ -73,6 +74,16 @@ def test_cpu_dry_run_of_the_compiled_stage(tmp_path: Path) -> None:
     assert compiled["engine"]["generated_tokens"] == 4 * 8
     assert set(compiled["decode"]["ms"]) == {"1", "2", "4"}
     assert results["summary"]["decode_from"] == "compiled"
+
+
+@pytest.mark.compile
+def test_a_compiled_stage_past_the_budget_is_stopped_and_named(tmp_path: Path) -> None:
+    # Its child process is killed when the budget ends (the first H100 run's compilation ran for minutes): the
+    # run goes on to write its results, and the stage says it timed out and after which part.
+    results = dry_run(tmp_path, "--with-compile", "--stages", "compiled", "--budget-s", "2")
+    compiled = results["stages"]["compiled"]
+    assert compiled["error"] == "timed out after 2 s, in the part after none"
+    assert results["summary"]["stages_failed"] == ["compiled"]
 
 
 def logits(*rows: list[float]) -> dict[int, tuple[torch.Tensor, list[int]]]:

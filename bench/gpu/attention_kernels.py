@@ -6,8 +6,10 @@ R rows, one query each (28 heads over 4 KV heads of 128), contexts drawn between
 - `paged`: `engine.attention.paged_decode_attention` over the rows' pages in a KV cache laid out as the
   engine's (rows at page-aligned ranges with a free page between neighbours), eager;
 - `paged_compiled`: the same through torch.compile, as `--compile` runs it;
+- `gather_sdpa`: every row's pages copied into a padded batch at each call, then SDPA with a length mask
+  (what the engine would do to use SDPA: the copy timed too);
 - `sdpa_padded`: `F.scaled_dot_product_attention` over a padded (rows, kv_heads, longest, head_dim) batch
-  with a length mask;
+  with a length mask, built once (SDPA's best case);
 - `flex`: `flex_attention` compiled over the same padded batch with a BlockMask of the lengths.
 
 The padded batch is built once, outside the timing: the engine would have to gather it from its pages
@@ -77,6 +79,7 @@ def one_shape(rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
     mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
     ways = {
         "paged": lambda: attend_decoding(cache, 0, queries, tables, scale),
+        "gather_sdpa": _gather_then_sdpa(cache, queries, tables, contexts, scale),
         "sdpa_padded": lambda: F.scaled_dot_product_attention(queries[:, :, None], padded_keys, padded_values,
                                                               attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0],
     }
@@ -96,6 +99,24 @@ def one_shape(rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
     exact = {name: figures["ms"] for name, figures in result.items() if name != "contexts" and figures["exact"]}
     result["fastest_exact"] = min(exact, key=exact.get) if exact else None
     return result
+
+
+def _gather_then_sdpa(cache: KVCache, queries: torch.Tensor, tables, contexts: list[int], scale: float):
+    """Every row's pages copied into a padded batch, then SDPA with a length mask: the copy is timed too, as the
+    engine would pay it at every step and layer."""
+    kv_heads, slots, dim = cache.geometry.kv_heads, cache.page_slots, cache.geometry.head_dim
+    rows, widest = tables.row_pages.shape
+    lengths = torch.tensor(contexts, device=queries.device)
+    mask = (torch.arange(widest * slots, device=queries.device)[None, :] < lengths[:, None])[:, None, None, :]
+
+    def call() -> torch.Tensor:
+        keys, values = (pool[0].view(-1, kv_heads, slots, dim)[tables.row_pages]            # (rows, widest, h, s, d)
+                        .transpose(1, 2).reshape(rows, kv_heads, widest * slots, dim)
+                        for pool in (cache.keys, cache.values))
+        return F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=mask, scale=scale,
+                                              enable_gqa=True)[:, :, 0]
+
+    return call
 
 
 def _float32_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -19,11 +19,14 @@ the output, so that a second call can run it; a stage that fails records its err
 - `baseline`: transformers' one-at-a-time Qwen2-VL generate on the first clips, same weights: its items/s,
   and how often the engine's bfloat16 ids equal its ids, and where they first part;
 - `decode`: ms per decode step at 1, 8, 32 and 64 rows at the clips' context, against the bandwidth floor;
-- `compiled`: the same with `--compile` (CUDA graphs): the tiny equality scenarios compiled, the 64 clips,
-  the decode steps;
+- `profile`: torch.profiler over eager decode steps (1 and 64 rows) and a prefill of two clips: the top
+  ops by device and host time, kernel launches per step, device busy time against wall time
+  (bench/gpu/step_profile.py);
 - `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
 - `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
-  batch too large for the card (a clear refusal or a smaller batch, never lost rows).
+  batch too large for the card (a clear refusal or a smaller batch, never lost rows);
+- `compiled`: the same with `--compile` (CUDA graphs), in a child process stopped at the budget: the 64
+  clips and the decode steps of the real-size model, then the tiny equality scenarios compiled.
 
 Writes `gpu-<date>-<device>.json` (the figures; the keys of the summary first) and prints a short table
 last. Each stage's state (the checkpoint, the results so far) stays in --workdir, so a second call on the
@@ -39,6 +42,7 @@ import math
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +61,7 @@ import attention_kernels  # noqa: E402
 import cli_runs  # noqa: E402
 import equality  # noqa: E402
 import real_size  # noqa: E402
+import step_profile  # noqa: E402
 import workload  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
@@ -93,7 +98,7 @@ GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, 
               attention_repeats=50, cli_clips=8,
               cli_new_tokens=32, cli_kv_gb=40, budget_s=480,
               stage_s={"env": 15, "equality": 60, "build": 90, "engine": 150, "baseline": 120, "decode": 40,
-                       "compiled": 240, "attention": 90, "cli": 150})
+                       "profile": 40, "attention": 90, "cli": 150, "compiled": 240})
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
@@ -101,15 +106,19 @@ DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=27
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
               cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "attention", "cli"]
+# `compiled` last: its compile time is the least known (the first H100 run spent over 340 s in it unfinished).
+STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "profile", "attention", "cli", "compiled"]
 DTYPE = torch.bfloat16
 
 
 class Bench:
     """The run's state between stages: the profile, the device, what is loaded, and the results so far."""
 
-    def __init__(self, profile: Profile, workdir: Path, out: Path, with_compile: bool):
+    def __init__(self, profile: Profile, workdir: Path, out: Path, with_compile: bool, budget_s: float,
+                 in_child: bool = False):
         self.profile = profile
+        self.budget_s = budget_s
+        self.in_child = in_child   # the compiled stage's own process (see run_compiled)
         self.device = torch.device(profile.device)
         self.workdir = workdir
         self.out = out
@@ -290,14 +299,15 @@ def run_baseline(bench: Bench) -> None:
         run = real_size.baseline_pass(captioner.model, prompts, profile.new_tokens)
     finally:
         captioner.model.eos_token_ids = frozenset()
-    ids = run.pop("ids")
+    ids, margins = run.pop("ids"), run.pop("margins")
     info = bench.stage("baseline")
     info["one_at_a_time"] = run
     engine_ids_file = bench.workdir / "engine_ids.json"
     if engine_ids_file.exists():
         engine_ids = json.loads(engine_ids_file.read_text())[:len(ids)]
-        info["bf16_engine_vs_transformers"] = real_size.agreement(ids, engine_ids)
+        info["bf16_engine_vs_transformers"] = real_size.agreement(ids, engine_ids, margins)
     (bench.workdir / "baseline_ids.json").write_text(json.dumps(ids))
+    (bench.workdir / "baseline_margins.json").write_text(json.dumps(margins))
 
 
 def decode_figures(bench: Bench, engine: Engine) -> dict:
@@ -325,15 +335,65 @@ def run_decode(bench: Bench) -> None:
     bench.stage("decode")["eager"] = decode_figures(bench, bench.loaded().engine)
 
 
+def run_profile(bench: Bench) -> None:
+    """torch.profiler over eager decode steps (fewest and most rows) and a prefill of two clips."""
+    captioner = bench.loaded()
+    engine = captioner.engine
+    prompts = bench.clip_prompts()
+    context = max(prompt.length for prompt in prompts)
+    info = bench.stage("profile")
+    engine.abort_all()
+    real_size.fill_with_noise(engine)
+    for rows in sorted({min(bench.profile.decode_rows), max(bench.profile.decode_rows)}):
+        info[f"decode_{rows}_rows"] = step_profile.decode_steps(engine, rows, context, steps=3)
+        engine.scheduler.clear()
+    info["prefill_2_clips"] = step_profile.prefill(engine, prompts[:2])
+
+
 def run_compiled(bench: Bench) -> None:
+    """In a child process, stopped when the budget runs out: a compilation that never ends (the first H100
+    run's did not within 340 s) still leaves the parts that finished, and the log says which part it was in."""
     info = bench.stage("compiled")
     if not bench.with_compile:
         info["skipped"] = "compiling needs --with-compile on the CPU"
         return
-    info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True)
-    # Compiled functions recompile for each model; past torch._dynamo's limit of recompilations they would run
-    # eager without a word, so the real-size model starts from a clean slate.
-    torch._dynamo.reset()
+    if bench.in_child:
+        compiled_parts(bench)
+        return
+    bench.drop_model()
+    bench.save()
+    timeout_s = max(bench.budget_s - (time.perf_counter() - bench.started), bench.profile.stage_s.get("compiled", 0))
+    command = [sys.executable, str(Path(__file__).resolve()), "--in-child", "--stages", "compiled",
+               "--workdir", str(bench.workdir), "--out", str(bench.out), "--with-compile",
+               *(["--cpu-dry-run"] if bench.profile is DRY else [])]
+    child = subprocess.Popen(command, start_new_session=True)   # its own group: inductor's compile workers too
+    try:
+        code = child.wait(timeout=timeout_s)
+        failure = None if code == 0 else f"the child process exited with {code}"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        failure = f"timed out after {timeout_s:.0f} s"
+    bench.results = json.loads(bench.state_file.read_text())   # what the child saved, part by part
+    info = bench.stage("compiled")
+    if failure is not None:
+        info["error"] = f"{failure}, in the part after {info.get('parts_done') or 'none'}"
+
+
+def compiled_parts(bench: Bench) -> None:
+    """The real-size model compiled (the 64 clips, the decode steps), then the tiny equality scenarios compiled;
+    each part saved as it ends."""
+    info = bench.stage("compiled")
+    info["parts_done"] = []
+
+    def done(part: str, started: float) -> None:
+        info["parts_done"].append(part)
+        info[f"{part}_s"] = round(time.perf_counter() - started, 1)
+        info["dynamo_counters"] = {name: dict(values) for name, values in torch._dynamo.utils.counters.items()
+                                   if name in ("stats", "recompiles", "graph_break")}
+        bench.save()
+        print(f"[{time.perf_counter() - bench.started:6.1f} s]   compiled: {part} done", flush=True)
+
     captioner = bench.loaded()
     prompts = bench.clip_prompts()
     profile = bench.profile
@@ -342,7 +402,8 @@ def run_compiled(bench: Bench) -> None:
     engine = Engine(captioner.model, replace(captioner.engine_config, compile=True), captioner.settings.sampling)
     started = time.perf_counter()
     real_size.engine_pass(engine, prompts[:2], 4)     # compiles the layers and the decode step
-    info["compile_s"] = round(time.perf_counter() - started, 1)
+    done("compile", started)
+    started = time.perf_counter()
     run = real_size.engine_pass(engine, prompts, profile.new_tokens)
     ids = run.pop("ids")
     info["engine"] = run
@@ -352,10 +413,20 @@ def run_compiled(bench: Bench) -> None:
     baseline_file = bench.workdir / "baseline_ids.json"
     if baseline_file.exists():
         baseline = json.loads(baseline_file.read_text())
-        info["bf16_compiled_vs_transformers"] = real_size.agreement(baseline, ids[:len(baseline)])
+        margins_file = bench.workdir / "baseline_margins.json"
+        margins = json.loads(margins_file.read_text()) if margins_file.exists() else None
+        info["bf16_compiled_vs_transformers"] = real_size.agreement(baseline, ids[:len(baseline)], margins)
+    done("engine", started)
+    started = time.perf_counter()
     info["decode"] = decode_figures(bench, engine)
+    done("decode", started)
     del engine
-    release(bench.device)
+    bench.drop_model()
+    # Compiled functions recompile for each model; past torch._dynamo's limit of recompilations they would run
+    # eager without a word, so the tiny checkpoints start from a clean slate (drop_model reset it).
+    started = time.perf_counter()
+    info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True)
+    done("equality", started)
 
 
 def run_attention(bench: Bench) -> None:
@@ -383,6 +454,7 @@ def run_cli(bench: Bench) -> None:
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
+    info["help"] = cli_runs.help_names("--device")
     budget = 200 if bench.device.type == "cuda" else 300
     info["offload_kv"] = cli_runs.caption(bench.checkpoint, clips, bench.workdir / "offload.parquet",
                                           [*common, "--offload-kv"], budget)
@@ -396,8 +468,8 @@ def run_cli(bench: Bench) -> None:
 
 
 RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine": run_engine,
-           "baseline": run_baseline, "decode": run_decode, "compiled": run_compiled, "attention": run_attention,
-           "cli": run_cli}
+           "baseline": run_baseline, "decode": run_decode, "profile": run_profile, "attention": run_attention,
+           "cli": run_cli, "compiled": run_compiled}
 
 
 # --- the summary -------------------------------------------------------------------------------------------
@@ -457,6 +529,7 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
     parser.add_argument("--budget-s", type=float, help="skip stages that would end past this (default: the profile's)")
     parser.add_argument("--with-compile", action="store_true", help="compile on the CPU too (minutes)")
+    parser.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     profile = DRY if args.cpu_dry_run else GPU
     if profile is GPU and not torch.cuda.is_available():
@@ -467,8 +540,9 @@ def main() -> None:
         sys.exit(f"unknown stages: {', '.join(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU)
     budget = args.budget_s or profile.budget_s
+    bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU, budget_s=budget,
+                  in_child=args.in_child)
     for name in [stage for stage in STAGES if stage in wanted]:
         elapsed = time.perf_counter() - bench.started
         needs = profile.stage_s.get(name, 0)
@@ -492,6 +566,8 @@ def main() -> None:
         print(f"[{time.perf_counter() - bench.started:6.1f} s] {name} done in {bench.stage(name)['stage_s']} s"
               f"{' with an error' if 'error' in bench.stage(name) else ''}", flush=True)
     path = bench.save()
+    if args.in_child:
+        return
     remaining = bench.results["summary"]["stages_skipped"] + bench.results["summary"]["stages_failed"]
     print(f"\nwrote {path}")
     if remaining:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
@@ -75,24 +76,53 @@ def baseline_pass(model: CaptionModel, prompts: list[ProcessedPrompt], new_token
         generate_tarsier2(model, hf, prompts[0], 2, disable_eos=True)
         synchronize(model.device)
         start = time.perf_counter()
-        ids = [generate_tarsier2(model, hf, prompt, new_tokens, disable_eos=True) for prompt in prompts]
+        recorders = [Margins() for _ in prompts]
+        ids = [generate_tarsier2(model, hf, prompt, new_tokens, disable_eos=True,
+                                 logits_processor=LogitsProcessorList([recorder]))
+               for prompt, recorder in zip(prompts, recorders)]
         synchronize(model.device)
-    seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
+    margins = [recorder.values() for recorder in recorders]
     tokens = sum(len(row) for row in ids)
     return {"items": len(prompts), "seconds": round(seconds, 3), "items_per_s": round(len(prompts) / seconds, 4),
-            "generated_tokens_per_s": round(tokens / seconds, 1), "generated_tokens": tokens, "ids": ids}
+            "generated_tokens_per_s": round(tokens / seconds, 1), "generated_tokens": tokens, "ids": ids,
+            "margins": margins}
 
 
-def agreement(reference: list[list[int]], candidate: list[list[int]]) -> dict:
-    """How often the engine's ids equal the baseline's, and where they first part."""
+class Margins(LogitsProcessor):
+    """Records, at each step of a greedy generate, the gap between the best and the second-best score (after the
+    repetition penalty: what the argmax sees) relative to the largest score's magnitude. Where two runs' ids
+    part, this says whether the reference was at a near tie there (random weights give flat logits: many are)."""
+
+    def __init__(self) -> None:
+        self.margins: list[torch.Tensor] = []   # kept on the device: reading each would wait for it every step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        top = scores[0].float().topk(2).values
+        self.margins.append((top[0] - top[1]) / top.abs().max().clamp(min=1e-30))
+        return scores
+
+    def values(self) -> list[float]:
+        return torch.stack(self.margins).tolist() if self.margins else []
+
+
+def agreement(reference: list[list[int]], candidate: list[list[int]],
+              margins: list[list[float]] | None = None) -> dict:
+    """How often the engine's ids equal the baseline's, where they first part, and (given the reference's
+    `margins`) how close to a tie the reference was there, against its median margin over all steps."""
     firsts = [next((index for index, (a, b) in enumerate(zip(want, got)) if a != b),
                    None if len(want) == len(got) else min(len(want), len(got)))
               for want, got in zip(reference, candidate)]
     parted = [first for first in firsts if first is not None]
-    return {"items": len(firsts), "exact_match_rate": round(1 - len(parted) / len(firsts), 4),
-            "first_divergence": firsts,
-            "median_first_divergence": statistics.median(parted) if parted else None,
-            "tokens_per_item": len(reference[0]) if reference else 0}
+    result = {"items": len(firsts), "exact_match_rate": round(1 - len(parted) / len(firsts), 4),
+              "first_divergence": firsts,
+              "median_first_divergence": statistics.median(parted) if parted else None,
+              "tokens_per_item": len(reference[0]) if reference else 0}
+    if margins:
+        result["reference_margin_at_divergence"] = [
+            None if first is None or first >= len(row) else row[first] for first, row in zip(firsts, margins)]
+        result["reference_median_margin"] = statistics.median(value for row in margins for value in row)
+    return result
 
 
 def text_prompt(length: int, components: int, vocab: int) -> ProcessedPrompt:
@@ -114,16 +144,7 @@ def decode_step_ms(engine: Engine, rows: int, context: int, steps: int, warmup: 
     first (each step ends on the host with the sampled tokens, so its wall time is the device's)."""
     model = engine.model
     scheduler = engine.scheduler
-    scheduler.clear()
-    prompt = text_prompt(context, 3, model.model.language_model.lm_head.out_features)
-    sequences = [engine.add(prompt, max_new_tokens=warmup + steps + 2) for _ in range(rows)]
-    if sequences[0].error:
-        raise RuntimeError(sequences[0].error)
-    for seq in sequences:   # in place as if prefilled: every step from here on is a pure decode step
-        scheduler.waiting.remove(seq)
-        if not scheduler._admit(seq, force=True):
-            raise RuntimeError(f"no room for {rows} rows of {context} positions")
-        seq.num_computed, seq.output_ids = context, [11]
+    sequences = admit_decoding(engine, rows, context, warmup + steps + 2)
     times = []
     for index in range(warmup + steps):
         synchronize(model.device)
@@ -135,6 +156,23 @@ def decode_step_ms(engine: Engine, rows: int, context: int, steps: int, warmup: 
     assert len(scheduler.running) == rows and all(len(seq.output_ids) == warmup + steps + 1 for seq in sequences)
     scheduler.clear()
     return round(statistics.median(times) * 1000, 3)
+
+
+def admit_decoding(engine: Engine, rows: int, context: int, new_tokens: int) -> list:
+    """`rows` rows in `engine` (emptied first) whose first `context` positions count as cached, each to generate
+    `new_tokens`: every step from here on is a pure decode step."""
+    scheduler = engine.scheduler
+    scheduler.clear()
+    prompt = text_prompt(context, 3, engine.model.model.language_model.lm_head.out_features)
+    sequences = [engine.add(prompt, max_new_tokens=new_tokens) for _ in range(rows)]
+    if sequences[0].error:
+        raise RuntimeError(sequences[0].error)
+    for seq in sequences:
+        scheduler.waiting.remove(seq)
+        if not scheduler._admit(seq, force=True):
+            raise RuntimeError(f"no room for {rows} rows of {context} positions")
+        seq.num_computed, seq.output_ids = context, [11]
+    return sequences
 
 
 def decode_floor_ms(model: CaptionModel, rows: int, context: int, copy_bytes_per_s: float) -> float:

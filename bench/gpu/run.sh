@@ -13,7 +13,8 @@ PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-$(mktemp -d)}"
 mkdir -p "$OUT"
 SITE="${TMPDIR:-/tmp}/tarsier-gpu-site"
-if compgen -G ".whl/*.whl" >/dev/null; then
+# The carried wheels are built for the device image (Python 3.12): a dry run here uses this venv's own.
+if [[ " $* " != *" --cpu-dry-run "* ]] && compgen -G ".whl/*.whl" >/dev/null; then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         || { echo "installing the carried wheels failed"; exit 3; }
     export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
