@@ -10,6 +10,7 @@ from tarsier_batch.engine.sampling import (
     _keep_top_p,
     _penalise_repeats,
     exponential_noise,
+    seen_pairs,
     select_tokens,
 )
 
@@ -66,3 +67,17 @@ def test_the_counter_noise_draws_tokens_with_their_probabilities() -> None:
 def test_invalid_parameters_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+def test_seen_pairs_hold_each_rows_prompt_vocabulary_and_generated_ids() -> None:
+    # The engine's (row, id) pairs, built on the device from kept tensors, equal the pairs listed one by one,
+    # rows of no generated ids and of an empty-looking vocabulary included; and penalise as those do.
+    vocabularies = [torch.tensor([2, 5, 9]), torch.tensor([1]), torch.tensor([0, 3])]
+    generated = [[5, 7], [], [8, 8, 3]]
+    rows, ids = seen_pairs(vocabularies, generated, torch.device("cpu"))
+    listed = [(row, int(token)) for row, (vocabulary, new) in enumerate(zip(vocabularies, generated))
+              for token in [*vocabulary.tolist(), *new]]
+    assert list(zip(rows.tolist(), ids.tolist())) == listed
+    logits = torch.randn(3, 10)
+    as_lists = ([row for row, _ in listed], [token for _, token in listed])
+    assert torch.equal(_penalise_repeats(logits, (rows, ids), 1.3), _penalise_repeats(logits, as_lists, 1.3))

@@ -14,7 +14,7 @@ from ..model.devices import is_fatal_device_error, is_out_of_memory, release_cac
 from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning
-from .sampling import SamplingParams, select_tokens
+from .sampling import SamplingParams, seen_pairs, select_tokens
 from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
 from .sequence import Sequence
 
@@ -136,13 +136,8 @@ class Engine:
                 seq.pruning.layer_inputs = None
         seen = None
         if self.sampling.repetition_penalty not in (None, 1):
-            seen_rows: list[int] = []
-            seen_ids: list[int] = []
-            for index, seq in enumerate(sampled):
-                ids = seq.seen_ids()
-                seen_rows += [index] * len(ids)
-                seen_ids += ids
-            seen = (seen_rows, seen_ids)
+            seen = seen_pairs([seq.prompt_vocabulary(logits.device) for seq in sampled],
+                              [seq.output_ids for seq in sampled], logits.device)
         tokens = select_tokens(logits, self.sampling, [seq.seed for seq in sampled],
                                [len(seq.output_ids) for seq in sampled], seen)
         if on_tokens is not None:

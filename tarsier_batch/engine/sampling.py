@@ -8,14 +8,14 @@ from ..settings import SamplingParams
 
 
 def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: list[int | None], draws: list[int],
-                  seen: tuple[list[int], list[int]] | None = None) -> list[int]:
+                  seen: tuple[torch.Tensor | list[int], torch.Tensor | list[int]] | None = None) -> list[int]:
     """One next token per row of `logits` (rows, vocab), chosen over the full vocabulary, for all rows at
     once; the list of tokens is the step's one copy from the device.
 
     `seeds` and `draws` name each row's sampling stream and which of its tokens this is (its count
     of generated tokens): a sampled token depends on them alone, not on the other rows. With a
     repetition penalty other than 1, `seen` holds (row, id) pairs of every id in each row's prompt
-    and output.
+    and output (lists, or tensors from `seen_pairs`).
     """
     logits = logits.float()
     penalty = params.repetition_penalty
@@ -65,11 +65,33 @@ _MIX1 = _as_int64(0xBF58476D1CE4E5B9)
 _MIX2 = _as_int64(0x94D049BB133111EB)
 
 
-def _penalise_repeats(logits: torch.Tensor, seen: tuple[list[int], list[int]], penalty: float) -> torch.Tensor:
+def seen_pairs(prompt_vocabularies: list[torch.Tensor], generated: list[list[int]],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, ids) of every id a repetition penalty looks at, as `select_tokens`' `seen`: each row's distinct
+    prompt ids (on `device` already, kept there across steps) and its generated ids.
+
+    Built on the device from the rows' kept ids and one copy of the generated ones: a Python list of
+    (row, id) pairs would cost the host a few ms per row and step at a 10k-position prompt of text.
+    """
+    new_ids = torch.tensor([token for ids in generated for token in ids], dtype=torch.long)
+    new_ids = new_ids.to(device, non_blocking=True)
+    parts, offset = [], 0
+    for vocabulary, ids in zip(prompt_vocabularies, generated):
+        parts += [vocabulary, new_ids[offset:offset + len(ids)]]
+        offset += len(ids)
+    counts = [len(vocabulary) + len(ids) for vocabulary, ids in zip(prompt_vocabularies, generated)]
+    rows = torch.repeat_interleave(torch.arange(len(counts), device=device),
+                                   torch.tensor(counts).to(device, non_blocking=True),
+                                   output_size=sum(counts))   # given: no wait for the device to count them
+    return rows, torch.cat(parts)
+
+
+def _penalise_repeats(logits: torch.Tensor, seen: tuple[torch.Tensor | list[int], torch.Tensor | list[int]],
+                      penalty: float) -> torch.Tensor:
     """transformers' repetition penalty, for every row at once: each id already in a row (prompt
     included) has its logit divided by `penalty` if positive, multiplied by it if negative."""
     logits = logits.clone()  # the model's logits may be an inference-mode tensor, not writable here
-    rows, ids = torch.tensor(seen).to(logits.device, non_blocking=True)
+    rows, ids = (torch.as_tensor(part).to(logits.device, non_blocking=True) for part in seen)
     scores = logits[rows, ids]   # an id listed twice in a row gets the same value written twice
     logits[rows, ids] = torch.where(scores < 0, scores * penalty, scores / penalty)
     return logits

@@ -54,13 +54,17 @@ class Sequence:
     # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
     # finish.
     fork_points: set[int] = field(default_factory=set)
-    _prompt_vocabulary: list[int] | None = None
+    _prompt_vocabulary: torch.Tensor | None = None
+
+    def prompt_vocabulary(self, device: torch.device) -> torch.Tensor:
+        """Every distinct id of the prompt, on `device` (once: a repetition penalty looks at them every step)."""
+        if self._prompt_vocabulary is None or self._prompt_vocabulary.device != device:
+            self._prompt_vocabulary = torch.unique(self.prompt.token_ids).to(device)
+        return self._prompt_vocabulary
 
     def seen_ids(self) -> list[int]:
         """Every distinct id of the prompt, then the generated ids: what a repetition penalty looks at."""
-        if self._prompt_vocabulary is None:
-            self._prompt_vocabulary = torch.unique(self.prompt.token_ids).tolist()
-        return self._prompt_vocabulary + self.output_ids
+        return self.prompt_vocabulary(torch.device("cpu")).tolist() + self.output_ids
 
     @property
     def length(self) -> int:
