@@ -84,6 +84,20 @@ def test_masked_chunks_attend_in_query_blocks_with_the_same_result(tiny_model: T
     assert ids(chunked) == reference[:3]
 
 
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_chunks_through_the_cuda_attention_path_equal_unchunked(tiny_model: TarsierCaptionModel,
+                                                               prompts: list[ProcessedPrompt],
+                                                               reference: list[list[int]], chunk: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA's path (keys widened to the query heads, a later chunk's triangle as a lower-right causal bias)
+    # run on the CPU: a wrong alignment of the triangle or a wrong head widening changes the ids.
+    from tarsier_batch.engine import attention
+
+    monkeypatch.setattr(attention, "fuses_chunks", lambda device: True)
+    chunked = run(tiny_model, prompts[:3], max_rows=3, prefill_chunk=chunk, max_batch_tokens=chunk + 6)
+    assert ids(chunked) == reference[:3]
+
+
 def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaptionModel,
                                                       prompts: list[ProcessedPrompt]) -> None:
     """Three rows at a time over seven prompts of different lengths and token limits."""

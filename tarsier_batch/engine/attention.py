@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .kv_cache import HostKV, KVCache, Region
 
@@ -178,7 +179,11 @@ class StepAttention:
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))
         self.chunks = [row for row in rows if not row.decodes]
-        self.masks = [_causal_mask(row.start, row.num_tokens, device) for row in self.chunks]
+        # On CUDA a later chunk's causal triangle goes to the fused kernels as a lower-right causal bias; a
+        # boolean mask would keep them out (see `_attend`).
+        self.fused_chunks = fuses_chunks(device)
+        self.masks = [None if self.fused_chunks else _causal_mask(row.start, row.num_tokens, device)
+                      for row in self.chunks]
         self.only_decodes = not self.chunks and isinstance(self.decode_tokens, slice)
         # Every token of a row with device KV, written in one indexed copy per layer and kind.
         cached = [row for row in rows if row.host_kv is None and row.region is not None]
@@ -211,8 +216,8 @@ class StepAttention:
             tokens = slice(row.offset, row.offset + row.num_tokens)
             keys, values = self._context(row, layer, k[tokens], v[tokens])
             query = q[tokens].transpose(0, 1).unsqueeze(0)
-            out[tokens] = _attend(query, keys, values, mask, row.start == 0 and row.num_tokens > 1,
-                                  scale).transpose(0, 1)
+            out[tokens] = _attend(query, keys, values, mask, row.start == 0 and row.num_tokens > 1, scale,
+                                  self.fused_chunks).transpose(0, 1)
         return out
 
     def _context(self, row: RowSpan, layer: int, new_keys: torch.Tensor,
@@ -228,6 +233,11 @@ class StepAttention:
         return self.kv.read(row.region, layer, context)
 
 
+def fuses_chunks(device: torch.device) -> bool:
+    """Whether prefill chunks attend through SDPA's fused kernels (see `_attend`): on CUDA."""
+    return device.type == "cuda"
+
+
 def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
     """A step's host-made indices (ints, or a numpy array of ints or booleans) on the device without waiting
     for it: a blocking copy to a GPU would first drain the GPU's queue, so a step would synchronise once
@@ -237,17 +247,32 @@ def to_device(values: list[int] | np.ndarray, device: torch.device) -> torch.Ten
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-            causal_square: bool, scale: float) -> torch.Tensor:
+            causal_square: bool, scale: float, fused: bool = False) -> torch.Tensor:
     """(1, heads, n, head_dim) attention of one row -> (heads, n, head_dim).
 
     The first chunk of a prompt is a plain causal square; a later chunk sees all earlier
-    positions plus its own causal triangle, through a mask; one new token sees everything.
-    Masked chunks go through in blocks of queries: the kernel turns the boolean mask into a
-    float one of (queries, context), 310 MB for a 2048-position chunk at 38k context, and the
-    blocks keep that at a few tens of MB. Each query's result is the same either way (the
-    kernel treats query blocks independently), so the output does not change.
+    positions plus its own causal triangle; one new token sees everything.
+
+    `fused` (CUDA): the triangle is a lower-right causal bias and the keys and values are widened to
+    the query heads first. SDPA then runs it in its flash or memory-efficient kernel: a boolean mask,
+    or grouped heads, would send a 2048-position chunk at 10k context to the math kernel, which writes
+    every score out (2.2 GB per layer at Tarsier2-7B's 28 heads). The widening is one copy of the
+    chunk's context (70 MB at 10k positions in bfloat16), small next to the chunk's arithmetic.
+
+    Otherwise (CPU) the triangle is `mask`, whose chunks go through in blocks of queries: the kernel
+    turns the boolean mask into a float one of (queries, context), 310 MB for a 2048-position chunk
+    at 38k context, and the blocks keep that at a few tens of MB. Each query's result is the same
+    either way (the kernel treats query blocks independently), so the output does not change.
     """
     gqa = query.shape[1] != keys.shape[1]
+    if fused:
+        if gqa:
+            groups = query.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        queries, context = query.shape[2], keys.shape[2]
+        lower_right = causal_lower_right(queries, context) if queries > 1 and not causal_square else None
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=lower_right,
+                                              is_causal=causal_square, scale=scale)[0]
     if mask is None:
         return F.scaled_dot_product_attention(query, keys, values, is_causal=causal_square, scale=scale,
                                               enable_gqa=gqa)[0]
