@@ -337,7 +337,9 @@ class CaptionRun:
                 if self.remote is not None:   # under the lock: what the store holds now is the truth
                     self.remote.pull(outputs=not self.settings.overwrite)
                 stored = self._stored(self.store)
-                self._cut_into_segments()
+                # Nothing stored: every row is to caption, so the model is wanted whatever the probe finds, and
+                # loads while the workers read the videos.
+                self._cut_into_segments(load_meanwhile=not stored.rows)
                 plan = plan_run(self.items, stored, self.settings.retry_errors, self.settings.prune_missing,
                                 questions=self.questions)
                 self.outcome = yield from self._caption(plan, stored)
@@ -364,10 +366,11 @@ class CaptionRun:
             with OutputLock(self.target.path):
                 yield
 
-    def _cut_into_segments(self) -> None:
+    def _cut_into_segments(self, load_meanwhile: bool = False) -> None:
         """With `--segments`, each video of the run becomes its spans (once): what cutting needs of a video (its
         length, its shots) is read in decoding workers, where a file that crashes or hangs a decoder costs only
-        its probe (and keeps the file whole: its decoding then says what is wrong)."""
+        its probe (and keeps the file whole: its decoding then says what is wrong). `load_meanwhile`: load the
+        model while they read, for all the items there may be (the segments are not counted yet)."""
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
@@ -376,7 +379,8 @@ class CaptionRun:
 
         videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
         caption = self.settings.caption
-        facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s)
+        facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
+                            meanwhile=partial(self._load, None) if load_meanwhile and videos else None)
         self.discovery = replace(self.discovery, items=segmenting.split(
             self.items, {item.row_id: known for item, known in zip(videos, facts)}))
         self._segmented = True
@@ -412,7 +416,7 @@ class CaptionRun:
         # Again: a cluster's actors tell how they captioned once they have
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
-    def _load(self, items: int) -> Backend:
+    def _load(self, items: int | None) -> Backend:
         if self._backend is not None:
             return self._backend
         model = self.settings.caption.model

@@ -17,6 +17,7 @@ import re
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -63,6 +64,17 @@ class ObjectFacts:
     size_bytes: int | None
     version: str
     mtime_ns: int | None = None
+
+
+def cache_home() -> Path:
+    """Where every cache of the tool lives (built-in models, shard indexes, staged outputs, scene cuts):
+    $TARSIER_BATCH_CACHE, else $XDG_CACHE_HOME/tarsier-batch (an absolute one, as the XDG spec asks), else
+    ~/.cache/tarsier-batch."""
+    explicit = os.environ.get("TARSIER_BATCH_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base and os.path.isabs(base) else Path.home() / ".cache") / "tarsier-batch"
 
 
 def is_url(text: str) -> bool:

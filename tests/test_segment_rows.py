@@ -36,6 +36,13 @@ def long_video(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_numbered_video(tmp_path_factory.mktemp("segments") / "long.mp4", 65, scene_s=4)
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own cache: scene cuts kept by one test are not another's."""
+    monkeypatch.setenv("TARSIER_BATCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def manifest(folder: Path, rows: list[tuple]) -> Path:
     lines = ["path,start_s,end_s,id"] + [",".join("" if cell is None else str(cell) for cell in row) for row in rows]
     path = folder / "clips.csv"
@@ -281,3 +288,61 @@ def test_scenes_without_pyscenedetect_stop_at_once_with_the_install_line(tmp_pat
     result = caption(str(tmp_path), "--segments", "scenes", "--model", "demo", "-o", str(tmp_path / "o.parquet"))
     assert result.exit_code == 2
     assert "needs PySceneDetect: pip install 'tarsier-batch[scenes]'" in result.output
+
+
+def test_a_fresh_segmented_run_loads_its_model_while_the_videos_are_probed(long_video: Path, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    # Nothing stored: the model is wanted whatever the probe finds, so it loads before the run has cut its videos
+    # (while the workers read them). A run continuing an output loads only once its plan is known: it may have
+    # nothing left to do.
+    from tarsier_batch import CaptionRun, CaptionSettings, RunSettings, SamplingParams
+    from tarsier_batch.inputs.segments import Segmenting
+    from tarsier_batch.run import load_captioner
+
+    runs: list[CaptionRun] = []
+    cut_when_loading: list[bool] = []
+
+    def load(settings: CaptionSettings):
+        cut_when_loading.append(runs[-1]._segmented)
+        return load_captioner(settings)
+
+    settings = RunSettings(CaptionSettings(model=str(tiny_model_dir), sampling=SamplingParams(max_new_tokens=2)),
+                           segments=Segmenting.parse("fixed:30s"))
+    out = tmp_path / "out.parquet"
+    second = tmp_path / "second.mp4"
+    second.hardlink_to(long_video)
+    for inputs in ([long_video], [long_video, second]):
+        runs.append(CaptionRun(inputs, out, settings, load=load))
+        assert runs[-1].execute().error is None
+    assert cut_when_loading == [False, True]
+    rows = rows_of(out)
+    assert sorted((row["path"], row["start_s"]) for row in rows) == [
+        (str(path), start) for path in sorted([str(long_video), str(second)]) for start in (0.0, 30.0, 60.0)]
+
+
+def test_scene_cuts_are_kept_by_file_key_and_detector_settings(long_video: Path, own_cache: Path) -> None:
+    from dataclasses import replace
+
+    from tarsier_batch.decoding.probe import video_facts
+    from tarsier_batch.inputs.segments import Segmenting, VideoFacts
+    from tarsier_batch.inputs.sources import MediaItem
+    from tarsier_batch.media import MediaType
+
+    item = MediaItem(str(long_video), MediaType.VIDEO, key="long.mp4:v1")
+    scenes = Segmenting.parse("scenes")
+    [first] = video_facts([item], scenes, 1, 60.0)
+    assert first is not None and len(first.cuts_s) == 16
+    [kept] = (own_cache / "scenes").glob("*.json")
+    # A run that finds them kept reads them and detects nothing: shown by cuts only the kept file holds.
+    planted = {**json.loads(kept.read_text()), "cuts_s": [1.5]}
+    kept.write_text(json.dumps(planted))
+    assert video_facts([item], scenes, 1, 60.0) == [VideoFacts(first.duration_s, (1.5,))]
+    assert video_facts([item], Segmenting.parse("scenes,max=3s"), 1, 60.0)[0].cuts_s == (1.5,)  # splitting only
+    # Another key (the file changed), other detector settings, or a damaged file: detected again.
+    assert video_facts([replace(item, key="long.mp4:v2")], scenes, 1, 60.0) == [first]
+    assert video_facts([item], Segmenting.parse("scenes,threshold=250"), 1, 60.0)[0].cuts_s == ()
+    kept.write_text("{damaged")
+    assert video_facts([item], scenes, 1, 60.0) == [first]
+    # An item without a key has no identity to keep its cuts by.
+    assert video_facts([replace(item, key=None)], scenes, 1, 60.0) == [first]
+    assert len(list((own_cache / "scenes").glob("*.json"))) == 3   # v1 (rewritten), v2, threshold=250

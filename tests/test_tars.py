@@ -337,6 +337,14 @@ def test_an_unwritable_cache_does_not_fail_the_listing(shard: Path, tmp_path: Pa
 
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # The tool's one cache folder: $TARSIER_BATCH_CACHE first, then an absolute $XDG_CACHE_HOME, then ~/.cache.
+    monkeypatch.setenv("TARSIER_BATCH_CACHE", str(tmp_path / "own"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "own" / "tar-index"
+    monkeypatch.delenv("TARSIER_BATCH_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "tarsier-batch" / "tar-index"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_cache_dir() == tmp_path / "xdg" / "tarsier-batch" / "tar-index"
     monkeypatch.delenv("XDG_CACHE_HOME")

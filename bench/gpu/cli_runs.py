@@ -44,8 +44,8 @@ def caption(model_dir: Path, clips: list[Path], out: Path, flags: list[str], tim
             "usage_error": usage_error, "last_lines": lines[-6:]}
 
 
-def help_names(flag: str) -> dict:
-    """Whether `tarsier caption --help`, run as the runs are, lists `flag`; and the CLI libraries' versions (a run
+def help_names(*flags: str) -> dict:
+    """Which of `flags` `tarsier caption --help`, run as the runs are, lists; and the CLI libraries' versions (a run
     on the device once failed with "No such option: --device", which no environment here reproduces)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -57,19 +57,7 @@ def help_names(flag: str) -> dict:
             versions[name] = version(name)
         except PackageNotFoundError:
             versions[name] = None
-    listed = [line.strip() for line in done.stdout.splitlines() if flag in line]
-    return {"flag": flag, "listed": bool(listed), "lines": listed[:3], "exit_code": done.returncode,
-            "stderr_tail": done.stderr.strip().splitlines()[-3:], "versions": versions,
-            "sys_path": sys.path[:6]}
-
-
-def linked_copies(files: list[Path], folder: Path, count: int) -> list[Path]:
-    """`count` distinct names for `files` taken in turn (hard links: no bytes copied), each its own item."""
-    folder.mkdir(parents=True, exist_ok=True)
-    links = []
-    for index in range(count):
-        link = folder / f"copy_{index:03d}{files[index % len(files)].suffix}"
-        if not link.exists():
-            os.link(files[index % len(files)], link)
-        links.append(link)
-    return links
+    lines = done.stdout.splitlines()
+    return {"listed": {flag: any(line.strip().startswith(flag + " ") for line in lines) for flag in flags},
+            "usage": next((line for line in lines if line.startswith("Usage:")), None), "exit_code": done.returncode,
+            "stderr_tail": done.stderr.strip().splitlines()[-3:], "versions": versions, "sys_path": sys.path[:6]}

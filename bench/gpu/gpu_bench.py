@@ -449,12 +449,14 @@ def run_cli(bench: Bench) -> None:
     clips = workload.write_clips(bench.workdir / "clips", profile.cli_clips, profile.frames, profile.width,
                                  profile.height)
     many = cli_runs.linked_copies(clips, bench.workdir / "many-clips", 2 * profile.cli_clips)
-    common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens),
-              "--device", profile.device, "--dtype", "bfloat16", "--overwrite"]
+    # On CUDA the defaults are the device and bfloat16, as a user runs it: the first H100 run's explicit
+    # `--device cuda` stopped at "No such option" (the `help` record below looks into that).
+    common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens), "--overwrite",
+              *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"])]
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
-    info["help"] = cli_runs.help_names("--device")
+    info["help"] = cli_runs.help_names("--device", "--dtype", "--frames", "--offload-kv")
     budget = 200 if bench.device.type == "cuda" else 300
     info["offload_kv"] = cli_runs.caption(bench.checkpoint, clips, bench.workdir / "offload.parquet",
                                           [*common, "--offload-kv"], budget)

@@ -2,15 +2,24 @@
 (`--segments`): its length, and for scenes where its shots change.
 
 Opening a file runs native decoder code, which a hostile file can crash or hang: as when decoding, that
-happens in a worker that can die alone (under the decoding timeout for lengths; scene detection reads every
-frame, so it runs as long as the video needs). A video whose facts cannot be read keeps its one whole-file
-item, whose decoding then gives its row the reason.
+happens in a worker that can die alone. Lengths are read first, under the decoding timeout; scene detection
+reads every frame, so it may take twice the video's own length on top. A video whose facts cannot be read
+keeps its one whole-file item, whose decoding then gives its row the reason.
+
+Scene detection is the slow part (minutes for an hour of video), so its cuts are kept in the tool's cache
+(`storage.cache_home()/scenes`), by the file's key (its content's identity) and the detector's settings: a run
+that continues an output, or captions the same files again, does not detect them again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
+from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
+from typing import TypeVar
 
 from pebble import ProcessPool
 
@@ -22,34 +31,99 @@ from .fork_server import start_decoding_server
 from .scenes import cut_times
 from .workers import quiet_worker
 
+DETECTION_S_PER_VIDEO_S = 2.0   # scene detection's time limit, on top of the decoding timeout
+T = TypeVar("T")
 
-def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int,
-                timeout_s: float | None) -> list[VideoFacts | None]:
-    """Each item's `VideoFacts` as `segmenting` needs them, None where they cannot be read."""
-    if not items:
-        return []
+
+def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, timeout_s: float | None,
+                meanwhile: Callable[[], object] | None = None) -> list[VideoFacts | None]:
+    """Each item's `VideoFacts` as `segmenting` needs them, None where they cannot be read. `meanwhile` runs in
+    this process while the workers read (a run loads its model then): the first worker's start alone, the
+    decoding modules imported, is seconds."""
+    scenes = segmenting.mode == "scenes"
+    known: dict[int, VideoFacts] = {}
+    if scenes:
+        known = {index: facts for index, item in enumerate(items) if (facts := _kept_cuts(item, segmenting))}
+    unknown = [index for index in range(len(items)) if index not in known]
+    if not unknown:
+        if meanwhile is not None:
+            meanwhile()
+        return [known[index] for index in range(len(items))]
     start_decoding_server()
     pool = ProcessPool(workers, initializer=quiet_worker, initargs=(storage.environment(),),
                        context=multiprocessing.get_context("forkserver"))
     try:
-        futures = [pool.schedule(_facts, (item, segmenting),
-                                 timeout=None if segmenting.mode == "scenes" else timeout_s) for item in items]
-        return [_facts_or_none(future) for future in futures]
+        lengths = {index: pool.schedule(_duration, (items[index],), timeout=timeout_s) for index in unknown}
+        if meanwhile is not None:
+            meanwhile()
+        durations = {index: _result_or_none(future) for index, future in lengths.items()}
+        if not scenes:
+            return [None if durations[index] is None else VideoFacts(durations[index]) for index in range(len(items))]
+        detections = {index: pool.schedule(_cuts, (items[index], segmenting),
+                                           timeout=None if timeout_s is None
+                                           else timeout_s + DETECTION_S_PER_VIDEO_S * duration)
+                      for index, duration in durations.items() if duration is not None}
+        for index, future in detections.items():
+            cuts = _result_or_none(future)
+            if cuts is not None:
+                known[index] = VideoFacts(durations[index], tuple(cuts))
+                _keep_cuts(items[index], segmenting, known[index])
+        return [known.get(index) for index in range(len(items))]
     finally:
         pool.stop()
         pool.join()
 
 
-def _facts(item: MediaItem, segmenting: Segmenting) -> VideoFacts:
+def _duration(item: MediaItem) -> float:
     with readable_copy(item) as path:
-        duration = video_duration(path)
-        if segmenting.mode != "scenes":
-            return VideoFacts(duration)
-        return VideoFacts(duration, tuple(cut_times(path, segmenting.threshold, segmenting.min_s)))
+        return video_duration(path)
 
 
-def _facts_or_none(future: Future[VideoFacts]) -> VideoFacts | None:
+def _cuts(item: MediaItem, segmenting: Segmenting) -> list[float]:
+    with readable_copy(item) as path:
+        return cut_times(path, segmenting.threshold, segmenting.min_s)
+
+
+def _result_or_none(future: Future[T]) -> T | None:
     try:
         return future.result()
     except Exception:  # noqa: BLE001 - a crash, a timeout, an unreadable file: its decoding will say which
         return None
+
+
+# --- the cache of cuts -----------------------------------------------------------------------------------
+
+
+def _cache_file(item: MediaItem, segmenting: Segmenting) -> Path | None:
+    """Where `item`'s cuts under `segmenting`'s detector settings are kept; None for an item without a key
+    (its content has no identity to trust)."""
+    if item.key is None:
+        return None
+    detector = f"threshold={segmenting.threshold:g},min={segmenting.min_s:g}"
+    digest = hashlib.sha256(f"{item.key}\n{detector}".encode()).hexdigest()[:32]
+    return storage.cache_home() / "scenes" / f"{digest}.json"
+
+
+def _kept_cuts(item: MediaItem, segmenting: Segmenting) -> VideoFacts | None:
+    path = _cache_file(item, segmenting)
+    try:
+        kept = json.loads(path.read_text()) if path is not None else None
+        if kept is None or kept["key"] != item.key:   # a digest's collision, however unlikely, is not a hit
+            return None
+        return VideoFacts(float(kept["duration_s"]), tuple(float(cut) for cut in kept["cuts_s"]))
+    except (OSError, ValueError, KeyError, TypeError):   # none kept, or a damaged file: detect again
+        return None
+
+
+def _keep_cuts(item: MediaItem, segmenting: Segmenting, facts: VideoFacts) -> None:
+    path = _cache_file(item, segmenting)
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{id(facts)}.tmp")
+        temporary.write_text(json.dumps({"key": item.key, "duration_s": facts.duration_s,
+                                         "cuts_s": list(facts.cuts_s)}))
+        temporary.replace(path)
+    except OSError:   # a read-only or full cache only costs the next run the detection
+        return

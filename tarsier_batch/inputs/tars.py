@@ -230,10 +230,8 @@ def _open_shard(shard: str, block_size: int) -> tuple[BinaryIO, str]:
 
 
 def default_cache_dir() -> Path:
-    """Where shard indexes are cached: `$XDG_CACHE_HOME/tarsier-batch/tar-index`, else under ~/.cache."""
-    base = os.environ.get("XDG_CACHE_HOME")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
-    return root / "tarsier-batch" / "tar-index"
+    """Where shard indexes are cached: `tar-index` in the tool's cache (`storage.cache_home`)."""
+    return storage.cache_home() / "tar-index"
 
 
 def list_shard(shard: str, cache_dir: Path | None = None) -> ShardIndex:

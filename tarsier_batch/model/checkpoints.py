@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import difflib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..families.catalog import model_families
+from ..storage import cache_home
 
 # Files a checkpoint needs; weights in other formats (.bin, .pt) are not downloaded.
 _CHECKPOINT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
@@ -28,11 +28,8 @@ class ResolvedModel:
 
 
 def cache_dir() -> Path:
-    """Where built-in models are cached: $TARSIER_BATCH_CACHE, else $XDG_CACHE_HOME/tarsier-batch."""
-    explicit = os.environ.get("TARSIER_BATCH_CACHE")
-    if explicit:
-        return Path(explicit)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tarsier-batch"
+    """Where built-in models are cached: the tool's cache (`storage.cache_home`)."""
+    return cache_home()
 
 
 def tiny_model_dir(alias: str) -> Path:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-import os
 import queue
 import shutil
 import tempfile
@@ -35,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import one_line
-from ..storage import READ_ONLY_SCHEMES, filesystem, is_url, redact, redact_text, scheme, with_retries
+from ..storage import READ_ONLY_SCHEMES, cache_home, filesystem, is_url, redact, redact_text, scheme, with_retries
 from .formats import META_SUFFIX, SHARD_PATTERN, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
 from .store import SETTINGS_FILE, OutputWriteError, work_name
@@ -54,7 +53,7 @@ class UploadError(OutputWriteError):
 
 def staging_root() -> Path:
     """Where outputs at URLs are staged: a cache (a killed run's copy is only ever replaced, never read)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tarsier-batch" / "staging"
+    return cache_home() / "staging"
 
 
 def output_at(location: str | Path, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
