@@ -482,6 +482,11 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
     import av
 
     try:
+        if span is not None:
+            windowed = _decode_span_pyav(path, source, _timeline_for_spans(source), span, num_frames, sampler,
+                                         transform)
+            if windowed is not None:
+                return windowed
         with _video_stream(source) as (container, stream):
             starts = _packet_starts(container, stream)
         total = len(starts)
@@ -502,10 +507,79 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
                  total / sampled.fps if sampled.fps else None, "pyav")
 
 
+@dataclass(frozen=True)
+class _Timeline:
+    """A video's frames as its packets list them: each frame's presentation timestamp in display order (None
+    where a packet has none), its start time from the first frame's, and the stream's average rate."""
+
+    identity: tuple[str, int, int]   # (path, size, mtime): the file it was read from
+    timestamps: list[int | None]
+    starts: list[float]
+    fps: float | None
+
+
+# The timeline of the video whose spans this thread decodes: reading it demuxes the whole file, longer than
+# decoding a window, and a worker takes a long video's windows one after another.
+_spans_timeline = threading.local()
+
+
+def _timeline_for_spans(source: str) -> _Timeline:
+    stat = os.stat(source)
+    identity = (source, stat.st_size, stat.st_mtime_ns)
+    kept: _Timeline | None = getattr(_spans_timeline, "kept", None)
+    if kept is None or kept.identity != identity:
+        with _video_stream(source) as (container, stream):
+            timestamps = [packet.pts for packet in _packets(container, stream)]
+            starts = _packet_starts_of(timestamps, stream)
+            fps = float(stream.average_rate) if stream.average_rate else None
+        ordered = sorted(timestamps) if None not in timestamps else [None] * len(timestamps)
+        _spans_timeline.kept = _Timeline(identity, ordered, starts, fps)
+    return _spans_timeline.kept
+
+
+def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, num_frames: int,
+                      sampler: FrameSampler, transform: FrameTransform | None) -> Media | None:
+    """A span's sampled frames, decoded from the keyframe before its first one up to its last: a long video's
+    windows cost about their own length each, not the file's. Frames are matched by their timestamps; None
+    where that cannot be trusted (packets without timestamps, or two alike) or a sampled frame does not
+    decode (damage): the caller then decodes the file from its start, as for a whole file."""
+    timestamps = timeline.timestamps
+    if not timestamps or None in timestamps or len(set(timestamps)) != len(timestamps):
+        return None
+    indices = sample_span(timeline.starts, span, num_frames, sampler)
+    wanted = {timestamps[index]: index for index in indices}
+    results: dict[int, Any] = {}
+    width = height = 0
+    with _video_stream(source) as (container, stream):
+        aspect = _pixel_aspect(stream)
+        container.seek(min(wanted), stream=stream, backward=True, any_frame=False)   # to the keyframe before
+        last = max(wanted)
+        for frame in _decoded_frames(container, stream):
+            if frame.pts is None:
+                return None
+            if frame.pts in wanted:
+                image = _displayed(frame, aspect)
+                width, height = image.size
+                results[wanted[frame.pts]] = _finish(image, transform, len(indices))
+                del image
+                if transform is not None:
+                    _return_freed_memory()
+            if frame.pts >= last:
+                break
+    if len(results) != len(wanted):
+        return None
+    frames = [results[index] for index in indices]
+    duration = len(timestamps) / timeline.fps if timeline.fps else None
+    return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "pyav")
+
+
 def _packet_starts(container: Any, stream: Any) -> list[float]:
     """Each frame's start time in display order, from the first frame's, read from the packets (no decoding).
     Packets without a timestamp are given their place at the stream's frame rate."""
-    times = [packet.pts for packet in _packets(container, stream)]
+    return _packet_starts_of([packet.pts for packet in _packets(container, stream)], stream)
+
+
+def _packet_starts_of(times: list[int | None], stream: Any) -> list[float]:
     if None in times:
         rate = float(stream.average_rate or 0) or 25.0
         return [index / rate for index in range(len(times))]

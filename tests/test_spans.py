@@ -100,3 +100,24 @@ def test_windows_decoded_one_after_another_from_one_open_video_equal_each_decode
         media._spans_video.opened = None
         fresh = load_media(str(video), MediaType.VIDEO, 8, span=window).frames
         assert all(np.array_equal(np.asarray(one), np.asarray(other)) for one, other in zip(frames, fresh))
+
+
+def test_pyav_decodes_a_late_window_from_the_keyframe_before_it(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A long video's windows each cost about their own length: a window near the end is not decoded from the
+    # file's start (which made a file's windows together cost its length squared).
+    from tarsier_batch import media
+
+    counted = []
+    real = media._decoded_frames
+
+    def counting(container, stream):
+        for frame in real(container, stream):
+            counted.append(frame.pts)
+            yield frame
+
+    monkeypatch.setattr(media, "_decoded_frames", counting)
+    late = decoded(video, "pyav", Span(60, 64))
+    assert [frame_number(frame) for frame in late.frames] == late.frame_indices == \
+        [600 + index for index in frame_indices(40, 8)]
+    # The window, and at most one group of pictures before it (libx264's default: 250 frames), not 640 frames.
+    assert 0 < len(counted) <= 40 + 250
