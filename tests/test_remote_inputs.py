@@ -294,3 +294,16 @@ def test_a_refused_http_shard_is_a_clear_message_not_a_traceback(tmp_path: Path)
         repr(refused.exception)
     assert refused.exit_code == 2 and "s.tar" in refused.output and "SECRET" not in refused.output, \
         refused.output
+
+
+def test_a_long_objects_windows_download_it_once_per_worker(s3, tmp_path: Path) -> None:
+    # One decoding worker takes the 7 windows of a 65 s video in an object store: it keeps the download for the
+    # object's windows (was: one download per window). The probe that reads the length downloads it once too.
+    from segment_media import write_numbered_video
+
+    bucket = s3.new_bucket()
+    upload(s3, bucket, "long/long.mp4", write_numbered_video(tmp_path / "long.mp4", 65).read_bytes())
+    out = tmp_path / "windows.parquet"
+    rows = caption(f"s3://{bucket}/long/long.mp4", "--segments", "fixed:10s", "--workers", "1", "-o", str(out))
+    assert [(row["start_s"], row["error"]) for row in rows] == [(float(start), None) for start in range(0, 65, 10)]
+    assert s3.requests("GET", f"/{bucket}/long/long.mp4") == 2

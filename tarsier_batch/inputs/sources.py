@@ -9,6 +9,7 @@ import hashlib
 import os
 import re
 import stat
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -447,12 +448,28 @@ def item_of_path(path: str) -> MediaItem | None:
     return new_item(path, None)
 
 
+# The object whose windows this thread decodes, kept downloaded: a worker takes a long video's windows one after
+# another, and each would otherwise download the whole object again.
+_kept_object = threading.local()
+
+
 @contextlib.contextmanager
 def readable_copy(item: MediaItem) -> Iterator[str]:
     """A path the decoders can open for `item`: its own path, or an unnamed local copy of an object or a shard's
-    member (freed on leaving, also if the process is killed: see `storage.Spooled`)."""
+    member (freed on leaving, also if the process is killed: see `storage.Spooled`). A window of an object
+    (`item.span`) keeps its copy in this thread until a window of another object (or another version) comes."""
     if item.member is None and not storage.is_url(item.path):
         yield item.path
+        return
+    if item.member is None and item.span is not None:
+        identity = (item.path, item.facts.size_bytes, item.facts.mtime_ns)
+        kept: tuple[tuple, storage.Spooled] | None = getattr(_kept_object, "copy", None)
+        if kept is None or kept[0] != identity:
+            _kept_object.copy = None
+            if kept is not None:
+                kept[1].close()
+            _kept_object.copy = (identity, _fetched(item))
+        yield _kept_object.copy[1].path
         return
     if item.member is not None:
         content = item.content
@@ -467,9 +484,13 @@ def readable_copy(item: MediaItem) -> Iterator[str]:
             spooled.close()
             raise
     else:
-        try:
-            spooled = storage.fetch(item.path, item.facts.size_bytes)
-        except FileNotFoundError:
-            raise ItemError(NOT_FOUND, "no such object in the store") from None
+        spooled = _fetched(item)
     with spooled:
         yield spooled.path
+
+
+def _fetched(item: MediaItem) -> storage.Spooled:
+    try:
+        return storage.fetch(item.path, item.facts.size_bytes)
+    except FileNotFoundError:
+        raise ItemError(NOT_FOUND, "no such object in the store") from None
