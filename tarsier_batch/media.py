@@ -9,10 +9,11 @@ import functools
 import os
 import re
 import stat
+import statistics
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
 from pathlib import Path
@@ -135,10 +136,42 @@ def sample_span(starts: list[float], span: Span | None, num_frames: int, sampler
     return [frames.start + index for index in sampler(len(frames), num_frames)]
 
 
-def _from_first_frame(starts: list[float]) -> list[float]:
-    """Start times counted from the first frame, ascending (a stream may start at a later timestamp)."""
-    starts = sorted(starts)
-    return [start - starts[0] for start in starts] if starts else starts
+# Timestamps that step forward by more than this between two frames, or back by more than `_REORDER_S` in
+# stream order, have jumped (a recording paused, files joined, a clock reset): time is counted in frames then.
+_JUMP_S = 10.0
+_REORDER_S = 1.0   # how far back B-frames step in stream order (a few frames; at least this much is allowed)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Each frame's start time, seconds from the first frame's, ascending (what spans and `sample_span` count in),
+    and the video's length (from the first frame's start to the last one's end). `by_frames`: the timestamps
+    were missing or jumped, so the times are frame numbers over the frame rate instead."""
+
+    starts: list[float]
+    duration_s: float
+    by_frames: bool = False
+
+
+def timeline_of(stamps: list[float | None], rate: float | None) -> Timeline:
+    """The timeline of frames whose timestamps (seconds, in stream order; None where a frame has none) are
+    `stamps`, at the stream's nominal `rate` (frames/s, if known)."""
+    steps: list[float] = []
+    if stamps and None not in stamps:
+        known = [stamp for stamp in stamps if stamp is not None]
+        ordered = sorted(known)
+        steps = [later - earlier for earlier, later in zip(ordered, ordered[1:])]
+        typical = statistics.median(steps) if steps else 0.0
+        back = max((earlier - later for earlier, later in zip(known, known[1:])), default=0.0)
+        if max(steps, default=0.0) <= _JUMP_S and back <= max(_REORDER_S, 10 * typical):
+            frame_s = typical or (1 / rate if rate else 0.0)
+            return Timeline([stamp - ordered[0] for stamp in ordered], ordered[-1] - ordered[0] + frame_s)
+    # The most common step is the frame interval even where the stream jumps; a rate FFmpeg averaged over the
+    # jump is not.
+    positive = [step for step in steps if step > 0]
+    # Rounded: timestamps in a time base such as 1/10240 s give 9.99999 frames/s for 10.
+    fps = round(1 / statistics.median(positive), 3) if positive else rate or 25.0
+    return Timeline([index / fps for index in range(len(stamps))], len(stamps) / fps, by_frames=True)
 
 
 # Chooses `num_frames` frame indices of a clip of `total_frames` frames.
@@ -252,21 +285,12 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
 def frame_starts(path: str) -> list[float]:
     """Each frame's start time in display order, from the first frame's: the times `sample_span` counts in
     (decord's where it reads the file, else PyAV's packet times)."""
-    check_regular_file(path)
-    source = os.path.abspath(path)
-    if decord_problem(source) is None:
-        try:
-            with _decord_failures():
-                return _OpenVideo(source, with_starts=True).starts
-        except _DecoderFailure:
-            pass
-    with _video_stream(source) as (container, stream):
-        return _packet_starts(container, stream)
+    return video_timeline(path).starts
 
 
-def video_duration(path: str) -> float:
-    """Seconds from the first frame's start to the last frame's end: the stretch spans are cut from (what
-    `sample_span` counts in). decord's frame timestamps where it reads the file, else PyAV's packet times."""
+def video_timeline(path: str) -> Timeline:
+    """The video's `Timeline`, as its frames are sampled: decord's frame timestamps where decord reads the file,
+    else PyAV's packet times. Spans are cut from its length."""
     check_regular_file(path)
     source = os.path.abspath(path)
     if decord_problem(source) is None:
@@ -277,21 +301,29 @@ def video_duration(path: str) -> float:
             with _decord_failures():
                 reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
                 if len(reader) > 0:
-                    stamps = reader.get_frame_timestamp([0, len(reader) - 1])
-                    return float(stamps[-1][1] - stamps[0][0])
+                    return decord_timeline(reader)
         except _DecoderFailure:
             pass
     import av
 
     try:
         with _video_stream(source) as (container, stream):
-            starts = _packet_starts(container, stream)
-            rate = float(stream.average_rate or 0) or 25.0
+            timeline = _packet_timeline([packet.pts for packet in _packets(container, stream)], stream)
     except (av.FFmpegError, _DecoderFailure) as error:
         raise ItemError(UNDECODABLE, f"cannot read the video's length: {_short(error)}") from None
-    if not starts:
+    if not timeline.starts:
         raise ItemError(UNDECODABLE, "the video has no frames")
-    return starts[-1] + 1 / rate
+    return timeline
+
+
+def decord_timeline(reader: Any) -> Timeline:
+    """The timeline of a decord reader's frames (its timestamps by frame index: stream order)."""
+    stamps = reader.get_frame_timestamp(range(len(reader)))
+    timeline = timeline_of(stamps[:, 0].tolist(), reader.get_avg_fps() or None)
+    if timeline.by_frames:
+        return timeline
+    # decord knows each frame's end: the length runs to the last frame's.
+    return replace(timeline, duration_s=float(stamps[:, 1].max() - stamps[:, 0].min()))
 
 
 def _why_no_decoder_opens(source: str) -> str | None:
@@ -530,10 +562,11 @@ def _timeline_for_spans(source: str) -> _Timeline:
     if kept is None or kept.identity != identity:
         with _video_stream(source) as (container, stream):
             timestamps = [packet.pts for packet in _packets(container, stream)]
-            starts = _packet_starts_of(timestamps, stream)
+            timeline = _packet_timeline(timestamps, stream)
             fps = float(stream.average_rate) if stream.average_rate else None
-        ordered = sorted(timestamps) if None not in timestamps else [None] * len(timestamps)
-        _spans_timeline.kept = _Timeline(identity, ordered, starts, fps)
+        # Frames are matched to the timeline by their timestamps only where it counts in them.
+        ordered = [None] * len(timestamps) if timeline.by_frames else sorted(timestamps)
+        _spans_timeline.kept = _Timeline(identity, ordered, timeline.starts, fps)
     return _spans_timeline.kept
 
 
@@ -574,16 +607,14 @@ def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, n
 
 
 def _packet_starts(container: Any, stream: Any) -> list[float]:
-    """Each frame's start time in display order, from the first frame's, read from the packets (no decoding).
-    Packets without a timestamp are given their place at the stream's frame rate."""
-    return _packet_starts_of([packet.pts for packet in _packets(container, stream)], stream)
+    """Each frame's start time in display order, from the first frame's, read from the packets (no decoding)."""
+    return _packet_timeline([packet.pts for packet in _packets(container, stream)], stream).starts
 
 
-def _packet_starts_of(times: list[int | None], stream: Any) -> list[float]:
-    if None in times:
-        rate = float(stream.average_rate or 0) or 25.0
-        return [index / rate for index in range(len(times))]
-    return _from_first_frame([float(time * stream.time_base) for time in times])
+def _packet_timeline(times: list[int | None], stream: Any) -> Timeline:
+    """The timeline of packets with presentation timestamps `times` (stream order; in the stream's time base)."""
+    rate = float(stream.guessed_rate or stream.average_rate or 0) or None
+    return timeline_of([None if time is None else float(time * stream.time_base) for time in times], rate)
 
 
 def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None) -> _SampledFrames:
@@ -628,8 +659,7 @@ class _OpenVideo:
         self.total = len(self.reader)
         self.keyframes = [int(key) for key in self.reader.get_key_indices()]
         self.fps = self.reader.get_avg_fps()
-        self.starts = _from_first_frame(self.reader.get_frame_timestamp(range(self.total))[:, 0].tolist()) \
-            if with_starts and self.total else []
+        self.starts = decord_timeline(self.reader).starts if with_starts and self.total else []
 
 
 # The video whose spans this thread decodes, kept open: a worker takes a long video's windows one after

@@ -44,7 +44,7 @@ from .outputs.stream import JsonLinesStream
 from .outputs.writer import RowWriter
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
-from .storage import redact_text
+from .storage import redact, redact_text
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -381,6 +381,10 @@ class CaptionRun:
         caption = self.settings.caption
         facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
                             meanwhile=partial(self._load, None) if load_meanwhile and videos else None)
+        for item, known in zip(videos, facts):
+            if known is not None and known.by_frames:
+                self.reporter.warning(f"warning: {redact(item.path)}: its timestamps are missing or jump; its "
+                                      f"segments are counted in frames at its frame rate ({known.duration_s:g} s)")
         self.discovery = replace(self.discovery, items=segmenting.split(
             self.items, {item.row_id: known for item, known in zip(videos, facts)}))
         self._segmented = True

@@ -6,6 +6,7 @@ background whose colour changes at each scene cut.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -34,8 +35,9 @@ def frame_number(frame: Image.Image | np.ndarray) -> int:
 
 
 def write_numbered_video(path: Path, seconds: float, fps: int = 10, scene_s: float | None = None,
-                         codec: str = "libx264") -> Path:
-    """A `seconds`-long video at `fps`, frames numbered from 0, a new scene every `scene_s` seconds."""
+                         codec: str = "libx264", jump: tuple[float, float] | None = None) -> Path:
+    """A `seconds`-long video at `fps`, frames numbered from 0, a new scene every `scene_s` seconds. `jump`:
+    (at_s, gap_s): the timestamps of the frames from `at_s` on are `gap_s` later (a paused recording)."""
     frames = round(seconds * fps)
     assert frames < 1 << BITS
     with av.open(str(path), "w") as output:
@@ -43,7 +45,11 @@ def write_numbered_video(path: Path, seconds: float, fps: int = 10, scene_s: flo
         stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
         for index in range(frames):
             scene = int(index / fps // scene_s) if scene_s else 0
-            for packet in stream.encode(av.VideoFrame.from_ndarray(picture(index, scene), format="rgb24")):
+            frame = av.VideoFrame.from_ndarray(picture(index, scene), format="rgb24")
+            if jump is not None:
+                frame.pts = index + (round(jump[1] * fps) if index >= jump[0] * fps else 0)
+                frame.time_base = Fraction(1, fps)
+            for packet in stream.encode(frame):
                 output.mux(packet)
         for packet in stream.encode():
             output.mux(packet)

@@ -346,3 +346,19 @@ def test_scene_cuts_are_kept_by_file_key_and_detector_settings(long_video: Path,
     # An item without a key has no identity to keep its cuts by.
     assert video_facts([replace(item, key=None)], scenes, 1, 60.0) == [first]
     assert len(list((own_cache / "scenes").glob("*.json"))) == 3   # v1 (rewritten), v2, threshold=250
+
+
+def test_a_video_whose_timestamps_jump_is_cut_by_frame_count_with_a_warning(tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    # 60 s of frames whose timestamps jump by 10 minutes after 30 s: cut in time its windows would be 67, 63 of
+    # them with no frame; counted in frames they are 6 windows of 100 frames each.
+    paused = write_numbered_video(tmp_path / "paused.mp4", 60, jump=(30, 600))
+    out = tmp_path / "paused.parquet"
+    done = caption(str(paused), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out))
+    assert done.exit_code == 0, done.output
+    assert f"warning: {paused}: its timestamps are missing or jump; its segments are counted in frames at its " \
+           "frame rate (60 s)" in " ".join(done.output.split())
+    rows = rows_of(out)
+    assert [(row["start_s"], row["end_s"], row["error"]) for row in rows] == [
+        (float(start), float(start + 10), None) for start in range(0, 60, 10)]
+    assert [row["frame_indices"][0] for row in rows] == [0, 100, 200, 300, 400, 500]

@@ -17,6 +17,7 @@ from tarsier_batch.media import (
     frame_indices,
     frame_indices_without_repeats,
     load_media,
+    video_timeline,
 )
 
 
@@ -121,3 +122,25 @@ def test_pyav_decodes_a_late_window_from_the_keyframe_before_it(video: Path, mon
         [600 + index for index in frame_indices(40, 8)]
     # The window, and at most one group of pictures before it (libx264's default: 250 frames), not 640 frames.
     assert 0 < len(counted) <= 40 + 250
+
+
+@pytest.fixture(scope="module")
+def paused(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 s of frames at 10 fps whose timestamps jump by 10 minutes after 30 s (a paused recording)."""
+    return write_numbered_video(tmp_path_factory.mktemp("paused") / "paused.mp4", 60, jump=(30, 600))
+
+
+def test_timestamps_that_jump_are_counted_in_frames(paused: Path) -> None:
+    timeline = video_timeline(str(paused))
+    assert timeline.by_frames and timeline.duration_s == 60.0
+    assert timeline.starts == [index / 10 for index in range(600)]
+    regular = video_timeline(str(write_numbered_video(paused.with_name("regular.mp4"), 6)))
+    assert not regular.by_frames and regular.duration_s == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("decoder", ["decord", "pyav"])
+def test_a_span_of_a_video_whose_timestamps_jump_samples_by_frame_count(paused: Path, decoder: str) -> None:
+    # 30-40 s in frames is frames 300-399, just after the jump (in timestamps, 630-640 s).
+    media = decoded(paused, decoder, Span(30, 40))
+    assert media.frame_indices == [300 + index for index in frame_indices(100, 8)]
+    assert [frame_number(frame) for frame in media.frames] == media.frame_indices

@@ -26,7 +26,7 @@ from pebble import ProcessPool
 from .. import storage
 from ..inputs.segments import Segmenting, VideoFacts
 from ..inputs.sources import MediaItem, readable_copy
-from ..media import video_duration
+from ..media import Timeline, video_timeline
 from .fork_server import start_decoding_server
 from .scenes import cut_times
 from .workers import quiet_worker
@@ -53,20 +53,22 @@ def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, ti
     pool = ProcessPool(workers, initializer=quiet_worker, initargs=(storage.environment(),),
                        context=multiprocessing.get_context("forkserver"))
     try:
-        lengths = {index: pool.schedule(_duration, (items[index],), timeout=timeout_s) for index in unknown}
+        lengths = {index: pool.schedule(_length, (items[index],), timeout=timeout_s) for index in unknown}
         if meanwhile is not None:
             meanwhile()
-        durations = {index: _result_or_none(future) for index, future in lengths.items()}
+        measured = {index: _result_or_none(future) for index, future in lengths.items()}
         if not scenes:
-            return [None if durations[index] is None else VideoFacts(durations[index]) for index in range(len(items))]
+            return [None if measured[index] is None else VideoFacts(measured[index][0], by_frames=measured[index][1])
+                    for index in range(len(items))]
         detections = {index: pool.schedule(_cuts, (items[index], segmenting),
                                            timeout=None if timeout_s is None
-                                           else timeout_s + DETECTION_S_PER_VIDEO_S * duration)
-                      for index, duration in durations.items() if duration is not None}
+                                           else timeout_s + DETECTION_S_PER_VIDEO_S * length[0])
+                      for index, length in measured.items() if length is not None}
         for index, future in detections.items():
             cuts = _result_or_none(future)
+            duration_s, by_frames = measured[index]   # type: ignore[misc]
             if cuts is not None:
-                known[index] = VideoFacts(durations[index], tuple(cuts))
+                known[index] = VideoFacts(duration_s, tuple(cuts), by_frames)
                 _keep_cuts(items[index], segmenting, known[index])
         return [known.get(index) for index in range(len(items))]
     finally:
@@ -74,9 +76,11 @@ def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, ti
         pool.join()
 
 
-def _duration(item: MediaItem) -> float:
+def _length(item: MediaItem) -> tuple[float, bool]:
+    """The video's length, and whether its time is counted in frames (`media.Timeline.by_frames`)."""
     with readable_copy(item) as path:
-        return video_duration(path)
+        timeline: Timeline = video_timeline(path)
+        return timeline.duration_s, timeline.by_frames
 
 
 def _cuts(item: MediaItem, segmenting: Segmenting) -> list[float]:
@@ -110,7 +114,8 @@ def _kept_cuts(item: MediaItem, segmenting: Segmenting) -> VideoFacts | None:
         kept = json.loads(path.read_text()) if path is not None else None
         if kept is None or kept["key"] != item.key:   # a digest's collision, however unlikely, is not a hit
             return None
-        return VideoFacts(float(kept["duration_s"]), tuple(float(cut) for cut in kept["cuts_s"]))
+        return VideoFacts(float(kept["duration_s"]), tuple(float(cut) for cut in kept["cuts_s"]),
+                          bool(kept.get("by_frames", False)))
     except (OSError, ValueError, KeyError, TypeError):   # none kept, or a damaged file: detect again
         return None
 
@@ -123,7 +128,7 @@ def _keep_cuts(item: MediaItem, segmenting: Segmenting, facts: VideoFacts) -> No
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{id(facts)}.tmp")
         temporary.write_text(json.dumps({"key": item.key, "duration_s": facts.duration_s,
-                                         "cuts_s": list(facts.cuts_s)}))
+                                         "cuts_s": list(facts.cuts_s), "by_frames": facts.by_frames}))
         temporary.replace(path)
     except OSError:   # a read-only or full cache only costs the next run the detection
         return

@@ -53,6 +53,7 @@ class VideoFacts:
 
     duration_s: float
     cuts_s: tuple[float, ...] = ()
+    by_frames: bool = False       # its timestamps were missing or jumped: its seconds are frames over the rate
 
 
 @dataclass(frozen=True)
