@@ -50,6 +50,11 @@ class ItemError(ValueError):
         super().__init__(message)
         self.kind = kind
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # As an exception pickles by default (its args alone), it would come back from a worker process without
+        # its kind, and fail to unpickle at all.
+        return type(self), (self.kind, str(self))
+
 
 def plain_message(error: BaseException, limit: int = 500) -> str:
     """`error`'s own words on one line, at most `limit` characters, without its class name (which says nothing

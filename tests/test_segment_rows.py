@@ -362,3 +362,19 @@ def test_a_video_whose_timestamps_jump_is_cut_by_frame_count_with_a_warning(tiny
     assert [(row["start_s"], row["end_s"], row["error"]) for row in rows] == [
         (float(start), float(start + 10), None) for start in range(0, 60, 10)]
     assert [row["frame_indices"][0] for row in rows] == [0, 100, 200, 300, 400, 500]
+
+
+def test_a_video_the_probe_cannot_read_leaves_the_others_segmented(long_video: Path, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    # The probe's error for the cut-short file comes back from its worker as an error of that file alone (it
+    # once failed to unpickle and broke the pool: every later video then stayed whole).
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    (folder / "a_broken.mp4").write_bytes(long_video.read_bytes()[:20_000])
+    (folder / "b_long.mp4").write_bytes(long_video.read_bytes())
+    out = tmp_path / "out.parquet"
+    done = caption(str(folder), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out))
+    assert done.exit_code == 1, done.output   # some rows failed
+    rows = rows_of(out)
+    assert [(Path(row["path"]).name, row["segment"], row["error"] is None) for row in rows] == \
+        [("a_broken.mp4", None, False)] + [("b_long.mp4", number, True) for number in range(7)]
