@@ -193,3 +193,13 @@ def test_a_segment_is_an_item_of_its_own_named_by_its_span(numbered_clip: Path, 
     assert [item["path"] for item in data["items"]] == [f"{numbered_clip}#t=0,1", f"{numbered_clip}#t=1,2",
                                                         f"{numbered_clip}#t=2,3"]
     assert all(item["strip"] for item in data["items"])
+    # The file's segments on its timeline (a failed one marked), each item pointing at its file and place.
+    assert data["files"] == [{"path": str(numbered_clip), "length": 3.0,
+                              "segments": [[0.0, 1.0, False, 0], [1.0, 2.0, False, 1], [2.0, 3.0, False, 2]]}]
+    assert [(item["file"], item["segment"], item["span"]) for item in data["items"]] == [
+        (0, 0, [0.0, 1.0]), (0, 1, [1.0, 2.0]), (0, 2, [2.0, 3.0])]
+    # In a browser: one header over the file's segments, and each segment's own place marked on its bar.
+    dom = chromium("--dump-dom", (tmp_path / "report.html").as_uri(), tmp_path=tmp_path)
+    assert body_data(dom)["file-headers"] == "1"
+    assert dom.count('class="seg current"') == 3 and dom.count('class="timeline"') == 4
+    assert "segment 1: 1 s - 2 s of 3 s" in dom

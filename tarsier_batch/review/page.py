@@ -29,7 +29,9 @@ ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames",
 def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str) -> str:
     """The whole page; `strips` holds, per row, {"uri": ...} or {"problem": ...}."""
     items = [_item(row, strip, results) for row, strip in zip(results.rows, strips)]
-    data = json.dumps({"items": items, "pageSize": PAGE_SIZE}, ensure_ascii=False, separators=(",", ":"))
+    files = _timelines(results.rows, items)
+    data = json.dumps({"items": items, "files": files, "pageSize": PAGE_SIZE}, ensure_ascii=False,
+                      separators=(",", ":"))
     # Inside <script>, only "</" and "<!--" can end or confuse the block; JSON allows "<\/".
     data = data.replace("</", "<\\/").replace("<!--", "<\\u0021--")
     # data: URIs are base64 and a fixed prefix: nothing in them can end a block.
@@ -49,6 +51,22 @@ def _item(row: dict[str, Any], strip: dict[str, str | None], results: Results) -
                            for question, answer in zip(results.questions, answers(results, row))]
         item["caption"] = " ".join(answer or "" for answer in answers(results, row))   # what the search looks in
     return item
+
+
+def _timelines(rows: list[dict[str, Any]], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The files whose rows are segments, each with its segments on a timeline: [start_s, end_s, failed, item
+    index]. Each segment's item gets `file` (its file's index here), `segment` and `span`."""
+    files: dict[str, dict[str, Any]] = {}
+    for index, (row, item) in enumerate(zip(rows, items)):
+        if row.get("start_s") is None or row.get("end_s") is None:
+            continue
+        file = files.setdefault(row["path"], {"path": row["path"], "length": 0.0, "segments": [],
+                                              "index": len(files)})
+        file["segments"].append([row["start_s"], row["end_s"], bool(row.get("error")), index])
+        # The file's length where a row recorded it; else as far as its segments reach.
+        file["length"] = max(file["length"], row["end_s"], row.get("duration_s") or 0.0)
+        item.update(file=file["index"], segment=row.get("segment"), span=[row["start_s"], row["end_s"]])
+    return [{name: value for name, value in file.items() if name != "index"} for file in files.values()]
 
 
 def _questions(prompt_set: list[dict[str, Any]] | None) -> str | None:
@@ -129,6 +147,11 @@ flex-wrap:wrap;align-items:center}
 .strip{margin:4px 0}.strip img{display:block;max-width:100%;height:auto}
 .path{font-family:monospace;font-size:12px;word-break:break-all}.caption{white-space:pre-wrap;margin:4px 0}
 .meta{color:#666;font-size:12px}.problem{color:#a00;font-size:12px}.pager button{min-width:32px}
+.file{margin-top:12px;padding:6px 0 2px;border-top:2px solid #ccc}
+.timeline{position:relative;height:10px;background:#eee;margin:4px 0}
+.timeline .seg{position:absolute;top:0;bottom:0;background:#9bb7e6;border-right:1px solid #fff}
+.timeline .seg.failed{background:#e69b9b}.timeline .seg.current{background:#2a5bb0}
+.timeline .seg.failed.current{background:#b02a2a}
 """
 
 _SCRIPT = r"""
@@ -167,9 +190,37 @@ function el(tag, cls, text) {
   if (text !== undefined && text !== null) node.textContent = String(text);
   return node;
 }
+function seconds(value) { return (Math.round(value * 100) / 100) + ' s'; }
+// A file's segments as a bar, each at its place in the file; `current` (an item's index) marked.
+function timeline(file, current) {
+  const bar = el('div', 'timeline');
+  for (const [start, end, failed, index] of file.segments) {
+    const seg = el('span', 'seg' + (failed ? ' failed' : '') + (index === current ? ' current' : ''));
+    seg.style.left = (100 * start / file.length) + '%';
+    seg.style.width = (100 * (end - start) / file.length) + '%';
+    seg.title = seconds(start) + ' - ' + seconds(end) + (failed ? ' (failed)' : '');
+    bar.appendChild(seg);
+  }
+  return bar;
+}
+function fileHeader(file) {
+  const node = el('div', 'file');
+  const failed = file.segments.filter(segment => segment[2]).length;
+  node.appendChild(el('div', 'path', file.path));
+  node.appendChild(el('div', 'meta', file.segments.length + ' segments over ' + seconds(file.length) +
+    (failed ? ', ' + failed + ' failed' : '')));
+  node.appendChild(timeline(file, -1));
+  return node;
+}
 function card(item, index) {
   const node = el('div', item.error ? 'item failed' : 'item');
   node.appendChild(el('div', 'path', item.path));
+  if (item.file != null) {
+    const file = data.files[item.file];
+    node.appendChild(timeline(file, index));
+    node.appendChild(el('div', 'meta', 'segment ' + item.segment + ': ' + seconds(item.span[0]) + ' - ' +
+      seconds(item.span[1]) + ' of ' + seconds(file.length)));
+  }
   if (item.strip) {
     const box = el('div', 'strip'); const img = el('img');
     img.alt = 'frames ' + (item.frame_indices || []).join(' ');
@@ -203,7 +254,16 @@ function render() {
   state.page = Math.min(state.page, pages);
   const start = (state.page - 1) * data.pageSize;
   const slice = shown.slice(start, start + data.pageSize);
-  list.replaceChildren(...slice.map(([item, index]) => card(item, index)));
+  // A file's segments come under its header: once per file on a page, where its first shown segment is.
+  const nodes = [];
+  let lastFile = null;
+  for (const [item, index] of slice) {
+    if (item.file != null && item.file !== lastFile) nodes.push(fileHeader(data.files[item.file]));
+    lastFile = item.file;
+    nodes.push(card(item, index));
+  }
+  list.replaceChildren(...nodes);
+  document.body.dataset.fileHeaders = list.querySelectorAll('.file').length;
   document.getElementById('count').textContent =
     shown.length + ' of ' + items.length + ' items, page ' + state.page + '/' + pages;
   document.body.dataset.matching = shown.length;
