@@ -34,6 +34,7 @@ def dry_run(tmp_path: Path, *flags: str) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.bench
 def test_cpu_dry_run_runs_every_stage_and_writes_the_summary(tmp_path: Path) -> None:
     results = dry_run(tmp_path)
     summary, stages = results["summary"], results["stages"]
