@@ -573,34 +573,54 @@ def _timeline_for_spans(source: str) -> _Timeline:
 def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, num_frames: int,
                       sampler: FrameSampler, transform: FrameTransform | None) -> Media | None:
     """A span's sampled frames, decoded from the keyframe before its first one up to its last: a long video's
-    windows cost about their own length each, not the file's. Frames are matched by their timestamps; None
-    where that cannot be trusted (packets without timestamps, or two alike) or a sampled frame does not
-    decode (damage): the caller then decodes the file from its start, as for a whole file."""
+    windows cost about their own length each, not the file's. Frames are matched by their timestamps.
+
+    None where timestamps cannot be trusted (packets without them, two alike, or decoded frames whose
+    timestamps match none of the packets'): the caller then decodes the file from its start, as for a whole
+    file. A seek that lands past the span's first frame (a damaged index) is retried from the file's start.
+    Sampled frames that do not decode while their neighbours do are damage in this stretch: an error of this
+    span alone (the file's other spans decode as they are)."""
     timestamps = timeline.timestamps
-    if not timestamps or None in timestamps or len(set(timestamps)) != len(timestamps):
+    known = set(timestamps)
+    if not timestamps or None in known or len(known) != len(timestamps):
         return None
     indices = sample_span(timeline.starts, span, num_frames, sampler)
     wanted = {timestamps[index]: index for index in indices}
-    results: dict[int, Any] = {}
-    width = height = 0
-    with _video_stream(source) as (container, stream):
-        aspect = _pixel_aspect(stream)
-        container.seek(min(wanted), stream=stream, backward=True, any_frame=False)   # to the keyframe before
-        last = max(wanted)
-        for frame in _decoded_frames(container, stream):
-            if frame.pts is None:
-                return None
-            if frame.pts in wanted:
-                image = _displayed(frame, aspect)
-                width, height = image.size
-                results[wanted[frame.pts]] = _finish(image, transform, len(indices))
-                del image
-                if transform is not None:
-                    _return_freed_memory()
-            if frame.pts >= last:
-                break
-    if len(results) != len(wanted):
+    first, last = min(wanted), max(wanted)
+    matched = False   # a decoded frame's timestamp is a packet's: missing frames are then damage, not a mismatch
+    for seek in (True, False):
+        results: dict[int, Any] = {}
+        width = height = 0
+        overshot = False
+        with _video_stream(source) as (container, stream):
+            aspect = _pixel_aspect(stream)
+            if seek:
+                container.seek(first, stream=stream, backward=True, any_frame=False)   # to the keyframe before
+            for number, frame in enumerate(_decoded_frames(container, stream)):
+                if frame.pts is None:
+                    return None
+                if number == 0 and seek and frame.pts > first:
+                    overshot = True
+                    break
+                matched = matched or frame.pts in known
+                if frame.pts in wanted:
+                    image = _displayed(frame, aspect)
+                    width, height = image.size
+                    results[wanted[frame.pts]] = _finish(image, transform, len(indices))
+                    del image
+                    if transform is not None:
+                        _return_freed_memory()
+                if frame.pts >= last:
+                    break
+        if not overshot:
+            break
+    if not matched:
         return None
+    if len(results) != len(wanted):
+        missing = sorted(set(indices) - set(results))
+        which = f"frame {missing[0]}" if len(missing) == 1 else f"frames {missing[0]} to {missing[-1]}"
+        raise ItemError(UNDECODABLE, f"{len(missing)} of the {len(set(indices))} frames sampled in {span} ({which}) "
+                                     f"do not decode: the file is damaged there")
     frames = [results[index] for index in indices]
     duration = len(timestamps) / timeline.fps if timeline.fps else None
     return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "pyav")

@@ -378,3 +378,25 @@ def test_a_video_the_probe_cannot_read_leaves_the_others_segmented(long_video: P
     rows = rows_of(out)
     assert [(Path(row["path"]).name, row["segment"], row["error"] is None) for row in rows] == \
         [("a_broken.mp4", None, False)] + [("b_long.mp4", number, True) for number in range(7)]
+
+
+def test_a_damaged_stretch_fails_its_own_windows_only(long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    # 3 KB zeroed in the middle of the file: the windows whose sampled frames fall in it are errors that say so;
+    # every other window samples the official indices of its own span (nothing shifted by the lost frames).
+    data = bytearray(long_video.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 3000] = bytes(3000)
+    damaged = tmp_path / "damaged.mp4"
+    damaged.write_bytes(bytes(data))
+    out = tmp_path / "out.parquet"
+    done = caption(str(damaged), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out))
+    assert done.exit_code == 1, done.output
+    rows = rows_of(out)
+    assert [row["start_s"] for row in rows] == [float(start) for start in range(0, 65, 10)]
+    failed = [row for row in rows if row["error"]]
+    assert failed and rows[0]["error"] is None
+    assert all(row["error"].endswith("do not decode: the file is damaged there") for row in failed)
+    for row in rows:
+        if row["error"] is None:
+            first = round(row["start_s"] * 10)
+            count = min(100, 650 - first)
+            assert row["frame_indices"] == [first + index for index in frame_indices(count, 8)]
