@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from PIL import Image, ImageOps, ImageSequence, UnidentifiedImageError
 
@@ -515,8 +515,8 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
 
     try:
         if span is not None:
-            windowed = _decode_span_pyav(path, source, _timeline_for_spans(source), span, num_frames, sampler,
-                                         transform)
+            timeline = _kept_for_spans(_spans_timeline, source, lambda: _read_timeline(source))
+            windowed = _decode_span_pyav(path, source, timeline, span, num_frames, sampler, transform)
             if windowed is not None:
                 return windowed
         with _video_stream(source) as (container, stream):
@@ -542,32 +542,41 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
 @dataclass(frozen=True)
 class _Timeline:
     """A video's frames as its packets list them: each frame's presentation timestamp in display order (None
-    where a packet has none), its start time from the first frame's, and the stream's average rate."""
+    where they cannot be matched to frames: missing, or time counted in frames), its start time from the first
+    frame's, and the stream's average rate."""
 
-    identity: tuple[str, int, int]   # (path, size, mtime): the file it was read from
     timestamps: list[int | None]
     starts: list[float]
     fps: float | None
 
 
-# The timeline of the video whose spans this thread decodes: reading it demuxes the whole file, longer than
-# decoding a window, and a worker takes a long video's windows one after another.
+# What a worker reads of the video whose spans it decodes, kept for its next span: a worker takes a long video's
+# windows one after another, and reading the index (decord) or the packets (PyAV) of an hour of video takes
+# longer than decoding a window's frames.
+_spans_video = threading.local()
 _spans_timeline = threading.local()
+T = TypeVar("T")
 
 
-def _timeline_for_spans(source: str) -> _Timeline:
+def _kept_for_spans(slot: threading.local, source: str, read: Callable[[], T]) -> T:
+    """What `read` reads of `source`, kept in this thread's `slot`: the one read last if of the same unchanged file."""
     stat = os.stat(source)
     identity = (source, stat.st_size, stat.st_mtime_ns)
-    kept: _Timeline | None = getattr(_spans_timeline, "kept", None)
-    if kept is None or kept.identity != identity:
-        with _video_stream(source) as (container, stream):
-            timestamps = [packet.pts for packet in _packets(container, stream)]
-            timeline = _packet_timeline(timestamps, stream)
-            fps = float(stream.average_rate) if stream.average_rate else None
-        # Frames are matched to the timeline by their timestamps only where it counts in them.
-        ordered = [None] * len(timestamps) if timeline.by_frames else sorted(timestamps)
-        _spans_timeline.kept = _Timeline(identity, ordered, timeline.starts, fps)
-    return _spans_timeline.kept
+    kept: tuple[tuple[str, int, int], T] | None = getattr(slot, "kept", None)
+    if kept is None or kept[0] != identity:
+        slot.kept = None   # the other video's goes before this one is read
+        slot.kept = (identity, read())
+    return slot.kept[1]
+
+
+def _read_timeline(source: str) -> _Timeline:
+    with _video_stream(source) as (container, stream):
+        timestamps = [packet.pts for packet in _packets(container, stream)]
+        timeline = _packet_timeline(timestamps, stream)
+        fps = float(stream.average_rate) if stream.average_rate else None
+    # Frames are matched to the timeline by their timestamps only where it counts in them.
+    ordered = [None] * len(timestamps) if timeline.by_frames else sorted(timestamps)
+    return _Timeline(ordered, timeline.starts, fps)
 
 
 def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, num_frames: int,
@@ -671,31 +680,14 @@ def _displayed(frame: Any, aspect: Fraction) -> Image.Image:
 class _OpenVideo:
     """A video open with decord, and what sampling needs of it: frame count, keyframes, rate, frame start times."""
 
-    def __init__(self, source: str, with_starts: bool = False, identity: tuple[str, int, int] | None = None):
+    def __init__(self, source: str, with_starts: bool = False):
         import decord
 
-        self.identity = identity   # (path, size, mtime) of a video kept open for its spans
         self.reader = decord.VideoReader(source, num_threads=1, ctx=decord.cpu(0))
         self.total = len(self.reader)
         self.keyframes = [int(key) for key in self.reader.get_key_indices()]
         self.fps = self.reader.get_avg_fps()
         self.starts = decord_timeline(self.reader).starts if with_starts and self.total else []
-
-
-# The video whose spans this thread decodes, kept open: a worker takes a long video's windows one after
-# another, and opening reads the whole index (for an hour of video, longer than decoding a window's frames).
-_spans_video = threading.local()
-
-
-def _open_for_spans(source: str) -> _OpenVideo:
-    """`source` open for its spans: the one this thread opened last if it is the same unchanged file."""
-    stat = os.stat(source)
-    identity = (source, stat.st_size, stat.st_mtime_ns)
-    kept: _OpenVideo | None = getattr(_spans_video, "opened", None)
-    if kept is None or kept.identity != identity:
-        _spans_video.opened = None   # the other video's reader goes before this one is opened
-        _spans_video.opened = _OpenVideo(source, with_starts=True, identity=identity)
-    return _spans_video.opened
 
 
 def _load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
@@ -704,7 +696,8 @@ def _load_video_decord(path: str, source: str, num_frames: int, transform: Frame
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
     with _decord_failures():
-        opened = _OpenVideo(source) if span is None else _open_for_spans(source)
+        opened = _OpenVideo(source) if span is None else \
+            _kept_for_spans(_spans_video, source, lambda: _OpenVideo(source, with_starts=True))
     reader, total, keyframes, fps, starts = opened.reader, opened.total, opened.keyframes, opened.fps, opened.starts
     if total < 1:
         raise _DecoderFailure("no frames")

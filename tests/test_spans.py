@@ -96,9 +96,9 @@ def test_windows_decoded_one_after_another_from_one_open_video_equal_each_decode
 
     windows = [Span(start, start + 10) for start in (0, 10, 30, 20, 50)]
     in_order = [load_media(str(video), MediaType.VIDEO, 8, span=window).frames for window in windows]
-    assert media._spans_video.opened.identity[0] == os.path.abspath(video)   # kept open between them
+    assert media._spans_video.kept[0][0] == os.path.abspath(video)   # kept open between them
     for window, frames in zip(windows, in_order):
-        media._spans_video.opened = None
+        media._spans_video.kept = None
         fresh = load_media(str(video), MediaType.VIDEO, 8, span=window).frames
         assert all(np.array_equal(np.asarray(one), np.asarray(other)) for one, other in zip(frames, fresh))
 
