@@ -61,3 +61,15 @@ def help_names(*flags: str) -> dict:
     return {"listed": {flag: any(line.strip().startswith(flag + " ") for line in lines) for flag in flags},
             "usage": next((line for line in lines if line.startswith("Usage:")), None), "exit_code": done.returncode,
             "stderr_tail": done.stderr.strip().splitlines()[-3:], "versions": versions, "sys_path": sys.path[:6]}
+
+
+def linked_copies(files: list[Path], folder: Path, count: int) -> list[Path]:
+    """`count` distinct names for `files` taken in turn (hard links: no bytes copied), each its own item."""
+    folder.mkdir(parents=True, exist_ok=True)
+    links = []
+    for index in range(count):
+        link = folder / f"copy_{index:03d}{files[index % len(files)].suffix}"
+        if not link.exists():
+            os.link(files[index % len(files)], link)
+        links.append(link)
+    return links
