@@ -157,16 +157,22 @@ def main() -> None:
         frames = processor.default_frames
         pieces = cut_at_keyframes(long, args.window, folder / "pieces")
         chosen = np.linspace(0, len(pieces) - 2, args.decode_windows).round().astype(int)
-        span_s, piece_s = [], []
+        spans = []
         for number in chosen:
             with av.open(str(pieces[number])) as container:   # the piece's own span of the long file
                 stream = container.streams.video[0]
                 length = float(stream.duration * stream.time_base) if stream.duration else args.window
-            start = number * args.window
-            for _ in range(args.repeats):
+            spans.append(Span(number * args.window, number * args.window + length))
+        # Each side's windows one after another, as a decoding worker takes a file's windows (it keeps the long
+        # file open between them: alternating with the pieces would reopen it, and read its index, every time);
+        # the sides' blocks interleaved over the repeats.
+        span_s, piece_s = [], []
+        for _ in range(args.repeats):
+            for span in spans:
                 began = time.perf_counter()
-                processor.load_media(str(long), MediaType.VIDEO, frames, span=Span(start, start + length))
+                processor.load_media(str(long), MediaType.VIDEO, frames, span=span)
                 span_s.append(time.perf_counter() - began)
+            for number in chosen:
                 began = time.perf_counter()
                 processor.load_media(str(pieces[number]), MediaType.VIDEO, frames)
                 piece_s.append(time.perf_counter() - began)
