@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -126,7 +127,7 @@ def _keep_cuts(item: MediaItem, segmenting: Segmenting, facts: VideoFacts) -> No
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{id(facts)}.tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")   # runs writing at once each write their own
         temporary.write_text(json.dumps({"key": item.key, "duration_s": facts.duration_s,
                                          "cuts_s": list(facts.cuts_s), "by_frames": facts.by_frames}))
         temporary.replace(path)
