@@ -515,8 +515,8 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
 
     try:
         if span is not None:
-            timeline = _kept_for_spans(_spans_timeline, source, lambda: _read_timeline(source))
-            windowed = _decode_span_pyav(path, source, timeline, span, num_frames, sampler, transform)
+            packets = _kept_for_spans(_spans_packets, source, lambda: _read_packet_times(source))
+            windowed = _decode_span_pyav(path, source, packets, span, num_frames, sampler, transform)
             if windowed is not None:
                 return windowed
         with _video_stream(source) as (container, stream):
@@ -540,21 +540,22 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
 
 
 @dataclass(frozen=True)
-class _Timeline:
+class _PacketTimes:
     """A video's frames as its packets list them: each frame's presentation timestamp in display order (None
-    where they cannot be matched to frames: missing, or time counted in frames), its start time from the first
-    frame's, and the stream's average rate."""
+    where decoded frames cannot be matched to them by timestamp: some missing, two alike, or time counted in
+    frames), its start time from the first frame's, and the stream's average rate."""
 
-    timestamps: list[int | None]
+    timestamps: list[int] | None
     starts: list[float]
     fps: float | None
+    frames: int
 
 
 # What a worker reads of the video whose spans it decodes, kept for its next span: a worker takes a long video's
 # windows one after another, and reading the index (decord) or the packets (PyAV) of an hour of video takes
 # longer than decoding a window's frames.
 _spans_video = threading.local()
-_spans_timeline = threading.local()
+_spans_packets = threading.local()
 T = TypeVar("T")
 
 
@@ -569,17 +570,17 @@ def _kept_for_spans(slot: threading.local, source: str, read: Callable[[], T]) -
     return slot.kept[1]
 
 
-def _read_timeline(source: str) -> _Timeline:
+def _read_packet_times(source: str) -> _PacketTimes:
     with _video_stream(source) as (container, stream):
         timestamps = [packet.pts for packet in _packets(container, stream)]
         timeline = _packet_timeline(timestamps, stream)
         fps = float(stream.average_rate) if stream.average_rate else None
-    # Frames are matched to the timeline by their timestamps only where it counts in them.
-    ordered = [None] * len(timestamps) if timeline.by_frames else sorted(timestamps)
-    return _Timeline(ordered, timeline.starts, fps)
+    matchable = not timeline.by_frames and len(set(timestamps)) == len(timestamps)   # by_frames: some are None
+    ordered = sorted(stamp for stamp in timestamps if stamp is not None) if matchable else None
+    return _PacketTimes(ordered, timeline.starts, fps, len(timestamps))
 
 
-def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, num_frames: int,
+def _decode_span_pyav(path: str, source: str, packets: _PacketTimes, span: Span, num_frames: int,
                       sampler: FrameSampler, transform: FrameTransform | None) -> Media | None:
     """A span's sampled frames, decoded from the keyframe before its first one up to its last: a long video's
     windows cost about their own length each, not the file's. Frames are matched by their timestamps.
@@ -589,14 +590,14 @@ def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, n
     file. A seek that lands past the span's first frame (a damaged index) is retried from the file's start.
     Sampled frames that do not decode while their neighbours do are damage in this stretch: an error of this
     span alone (the file's other spans decode as they are)."""
-    timestamps = timeline.timestamps
-    known = set(timestamps)
-    if not timestamps or None in known or len(known) != len(timestamps):
+    timestamps = packets.timestamps
+    if not timestamps:
         return None
-    indices = sample_span(timeline.starts, span, num_frames, sampler)
+    indices = sample_span(packets.starts, span, num_frames, sampler)
     wanted = {timestamps[index]: index for index in indices}
     first, last = min(wanted), max(wanted)
-    matched = False   # a decoded frame's timestamp is a packet's: missing frames are then damage, not a mismatch
+    # A decoded frame's timestamp is a packet's: missing frames are then damage, not timestamps that differ.
+    matched = False
     for seek in (True, False):
         results: dict[int, Any] = {}
         width = height = 0
@@ -611,7 +612,9 @@ def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, n
                 if number == 0 and seek and frame.pts > first:
                     overshot = True
                     break
-                matched = matched or frame.pts in known
+                if not matched:
+                    position = bisect.bisect_left(timestamps, frame.pts)
+                    matched = position < len(timestamps) and timestamps[position] == frame.pts
                 if frame.pts in wanted:
                     image = _displayed(frame, aspect)
                     width, height = image.size
@@ -631,7 +634,7 @@ def _decode_span_pyav(path: str, source: str, timeline: _Timeline, span: Span, n
         raise ItemError(UNDECODABLE, f"{len(missing)} of the {len(set(indices))} frames sampled in {span} ({which}) "
                                      f"do not decode: the file is damaged there")
     frames = [results[index] for index in indices]
-    duration = len(timestamps) / timeline.fps if timeline.fps else None
+    duration = packets.frames / packets.fps if packets.fps else None
     return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "pyav")
 
 
