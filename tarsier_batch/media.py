@@ -268,7 +268,17 @@ def _load_video(path: str, num_frames: int, transform: FrameTransform | None, sa
     """
     source = os.path.abspath(path)
     failures: list[str] = []
-    if decord_problem(source) is None:
+    if span is None:
+        problem = decord_problem(source)
+    else:
+        spans = _kept_for_spans(_spans_reading, source, lambda: _SpansReading.of(path, source, num_frames, sampler))
+        problem = spans.decord_problem
+        if spans.decord_starts is not None:
+            with contextlib.suppress(_DecoderFailure):   # decord then, as for any video
+                windowed = _pyav_span(path, source, span, num_frames, sampler, transform, spans.decord_starts)
+                if windowed is not None:
+                    return windowed
+    if problem is None:
         try:
             return _load_video_decord(path, source, num_frames, transform, sampler, span)
         except _DecoderFailure as failure:
@@ -513,12 +523,11 @@ def _load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTr
     """
     import av
 
+    if span is not None:
+        windowed = _pyav_span(path, source, span, num_frames, sampler, transform)
+        if windowed is not None:
+            return windowed
     try:
-        if span is not None:
-            packets = _kept_for_spans(_spans_packets, source, lambda: _read_packet_times(source))
-            windowed = _decode_span_pyav(path, source, packets, span, num_frames, sampler, transform)
-            if windowed is not None:
-                return windowed
         with _video_stream(source) as (container, stream):
             starts = _packet_starts(container, stream)
         total = len(starts)
@@ -556,6 +565,9 @@ class _PacketTimes:
 # longer than decoding a window's frames.
 _spans_video = threading.local()
 _spans_packets = threading.local()
+_spans_reading = threading.local()
+# The stretch at a video's end on which PyAV's frames are compared with decord's (`_SpansReading`).
+_COMPARED_TAIL_S = 10.0
 T = TypeVar("T")
 
 
@@ -570,6 +582,68 @@ def _kept_for_spans(slot: threading.local, source: str, read: Callable[[], T]) -
     return slot.kept[1]
 
 
+# decord keeps timestamps as float32: its frame times differ from the packets' by rounding (~0.1 ms in an hour).
+_SAME_TIME_S = 1e-3
+
+
+@dataclass(frozen=True)
+class _SpansReading:
+    """How a worker decodes a video's spans, settled at its first one.
+
+    decord reads ahead of every frame it seeks to: until its decoder thread returns the first frame, it queues
+    packets as fast as the file gives them, up to the rest of the file (measured: +130-180 MB per seek in a 720p
+    file longer than a few minutes, and the time to read them, at each of a window's ~8 seeks). PyAV decodes a
+    span from the keyframe before it and reads nothing past it. So where PyAV gives this video's spans exactly
+    decord's frames (the same frame times, so the same frames sampled, and the same pixels, compared on the
+    video's last seconds, where decord's read-ahead is short), PyAV decodes its spans, sampling them by decord's
+    frame times."""
+
+    decord_problem: str | None
+    decord_starts: list[float] | None   # None: decord decodes the spans (where it reads the video at all)
+
+    @classmethod
+    def of(cls, path: str, source: str, num_frames: int, sampler: FrameSampler) -> _SpansReading:
+        problem = decord_problem(source)
+        return cls(problem, _starts_where_pyav_equals_decord(path, source, num_frames, sampler)
+                   if problem is None else None)
+
+
+def _starts_where_pyav_equals_decord(path: str, source: str, num_frames: int,
+                                     sampler: FrameSampler) -> list[float] | None:
+    """decord's frame times of the video, where PyAV gives its spans decord's frames; else None."""
+    import av
+
+    try:
+        with _decord_failures():
+            opened = _kept_for_spans(_spans_video, source, lambda: _OpenVideo(source, with_starts=True))
+        packets = _kept_for_spans(_spans_packets, source, lambda: _read_packet_times(source))
+        if not opened.starts or len(opened.starts) != len(packets.starts) or any(
+                abs(ours - theirs) > _SAME_TIME_S for ours, theirs in zip(packets.starts, opened.starts)):
+            return None
+        tail = Span(max(0.0, opened.starts[-1] - _COMPARED_TAIL_S), opened.starts[-1] + 1.0)
+        by_decord = _load_video_decord(path, source, num_frames, None, sampler, tail)
+        by_pyav = _decode_span_pyav(path, source, packets, tail, num_frames, sampler, None, opened.starts)
+    except (_DecoderFailure, ItemError, av.FFmpegError):
+        return None
+    same = by_pyav is not None and by_pyav.frame_indices == by_decord.frame_indices and all(
+        (ours.size, ours.tobytes()) == (theirs.size, theirs.tobytes())
+        for ours, theirs in zip(by_pyav.frames, by_decord.frames))
+    return opened.starts if same else None
+
+
+def _pyav_span(path: str, source: str, span: Span, num_frames: int, sampler: FrameSampler,
+               transform: FrameTransform | None, starts: list[float] | None = None) -> Media | None:
+    """`span` decoded by PyAV from the keyframe before it, sampled by `starts` (default: the packets' times);
+    None where its timestamps cannot be trusted."""
+    import av
+
+    try:
+        packets = _kept_for_spans(_spans_packets, source, lambda: _read_packet_times(source))
+        return _decode_span_pyav(path, source, packets, span, num_frames, sampler, transform, starts)
+    except av.FFmpegError as error:
+        raise _DecoderFailure(error.strerror or _short(error)) from error
+
+
 def _read_packet_times(source: str) -> _PacketTimes:
     with _video_stream(source) as (container, stream):
         timestamps = [packet.pts for packet in _packets(container, stream)]
@@ -581,7 +655,8 @@ def _read_packet_times(source: str) -> _PacketTimes:
 
 
 def _decode_span_pyav(path: str, source: str, packets: _PacketTimes, span: Span, num_frames: int,
-                      sampler: FrameSampler, transform: FrameTransform | None) -> Media | None:
+                      sampler: FrameSampler, transform: FrameTransform | None,
+                      starts: list[float] | None = None) -> Media | None:
     """A span's sampled frames, decoded from the keyframe before its first one up to its last: a long video's
     windows cost about their own length each, not the file's. Frames are matched by their timestamps.
 
@@ -589,11 +664,12 @@ def _decode_span_pyav(path: str, source: str, packets: _PacketTimes, span: Span,
     timestamps match none of the packets'): the caller then decodes the file from its start, as for a whole
     file. A seek that lands past the span's first frame (a damaged index) is retried from the file's start.
     Sampled frames that do not decode while their neighbours do are damage in this stretch: an error of this
-    span alone (the file's other spans decode as they are)."""
+    span alone (the file's other spans decode as they are). Frames are sampled by `starts` (a frame's start
+    times as another decoder reads them, the packets' by default)."""
     timestamps = packets.timestamps
     if not timestamps:
         return None
-    indices = sample_span(packets.starts, span, num_frames, sampler)
+    indices = sample_span(packets.starts if starts is None else starts, span, num_frames, sampler)
     wanted = {timestamps[index]: index for index in indices}
     first, last = min(wanted), max(wanted)
     # A decoded frame's timestamp is a packet's: missing frames are then damage, not timestamps that differ.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import av
+import numpy as np
 import pytest
 
 from segment_media import frame_number, write_numbered_video
@@ -13,6 +15,7 @@ from tarsier_batch.errors import UNDECODABLE, ItemError
 from tarsier_batch.media import (
     MediaType,
     Span,
+    _load_video_decord,
     _load_video_pyav,
     frame_indices,
     frame_indices_without_repeats,
@@ -28,10 +31,8 @@ def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def decoded(path: Path, decoder: str, span: Span | None, frames: int = 8, sampler=frame_indices):
-    if decoder == "decord":
-        media = load_media(str(path), MediaType.VIDEO, frames, sampler=sampler, span=span)
-    else:
-        media = _load_video_pyav(str(path), os.path.abspath(path), frames, None, sampler, span)
+    load = _load_video_decord if decoder == "decord" else _load_video_pyav
+    media = load(str(path), os.path.abspath(path), frames, None, sampler, span)
     assert media.decoder == decoder
     return media
 
@@ -90,17 +91,50 @@ def test_a_span_must_run_forwards_from_zero() -> None:
 def test_windows_decoded_one_after_another_from_one_open_video_equal_each_decoded_fresh(video: Path) -> None:
     """A thread keeps the video it decodes spans of open (opening reads the whole index): what it gives for a
     window does not depend on which window it decoded before."""
-    import numpy as np
-
     from tarsier_batch import media
 
     windows = [Span(start, start + 10) for start in (0, 10, 30, 20, 50)]
     in_order = [load_media(str(video), MediaType.VIDEO, 8, span=window).frames for window in windows]
     assert media._spans_video.kept[0][0] == os.path.abspath(video)   # kept open between them
     for window, frames in zip(windows, in_order):
-        media._spans_video.kept = None
+        media._spans_video.kept = media._spans_packets.kept = media._spans_reading.kept = None
         fresh = load_media(str(video), MediaType.VIDEO, 8, span=window).frames
         assert all(np.array_equal(np.asarray(one), np.asarray(other)) for one, other in zip(frames, fresh))
+
+
+def same_pixels(ours: list, theirs: list) -> bool:
+    return len(ours) == len(theirs) and all(np.array_equal(np.asarray(one), np.asarray(other))
+                                            for one, other in zip(ours, theirs))
+
+
+def test_spans_are_decoded_by_pyav_where_it_gives_decords_frames(video: Path) -> None:
+    """decord reads ahead of each frame it seeks to (up to the rest of the file: memory and time at each of a long
+    video's windows' seeks); PyAV reads only a span's stretch. Where PyAV gives the video decord's pixels, it
+    decodes the spans, sampling them by decord's frame times: the same frames, the same pixels."""
+    for window in [Span(0, 10), Span(12.34, 17.0), Span(60, 70), Span(0, 0.25)]:
+        ours = load_media(str(video), MediaType.VIDEO, 8, span=window)
+        theirs = decoded(video, "decord", window)
+        assert ours.decoder == "pyav"
+        assert ours.frame_indices == theirs.frame_indices and same_pixels(ours.frames, theirs.frames)
+
+
+def test_a_video_whose_pixels_pyav_converts_otherwise_keeps_decord_for_its_spans(tmp_path: Path) -> None:
+    ten_bit = tmp_path / "ten-bit.mp4"
+    with av.open(str(ten_bit), "w") as output:   # noise: flat colours convert alike in both
+        stream = output.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p10le"
+        noise = np.random.default_rng(0)
+        for _ in range(200):
+            picture = noise.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+            output.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        output.mux(stream.encode())
+    window = Span(5, 15)
+    by_decord = decoded(ten_bit, "decord", window)
+    by_pyav = decoded(ten_bit, "pyav", window)
+    # The premise: 10-bit H.264 comes out of the two decoders' RGB conversions differently.
+    assert by_pyav.frame_indices == by_decord.frame_indices and not same_pixels(by_pyav.frames, by_decord.frames)
+    ours = load_media(str(ten_bit), MediaType.VIDEO, 8, span=window)
+    assert ours.decoder == "decord" and same_pixels(ours.frames, by_decord.frames)
 
 
 def test_pyav_decodes_a_late_window_from_the_keyframe_before_it(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
