@@ -39,24 +39,24 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tarsier_batch.engine.attention import attend_decoding, decode_tables  # noqa: E402
-from tarsier_batch.engine.kv_cache import PAGE_SLOTS, KVCache, Region  # noqa: E402
+from tarsier_batch.engine.kv_cache import PAGE_SLOTS, BlockTable, KVCache  # noqa: E402
 from tarsier_batch.engine.profiling import kernel_ops  # noqa: E402
 from tarsier_batch.families.base import KVGeometry  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, FLEX_BLOCK = 4, 2, 128, 64
 
 
-def layout(rows: int, context: int, page: int) -> tuple[KVCache, list[Region]]:
-    """A cache holding `rows` contexts at page-aligned ranges with a free page between neighbours."""
-    stride = -(-(context + 1) // page) * page + page
-    cache = KVCache(KVGeometry(1, KV_HEADS, HEAD_DIM), rows * stride, torch.float32, torch.device("cpu"))
-    regions = [Region(index * stride, stride - page) for index in range(rows)]
+def layout(rows: int, context: int, page: int) -> tuple[KVCache, list[BlockTable]]:
+    """A cache holding `rows` contexts in runs of pages with a free page between neighbours."""
+    pages = -(-(context + 1) // page)
+    cache = KVCache(KVGeometry(1, KV_HEADS, HEAD_DIM), rows * (pages + 1) * page, torch.float32, torch.device("cpu"))
+    tables = [BlockTable(page, np.arange(index * (pages + 1), index * (pages + 1) + pages)) for index in range(rows)]
+    cache.values.zero_()
     generator = torch.Generator().manual_seed(0)
-    for region in regions:
-        cache.clear_values(region.start, region.end)
-        cache.write(region, 0, 0, torch.randn(context, KV_HEADS, HEAD_DIM, generator=generator),
+    for table in tables:
+        cache.write(table, 0, 0, torch.randn(context, KV_HEADS, HEAD_DIM, generator=generator),
                     torch.randn(context, KV_HEADS, HEAD_DIM, generator=generator))
-    return cache, regions
+    return cache, tables
 
 
 def per_row_sdpa(contexts: list[tuple[torch.Tensor, torch.Tensor]], queries: torch.Tensor) -> torch.Tensor:
@@ -67,15 +67,15 @@ def per_row_sdpa(contexts: list[tuple[torch.Tensor, torch.Tensor]], queries: tor
                         for query, (keys, values) in zip(queries, contexts)])
 
 
-def flex_inputs(cache: KVCache, regions: list[Region], context: int):
-    """The cache as (1, kv_heads, slots, head_dim) and a BlockMask of each row's range."""
+def flex_inputs(cache: KVCache, tables: list[BlockTable], context: int):
+    """The cache as (1, kv_heads, slots, head_dim) and a BlockMask of each row's run of pages."""
     from torch.nn.attention.flex_attention import BlockMask
 
     heads_first = lambda storage: storage[0].permute(1, 0, 2, 3).reshape(KV_HEADS, -1, HEAD_DIM)[None]  # noqa: E731
     keys, values = heads_first(cache.keys), heads_first(cache.values)
-    slots, rows = keys.shape[2], len(regions)
+    slots, rows = keys.shape[2], len(tables)
     blocks = slots // FLEX_BLOCK
-    starts = torch.tensor([region.start for region in regions])
+    starts = torch.tensor([int(table.pages[0]) * table.page_slots for table in tables])
     partial_index = torch.zeros(rows, 1, 1, blocks, dtype=torch.int32)
     partial_count = torch.zeros(rows, 1, 1, dtype=torch.int32)
     full_index = torch.zeros(rows, 1, 1, blocks, dtype=torch.int32)
@@ -112,14 +112,13 @@ def timed(call, repeats: int) -> tuple[float, int]:
 def one_shape(rows: int, context: int, repeats: int) -> dict:
     from torch.nn.attention.flex_attention import flex_attention
 
-    cache, regions = layout(rows, context, PAGE_SLOTS)
+    cache, row_tables = layout(rows, context, PAGE_SLOTS)
     queries = torch.randn(rows, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
-    contexts = [cache.read(region, 0, context) for region in regions]
+    contexts = [cache.read(table, 0, context) for table in row_tables]
     reference = per_row_sdpa(contexts, queries)
-    tables = decode_tables(np.array([region.start // PAGE_SLOTS for region in regions]),
-                           np.full(len(regions), context), PAGE_SLOTS, torch.device("cpu"))
+    tables = decode_tables(row_tables, np.full(len(row_tables), context), PAGE_SLOTS, torch.device("cpu"))
     paged = lambda: attend_decoding(cache, 0, queries, tables, 0.1)  # noqa: E731
-    keys, values, mask = flex_inputs(cache, regions, context)
+    keys, values, mask = flex_inputs(cache, row_tables, context)
     compiled = torch.compile(flex_attention, dynamic=False)
     flex = lambda: compiled(queries[:, :, None], keys, values, block_mask=mask, scale=0.1,  # noqa: E731
                             enable_gqa=True)[:, :, 0]

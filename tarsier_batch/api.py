@@ -89,9 +89,10 @@ class Captioner:
         page = self.engine_config.kv_page_slots
         # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
         # decode its frames, then fail.
-        if -(-(needed + 1) // page) * page > kv_tokens:
+        holds = int(kv_tokens) // page * page
+        if -(-(needed + 1) // page) * page > holds:
             raise SettingsError(f"{{frames}} {self.frames} needs at least {needed} positions per item, more than "
-                                f"the KV cache holds ({int(kv_tokens)}); use fewer {{frames}} or a larger "
+                                f"the KV cache holds ({holds}); use fewer {{frames}} or a larger "
                                 f"{{kv_cache_gb}}")
         # Created once: the KV cache is allocated here, not per run.
         self.engine = Engine(self.model, self.engine_config, settings.sampling)

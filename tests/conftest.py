@@ -41,6 +41,22 @@ def tiny_model(tiny_model_dir: Path) -> TarsierCaptionModel:
     return load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
 
 
+def all_pages_free(engine) -> bool:
+    """Every page of every KV cache of `engine` is free and held by no row: what finished rows leave behind."""
+    return all(pool.free_slots == pool.capacity_tokens and not pool.pool.holders.any() for pool in engine.pools)
+
+
+@pytest.fixture
+def no_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are admitted with no slot to spare: every row that grows past its prompt's pages takes a page no
+    row holds, or preempts another. Pages come from anywhere, so with the usual room left at admission a small
+    cache rarely preempts; tests of preemption need it to, whatever the sizes of their rows."""
+    from tarsier_batch.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "FIRST_DECODE_RESERVE", 0)
+    monkeypatch.setattr(scheduler, "ADMISSION_WATERMARK", 0)
+
+
 # `tarsier caption` in a fresh interpreter of this checkout, telling after it exits whether torch or transformers were
 # imported: usage errors must be answered before the heavy imports.
 _HEAVY_IMPORTS_PROBE = ("import sys, runpy; sys.argv = ['tarsier'] + sys.argv[1:]\n"

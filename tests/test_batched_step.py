@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tarsier_batch.engine import Engine, EngineConfig, PruneConfig, SamplingParams
 from tarsier_batch.engine.attention import attend_decoding, decode_tables
-from tarsier_batch.engine.kv_cache import KVCache, Region
+from tarsier_batch.engine.kv_cache import BlockTable, KVCache
 from tarsier_batch.engine.profiling import kernel_ops
 from tarsier_batch.engine.scheduler import Scheduler
 from tarsier_batch.families.base import KVGeometry, ProcessedPrompt
@@ -43,17 +43,19 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: b
     cache.keys.fill_(float("nan"))
     cache.values.fill_(float("nan"))
     contexts = [1, 4, 5, 13, 30]
-    # Page 0 stays free (NaN): rows with fewer pages than the longest must not borrow it as padding.
-    regions = [Region(12, 4), Region(4, 8), Region(20, 8), Region(40, 16), Region(80, 32)]
+    # Page 0 stays free (NaN): rows with fewer pages than the longest must not borrow it as padding. A row's
+    # pages are in any order, with other rows' pages between them.
+    rows = [BlockTable(4, np.array(pages)) for pages in ([3], [1, 2], [9, 5], [10, 11, 4, 12], [20, 27, 21, 22, 13,
+                                                                                                 14, 23, 24])]
     queries = torch.randn(8 if bucketed else len(contexts), 4, 8)   # 4 query heads over 2 kv heads
-    for context, region in zip(contexts, regions):
-        cache.clear_values(region.start, region.end)   # as the scheduler does when it hands a range out
-        cache.write(region, 1, 0, torch.randn(context, 2, 8), torch.randn(context, 2, 8))
-    tables = decode_tables(np.array([region.start // 4 for region in regions]), np.array(contexts), 4,
-                           torch.device("cpu"), bucketed_within=cache.scratch_page if bucketed else None)
+    for context, table in zip(contexts, rows):
+        cache.values[:, torch.from_numpy(table.pages)] = 0   # as the cache does when it hands pages out
+        cache.write(table, 1, 0, torch.randn(context, 2, 8), torch.randn(context, 2, 8))
+    tables = decode_tables(rows, np.array(contexts), 4, torch.device("cpu"),
+                           bucketed_within=cache.scratch_page if bucketed else None)
     batched = attend_decoding(cache, 1, queries, tables, scale=0.3)
-    for index, (context, region) in enumerate(zip(contexts, regions)):
-        keys, values = cache.read(region, 1, context)
+    for index, (context, table) in enumerate(zip(contexts, rows)):
+        keys, values = cache.read(table, 1, context)
         alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
                                                    scale=0.3, enable_gqa=True)[0, :, 0]
         torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
@@ -61,6 +63,36 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: b
     assert tables.owner.shape[0] == (32 if bucketed else 28)
     assert tables.row_pages.shape == ((8, 8) if bucketed else (5, 8))
     assert batched.shape[0] == queries.shape[0] and batched.isfinite().all(), "padding rows come out finite too"
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_rows_sharing_pages_attend_each_over_its_own_context(bucketed: bool) -> None:
+    """Three questions about one clip hold its prefix's pages together (pages 3 and 7, then each its own); a
+    fourth row shares nothing. Each row's result is its own context's attention, as if alone."""
+    geometry = KVGeometry(num_layers=1, kv_heads=2, head_dim=8)
+    cache = KVCache(geometry, 16 * 4, torch.float32, torch.device("cpu"), page_slots=4)
+    cache.keys.fill_(float("nan"))
+    cache.values.fill_(float("nan"))
+    rows = [BlockTable(4, np.array(pages)) for pages in ([3, 7, 1], [3, 7, 9, 2], [3, 7, 0], [5, 6])]
+    contexts = [10, 14, 9, 6]
+    cache.values[:, torch.tensor([0, 1, 2, 3, 5, 6, 7, 9])] = 0
+    shared_keys, shared_values = torch.randn(8, 2, 8), torch.randn(8, 2, 8)
+    for context, table in zip(contexts, rows):
+        first = 8 if table.pages[0] == 3 else 0
+        if first:
+            cache.write(table, 0, 0, shared_keys, shared_values)   # the same keys and values: one copy
+        cache.write(table, 0, first, torch.randn(context - first, 2, 8), torch.randn(context - first, 2, 8))
+    queries = torch.randn(8 if bucketed else len(rows), 4, 8)
+    tables = decode_tables(rows, np.array(contexts), 4, torch.device("cpu"),
+                           bucketed_within=cache.scratch_page if bucketed else None)
+    assert tables.owner.shape[1] == (4 if bucketed else 3), "pages 3 and 7 each meet three rows' queries"
+    batched = attend_decoding(cache, 0, queries, tables, scale=0.3)
+    for index, (context, table) in enumerate(zip(contexts, rows)):
+        keys, values = cache.read(table, 0, context)
+        alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
+                                                   scale=0.3, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
+    assert batched.isfinite().all()
 
 
 def decode_step_kernels(model, prompts: list[ProcessedPrompt], sampling: SamplingParams) -> list[str]:

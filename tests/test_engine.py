@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import all_pages_free
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.families.tarsier import TarsierCaptionModel
@@ -47,6 +48,7 @@ def run(model: TarsierCaptionModel, prompts: list[ProcessedPrompt], sampling: Sa
     while engine.has_work:
         engine.step()
     assert all(row.error is None for row in rows), [row.error for row in rows]
+    assert all_pages_free(engine)
     return rows
 
 
@@ -109,7 +111,8 @@ def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaption
 
 
 def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_model: TarsierCaptionModel,
-                                                              prompts: list[ProcessedPrompt]) -> None:
+                                                              prompts: list[ProcessedPrompt],
+                                                              no_room_to_grow: None) -> None:
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
     max_new = [5, 24, 9, 17, 2, 24, 11]
     seeds = [11, 12, 13, 14, 15, 16, 17]
@@ -117,8 +120,10 @@ def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_mod
     continuous = run(tiny_model, prompts, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=3,
                      prefill_chunk=16, max_batch_tokens=24)
     assert ids(continuous) == reference
+    # A cache of the first three prompts' pages and no more: the first row to need a page preempts another.
+    filled = 8 * sum(-(-prompt.length // 8) for prompt in prompts[:3])
     preempted = run(tiny_model, prompts, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=7,
-                    prefill_chunk=64, kv_cache_tokens=2 * (194 + MAX_NEW) + 20, kv_page_slots=8)
+                    prefill_chunk=64, kv_cache_tokens=filled, kv_page_slots=8)
     assert ids(preempted) == reference
     assert sum(row.preemptions for row in preempted) > 0
     greedy = alone(tiny_model, prompts, max_new=max_new)
@@ -127,7 +132,7 @@ def test_sampled_rows_joining_leaving_and_preempted_equal_one_at_a_time(tiny_mod
 
 def test_preempted_rows_are_recomputed_to_the_same_tokens(tiny_model: TarsierCaptionModel,
                                                           prompts: list[ProcessedPrompt],
-                                                          reference: list[list[int]]) -> None:
+                                                          reference: list[list[int]], no_room_to_grow: None) -> None:
     """A KV cache for about two rows forces preemptions mid-decode; outputs do not change."""
     engine_rows = run(tiny_model, prompts, max_rows=7, prefill_chunk=64, kv_cache_tokens=2 * (194 + MAX_NEW) + 20)
     assert ids(engine_rows) == reference
@@ -151,13 +156,13 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
     while any(row.num_computed < row.prompt.length for row in rows):
         engine.step()
     row = rows[1]
-    assert row.regions and row.num_computed == video.length
+    assert row.tables and row.num_computed == video.length
     embeds = embed_whole_prompt(tiny_model, video)
     language_model = tiny_model.model.language_model
     with torch.inference_mode():
         output = language_model(inputs_embeds=embeds[None], use_cache=True)
     for layer, cached in enumerate(output.past_key_values.layers):
-        keys, values = engine.pools[0].read(row.regions[0], layer, video.length)
+        keys, values = engine.pools[0].read(row.tables[0], layer, video.length)
         torch.testing.assert_close(keys, cached.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 
@@ -282,6 +287,7 @@ def test_row_larger_than_the_kv_cache_is_refused_at_once(tiny_model: TarsierCapt
     engine = Engine(tiny_model, EngineConfig(kv_cache_tokens=100), SamplingParams(max_new_tokens=MAX_NEW))
     video = engine.add(prompts[2])
     image = engine.add(prompts[0])
-    assert video.finish_reason == "error" and "more than the cache holds (100 tokens)" in (video.error or "")
+    # The cache holds whole pages: 3 of 32 slots.
+    assert video.finish_reason == "error" and "more than the cache holds (96 tokens)" in (video.error or "")
     assert video.error_kind == "too_large"
     assert image.error is None and list(engine.scheduler.waiting) == [image]

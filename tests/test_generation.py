@@ -144,14 +144,14 @@ def test_item_too_large_for_the_kv_cache_is_an_error_row(settings: CaptionSettin
 
     items = mixed_items(shared_media, SAMPLE_DATA)[:3]  # an image, a 5-frame GIF, a video
     bytes_per_token = 2 * 2 * 2 * 16 * 4  # layers x (keys, values) x kv heads x head dim x float32
-    # 170 slots: 168 vision positions are fewer, but a row takes whole pages of 32 slots and 6 pages are 192.
+    # 170 slots' worth: the cache holds whole pages of 32 slots, 5 pages (160 slots), fewer than 168 positions.
     tight = replace(settings, batch_size=2, kv_cache_gb=170 * bytes_per_token / 2**30)
     with pytest.raises(ValueError, match="^frames 8 needs at least 168 positions per item, more than the KV cache"):
         Captioner(tight)  # 8 frames of 21 vectors can never fit: refused before any item is decoded
     captioner = Captioner(replace(tight, frames=7))  # 147 vision positions fit, but not with the text around them
     results = list(captioner.caption(items))
     assert [result.ok for result in results] == [True, True, False], [result.error for result in results]
-    assert "more than the cache holds (170 tokens)" in (results[2].error or "")
+    assert "more than the cache holds (160 tokens)" in (results[2].error or "")
     assert [result.error_kind for result in results] == [None, None, "too_large"]
     assert results[0].generated_ids == caption_ids(replace(settings, batch_size=1, frames=7), items[:1])[0]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import all_pages_free
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.engine.kv_cache import KVCache
 from tarsier_batch.engine.pruning import PruneConfig
@@ -59,6 +60,7 @@ def run_sets(model, prompt_sets: list[list[ProcessedPrompt]], sampling: Sampling
     while engine.has_work:
         engine.step()
     assert all(row.error is None for row in rows), [row.error for row in rows]
+    assert all_pages_free(engine)
     return rows
 
 
@@ -105,7 +107,37 @@ def test_each_question_equals_it_asked_alone(model, prompt_sets) -> None:
         assert forked == [0, shared[0], shared[1], 0, shared[2], shared[3]], f"chunk {chunk}"
 
 
-def test_sampled_questions_joining_leaving_and_preempted_equal_them_alone(model, prompt_sets) -> None:
+def test_a_prefix_shared_by_three_questions_outlives_one_finishing_and_one_preempted(model, prompt_sets) -> None:
+    """A set's three questions hold one copy of its prefix's whole pages, three holders each. The first question
+    finishes early, the second is preempted (it lets go of them, and later shares them again or computes its
+    prefix itself): every question's tokens are those asked alone, and every page comes free."""
+    prompts = prompt_sets[0]
+    max_new = [2, MAX_NEW, MAX_NEW]
+    reference = alone(model, [prompts], max_new=max_new)
+    engine = Engine(model, EngineConfig(max_rows=3, prefill_chunk=0), SamplingParams(max_new_tokens=MAX_NEW))
+    first = engine.add(prompts[0], max_new_tokens=max_new[0])
+    rows = [first] + [engine.add(prompt, prefix_source=first) for prompt in prompts[1:]]
+    while engine.scheduler.waiting or any(row.in_prefill for row in rows):
+        engine.step()
+    pool = engine.pools[0]
+    whole = min(row.prefix_length for row in rows[1:]) // pool.page_slots
+    shared = first.tables[0].pages[:whole]
+    assert whole > 0 and all((row.tables[0].pages[:whole] == shared).all() for row in rows[1:])
+    assert (pool.pool.holders[shared] == 3).all()
+    held = pool.capacity_tokens - pool.free_slots
+    apart = sum(row.tables[0].capacity for row in rows)   # each question's pages, as if it held its own copy
+    assert held == apart - 2 * whole * pool.page_slots, "the prefix's whole pages are held once, not three times"
+    engine.scheduler.preempt(rows[1])
+    assert (pool.pool.holders[shared] == 2).all()
+    while engine.has_work:
+        engine.step()
+    assert [row.output_ids for row in rows] == reference
+    assert first.finish_reason == "length" and rows[1].preemptions == 1
+    assert all_pages_free(engine)
+
+
+def test_sampled_questions_joining_leaving_and_preempted_equal_them_alone(model, prompt_sets,
+                                                                          no_room_to_grow: None) -> None:
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
     max_new = [3, 40, 7, 33, 1, 25]   # past the slots a row gets at admission: rows grow and preempt others
     seeds = [5, 5, 5, 6, 6, 6]   # a clip's stream, as each question asked alone of that clip would draw
@@ -116,11 +148,11 @@ def test_sampled_questions_joining_leaving_and_preempted_equal_them_alone(model,
                        prefill_chunk=16, max_batch_tokens=24)
     assert [row.output_ids for row in joining] == reference
     assert any(row.forked for row in joining)
-    # A KV cache for about two rows: rows are preempted and recomputed, forked again or from their own prompt.
-    longest = max(prompt.length for prompts in prompt_sets for prompt in prompts)
+    # A KV cache of the first two questions' pages and no more: rows are preempted and recomputed, forked again
+    # or from their own prompt.
+    filled = 8 * sum(-(-prompt.length // 8) for prompt in prompt_sets[0][:2])
     preempted = run_sets(model, prompt_sets, sampling=sampling, max_new=max_new, seeds=seeds, max_rows=6,
-                         prefill_chunk=32, max_batch_tokens=48, kv_cache_tokens=2 * (longest + 40) + 24,
-                         kv_page_slots=8)
+                         prefill_chunk=32, max_batch_tokens=48, kv_cache_tokens=filled, kv_page_slots=8)
     assert [row.output_ids for row in preempted] == reference
     assert sum(row.preemptions for row in preempted) > 0
 

@@ -137,9 +137,9 @@ def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_
     survivors, generated = row.pruning.num_survivors, len(row.output_ids) - 1   # the last one is not computed yet
     assert survivors < prompt.length
     assert (row.slots_used(), row.slots_used(late=True)) == (prompt.length + generated, survivors + generated)
-    for pool, region, layer, length in ((early, row.regions[0], 0, prompt.length + generated),
-                                        (late, row.regions[1], 1, survivors + generated)):
-        keys, values = pool.read(region, layer, length)
+    for pool, table, layer, length in ((early, row.tables[0], 0, prompt.length + generated),
+                                       (late, row.tables[1], 1, survivors + generated)):
+        keys, values = pool.read(table, layer, length)
         torch.testing.assert_close(keys[0].transpose(0, 1), attention.keys[layer][:length], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(values[0].transpose(0, 1), attention.values[layer][:length], rtol=1e-4, atol=1e-5)
     unpruned = Engine(tiny_model, EngineConfig(max_rows=1, prefill_chunk=0, kv_cache_tokens=4096),
@@ -147,8 +147,8 @@ def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_
     whole = unpruned.add(prompt)
     unpruned.step()
     assert engine.kv_bytes <= unpruned.kv_bytes and late.capacity_tokens < early.capacity_tokens
-    reserved = sum(region.capacity * pool.bytes_per_slot for region, pool in zip(row.regions, engine.pools))
-    assert reserved < whole.regions[0].capacity * unpruned.pools[0].bytes_per_slot * 0.8
+    reserved = sum(table.capacity * pool.bytes_per_slot for table, pool in zip(row.tables, engine.pools))
+    assert reserved < whole.tables[0].capacity * unpruned.pools[0].bytes_per_slot * 0.8
 
 
 def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) -> None:
@@ -177,7 +177,7 @@ def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) 
     assert outputs == [run(tiny_model, videos[:1], config, 20, max_rows=1, prefill_chunk=0)[0].output_ids] * 6
 
 
-def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, prompts) -> None:
+def test_preempted_pruned_rows_are_recomputed_to_the_same_tokens(tiny_model, prompts, no_room_to_grow) -> None:
     """A KV cache for about two rows forces preemptions mid-decode: the rows keep their survivors and tokens."""
     config = PruneConfig(0.5, 1)
     alone = [run(tiny_model, [prompt], config, 40, max_rows=1, prefill_chunk=0)[0] for prompt in prompts]
@@ -236,7 +236,7 @@ def test_the_score_equals_eager_attention_weights(tiny_model, prompts) -> None:
     real_choose = engine.runner._choose_survivors
 
     def choose(seq, query, scale):
-        keys, _ = engine.pools[0].read(seq.regions[0], layer, seq.prompt.length)
+        keys, _ = engine.pools[0].read(seq.tables[0], layer, seq.prompt.length)
         captured["score"] = attention_of_last_query(query, keys[0], scale)
         real_choose(seq, query, scale)
 

@@ -274,7 +274,8 @@ def test_chunked_prefill_equals_unchunked(model: Tarsier2CaptionModel, prompts: 
 def test_mixed_batch_with_rows_joining_and_leaving_equals_one_at_a_time(model: Tarsier2CaptionModel,
                                                                          prompts: list[ProcessedPrompt],
                                                                          reference: list[list[int]],
-                                                                         shared_media: Path) -> None:
+                                                                         shared_media: Path,
+                                                                         no_room_to_grow: None) -> None:
     """Images and videos of different sizes and frame counts, different prompts and limits."""
     mixed = prompts + [process(model, shared_media / "demo_test.mp4", frames=4, instruction="Who hides?"),
                        process(model, shared_media / "tarsier_logo.jpg", instruction="Describe the image in detail.")]

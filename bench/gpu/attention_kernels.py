@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from tarsier_batch.engine.attention import attend_decoding, decode_tables, paged_decode_attention
-from tarsier_batch.engine.kv_cache import PAGE_SLOTS, KVCache, Region
+from tarsier_batch.engine.kv_cache import PAGE_SLOTS, BlockTable, KVCache
 from tarsier_batch.families.base import KVGeometry
 
 
@@ -57,18 +57,18 @@ def one_shape(rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
               device: torch.device, repeats: int, compiled: bool) -> dict:
     generator = torch.Generator().manual_seed(rows)
     contexts = torch.randint(context * 3 // 4, context + 1, (rows,), generator=generator).tolist()
-    stride = -(-(context + 1) // PAGE_SLOTS) * PAGE_SLOTS + PAGE_SLOTS
-    cache = KVCache(KVGeometry(1, kv_heads, head_dim), rows * stride, dtype, device)
-    regions = [Region(index * stride, stride - PAGE_SLOTS) for index in range(rows)]
+    pages = -(-(context + 1) // PAGE_SLOTS)   # each row's run of pages, a free page between neighbours
+    cache = KVCache(KVGeometry(1, kv_heads, head_dim), rows * (pages + 1) * PAGE_SLOTS, dtype, device)
+    row_tables = [BlockTable(PAGE_SLOTS, np.arange(index * (pages + 1), index * (pages + 1) + pages))
+                  for index in range(rows)]
     cache.keys.normal_()
     cache.values.normal_()
     queries = torch.randn(rows, heads, head_dim, dtype=dtype, device=device)
     scale = head_dim ** -0.5
-    per_row = [cache.read(region, 0, length) for region, length in zip(regions, contexts)]
+    per_row = [cache.read(table, 0, length) for table, length in zip(row_tables, contexts)]
     reference = torch.stack([_float32_attention(query, keys[0], values[0], scale)
                              for query, (keys, values) in zip(queries, per_row)])
-    tables = decode_tables(np.array([region.start // PAGE_SLOTS for region in regions]), np.array(contexts),
-                           PAGE_SLOTS, device)
+    tables = decode_tables(row_tables, np.array(contexts), PAGE_SLOTS, device)
     longest = max(contexts)
     padded_keys = queries.new_zeros(rows, kv_heads, longest, head_dim)
     padded_values = torch.zeros_like(padded_keys)
@@ -106,6 +106,7 @@ def _gather_then_sdpa(cache: KVCache, queries: torch.Tensor, tables, contexts: l
     engine would pay it at every step and layer."""
     kv_heads, slots, dim = cache.geometry.kv_heads, cache.page_slots, cache.geometry.head_dim
     rows, widest = tables.row_pages.shape
+    assert tables.owner.shape[1] == 1, "no page is shared: a row's (page, reader) pairs are its pages"
     lengths = torch.tensor(contexts, device=queries.device)
     mask = (torch.arange(widest * slots, device=queries.device)[None, :] < lengths[:, None])[:, None, None, :]
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from .kv_cache import HostKV, KVCache, Region
+from .kv_cache import BlockTable, HostKV, KVCache
 
 QUERY_BLOCK = 256  # queries per attention call in a masked chunk (bounds the kernel's float mask)
 
@@ -43,7 +43,7 @@ class RowSpan:
     offset: int          # first token of the row in the step's flattened tokens
     num_tokens: int
     start: int           # the row's position of its first new token (= positions already cached)
-    region: Region | None
+    table: BlockTable | None
     host_kv: HostKV | None
 
     @property
@@ -56,50 +56,60 @@ class DecodeTables(NamedTuple):
     """Where a step's one-position rows find their context in one cache: built once per step on the host,
     used by every layer's decode attention.
 
-    The cache's first `window` pages (`owner.shape[0]`) are read as one view; `owner` names the row whose
-    query each page meets (row 0 for pages of other rows and free pages, whose slots are all masked),
-    `masked` which of its slots are not its row's context, and `row_pages` each row's pages in order
-    (padded with its first page, whose weight `padding` zeroes).
+    The cache's first `window` pages (`owner.shape[0]`) are read as one view. A page is read by the rows
+    that hold it (one, or several where rows share a prompt's pages): `owner` names, for each page, the row
+    of each of its `readers` (`owner.shape[1]`; row 0 where a page has fewer readers, and for pages of other
+    rows and free pages, whose slots are then all masked), `masked` which slots are not that reader's
+    context, and `row_pages` each row's (page, reader) pairs in order, as indices into window x readers
+    (padded with its first pair, whose weight `padding` zeroes).
     """
 
-    owner: torch.Tensor       # (window,)
-    masked: torch.Tensor      # (window, 1, slots)
+    owner: torch.Tensor       # (window, readers)
+    masked: torch.Tensor      # (window, 1, readers, 1, slots): broadcast over kv heads and each one's query heads
     row_pages: torch.Tensor   # (rows, widest)
     padding: torch.Tensor     # (rows, widest, 1, 1)
 
 
-def decode_tables(first_pages: np.ndarray, contexts: np.ndarray, page_slots: int, device: torch.device,
+def decode_tables(tables: list[BlockTable], contexts: np.ndarray, page_slots: int, device: torch.device,
                   bucketed_within: int | None = None) -> DecodeTables:
-    """The tables of rows whose contexts (`contexts` slots each, the new position included) start at page
-    `first_pages`. `bucketed_within` pads every size to a power of two (`bucket`): the rows, the pages per
-    row, and the window, at most that many pages. A padding row repeats row 0's pages; the pages past the
-    rows' last are masked.
+    """The tables of rows whose contexts (`contexts` slots each, the new position included) lie in the pages
+    of `tables`. `bucketed_within` pads every size to a power of two (`bucket`): the rows, the pages per
+    row, and the window, at most that many pages (the readers per page, 1 unless rows share pages, to a
+    power of two too). A padding row repeats row 0's pages; the pages past the rows' last are masked.
 
-    Built with numpy on the host (a row's pages are a range: no Python loop over pages, which at 7B scale
-    number thousands a step), then copied to the device without waiting for it.
+    Built with numpy on the host (no Python loop over pages, which at 7B scale number thousands a step),
+    then copied to the device without waiting for it.
     """
     counts = -(-contexts // page_slots)
-    rows, window, widest = len(contexts), int((first_pages + counts).max()), int(counts.max())
-    if bucketed_within is not None:
-        rows, window, widest = bucket(rows), min(bucket(window), bucketed_within), bucket(widest)
+    page_index = np.concatenate([table.pages[:count] for table, count in zip(tables, counts)])
     row_of_page = np.repeat(np.arange(len(contexts)), counts)
     number_in_row = np.arange(len(row_of_page)) - np.repeat(np.cumsum(counts) - counts, counts)
-    page_index = first_pages[row_of_page] + number_in_row
-    owner = np.zeros(window, dtype=np.int64)
-    owner[page_index] = row_of_page
-    filled = np.zeros(window, dtype=np.int64)
-    filled[page_index] = np.minimum(page_slots, contexts[row_of_page] - number_in_row * page_slots)
-    # Padding repeats the row's first page: weighted 0, and finite (a free page may hold NaN, and 0 * NaN
+    # Each (page, row) pair's rank among the page's readers, in row order.
+    order = np.argsort(page_index, kind="stable")
+    ranked = page_index[order]
+    reader = np.empty_like(order)
+    reader[order] = np.arange(len(order)) - np.searchsorted(ranked, ranked)
+    rows, window, widest = len(contexts), int(page_index.max()) + 1, int(counts.max())
+    readers = int(reader.max()) + 1
+    if bucketed_within is not None:
+        rows, window, widest = bucket(rows), min(bucket(window), bucketed_within), bucket(widest)
+        readers = 1 << (readers - 1).bit_length()   # 1 stays 1: a static size, not marked as varying
+    owner = np.zeros((window, readers), dtype=np.int64)
+    owner[page_index, reader] = row_of_page
+    filled = np.zeros((window, readers), dtype=np.int64)
+    filled[page_index, reader] = np.minimum(page_slots, contexts[row_of_page] - number_in_row * page_slots)
+    pair = page_index * readers + reader
+    # Padding repeats the row's first pair: weighted 0, and finite (a free page may hold NaN, and 0 * NaN
     # would reach the row).
-    table = np.repeat(first_pages[:, None], widest, axis=1)
-    table[row_of_page, number_in_row] = page_index
+    table = np.repeat(pair[number_in_row == 0][:, None], widest, axis=1)
+    table[row_of_page, number_in_row] = pair
     padding = np.arange(widest) >= counts[:, None]
     if rows > len(contexts):
         extra = rows - len(contexts)
         table = np.concatenate([table, np.repeat(table[:1], extra, axis=0)])
         padding = np.concatenate([padding, np.repeat(padding[:1], extra, axis=0)])
-    return DecodeTables(to_device(owner, device),
-                        to_device(np.arange(page_slots) >= filled[:, None], device)[:, None, :],
+    masked = np.arange(page_slots) >= filled[:, :, None]
+    return DecodeTables(to_device(owner, device), to_device(masked, device)[:, None, :, None, :],
                         to_device(table, device), to_device(padding, device)[:, :, None, None])
 
 
@@ -125,23 +135,28 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """
     owner, masked, row_pages, padding = tables
     rows, heads, dim = q.shape
-    window = owner.shape[0]
+    window, readers = owner.shape
     kv_heads = keys.shape[0] // window
-    grouped = (q * scale)[owner].view(window * kv_heads, heads // kv_heads, dim)
+    group = heads // kv_heads
+    # Each (page, kv head) meets the query heads of that kv head of each of the page's readers.
+    grouped = (q * scale)[owner].view(window, readers, kv_heads, group, dim).transpose(1, 2)
+    grouped = grouped.reshape(window * kv_heads, readers * group, dim)
     slots = keys.shape[1]
-    scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(window, heads, slots))
+    scores = _float32(torch.bmm(grouped, keys.transpose(1, 2)).view(window, kv_heads, readers, group, slots))
     scores.masked_fill_(masked, float("-inf"))
-    # A page with no slot of a decode row has max -inf: clamped, its weights come out 0, not NaN.
+    # A page with no slot of a reader has max -inf: clamped, its weights come out 0, not NaN.
     page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
-    weights = scores.sub_(page_max).exp_()                                              # (window, heads, slots)
-    page_sum = weights.sum(dim=-1, keepdim=True)                                       # (window, heads, 1)
-    weights = weights.view(window * kv_heads, heads // kv_heads, slots)
+    weights = scores.sub_(page_max).exp_()                                # (window, kv_heads, readers, group, slots)
+    page_sum = weights.sum(dim=-1, keepdim=True)
+    weights = weights.view(window * kv_heads, readers * group, slots)
     page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
-                                  values).view(window, heads, dim))
+                                  values).view(window, kv_heads, readers, group, dim))
     # Combine each row's pages: rescale every page to the row's maximum, add, normalise (the sums ride
-    # along as one more column of the outputs).
-    partial = torch.cat([page_out, page_sum], dim=-1)[row_pages]                       # (rows, widest, heads, dim + 1)
-    row_max_by_page = page_max[row_pages].masked_fill_(padding, float("-inf"))          # (rows, widest, heads, 1)
+    # along as one more column of the outputs). Per (page, reader) pair: (window * readers, heads, ...).
+    partial = torch.cat([page_out, page_sum], dim=-1).transpose(1, 2).reshape(window * readers, heads, dim + 1)
+    by_pair = page_max.transpose(1, 2).reshape(window * readers, heads, 1)
+    partial = partial[row_pages]                                                       # (rows, widest, heads, dim + 1)
+    row_max_by_page = by_pair[row_pages].masked_fill_(padding, float("-inf"))          # (rows, widest, heads, 1)
     scale_by_page = row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)).exp_()
     combined = (scale_by_page * partial).sum(dim=1)                                     # (rows, heads, dim + 1)
     out = combined[..., :dim] / combined[..., dim:]
@@ -171,10 +186,9 @@ class StepAttention:
         decoding = [row for row in rows if row.decodes]
         self.decode: DecodeTables | None = None
         if decoding:
-            assert all(row.region is not None for row in decoding), "a decoding row holds device KV"
-            self.decode = decode_tables(np.array([row.region.start // kv.page_slots for row in decoding
-                                                  if row.region is not None]),
-                                        np.array([row.start + 1 for row in decoding]), kv.page_slots, device)
+            tables = [row.table for row in decoding if row.table is not None]
+            assert len(tables) == len(decoding), "a decoding row holds device KV"
+            self.decode = decode_tables(tables, np.array([row.start + 1 for row in decoding]), kv.page_slots, device)
         offsets = [row.offset for row in decoding]
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))
@@ -186,14 +200,14 @@ class StepAttention:
                       for row in self.chunks]
         self.only_decodes = not self.chunks and isinstance(self.decode_tokens, slice)
         # Every token of a row with device KV, written in one indexed copy per layer and kind.
-        cached = [row for row in rows if row.host_kv is None and row.region is not None]
-        tokens = np.concatenate([np.arange(row.offset, row.offset + row.num_tokens) for row in cached] or [[]])
-        slots = np.concatenate([np.arange(row.num_tokens) + row.region.start + row.start for row in cached
-                                if row.region is not None] or [[]]).astype(np.int64)
+        cached = [(row, row.table) for row in rows if row.host_kv is None and row.table is not None]
+        tokens = np.concatenate([np.arange(row.offset, row.offset + row.num_tokens) for row, _ in cached] or [[]])
+        located = [table.locate(row.start, row.start + row.num_tokens) for row, table in cached]
         every_token = len(cached) == len(rows)   # rows are laid out back to back, so then tokens is 0..n-1
         self.write_tokens = None if every_token else to_device(tokens.astype(np.int64), device)
-        self.write_pages = to_device(slots // kv.page_slots, device)
-        self.write_offsets = to_device(slots % kv.page_slots, device)
+        self.write_pages = to_device(np.concatenate([pages for pages, _ in located] or [[]]).astype(np.int64), device)
+        self.write_offsets = to_device(np.concatenate([offsets for _, offsets in located] or [[]]).astype(np.int64),
+                                       device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -229,8 +243,8 @@ class StepAttention:
             return row.host_kv.read(layer, context)
         if row.start == 0:   # a prompt's first chunk: its context is what it just computed
             return new_keys.transpose(0, 1).unsqueeze(0), new_values.transpose(0, 1).unsqueeze(0)
-        assert row.region is not None
-        return self.kv.read(row.region, layer, context)
+        assert row.table is not None
+        return self.kv.read(row.table, layer, context)
 
 
 def fuses_chunks(device: torch.device) -> bool:

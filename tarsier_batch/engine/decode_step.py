@@ -89,14 +89,15 @@ class DecodeStep:
 
     def _cache_step(self, pool: KVCache, part: int, rows: list[Sequence], padded: int) -> CacheStep:
         """Each row's slot for its new token in `pool` (the `part`-th cache), and the pages it reads."""
-        starts = np.array([seq.regions[part].start for seq in rows])
-        contexts = np.array([_kv_position(seq, late=part == 1) for seq in rows]) + 1   # the new position included
-        slots, page = starts + contexts - 1, pool.page_slots
-        tables = decode_tables(starts // page, contexts, page, self.model.device,
+        row_tables = [seq.tables[part] for seq in rows]
+        positions = np.array([_kv_position(seq, late=part == 1) for seq in rows])
+        page = pool.page_slots
+        tables = decode_tables(row_tables, positions + 1, page, self.model.device,   # the new position included
                                pool.scratch_page if self.static_shapes else None)
         write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
         write_offsets = np.zeros(padded, dtype=np.int64)
-        write_pages[:len(rows)], write_offsets[:len(rows)] = slots // page, slots % page
+        write_pages[:len(rows)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
+        write_offsets[:len(rows)] = positions % page
         return CacheStep(tables, to_device(write_pages, self.model.device), to_device(write_offsets, self.model.device))
 
 
@@ -135,7 +136,7 @@ def _generated_index(seq: Sequence) -> int:
 
 
 def _kv_position(seq: Sequence, late: bool = False) -> int:
-    """The slot offset, in the row's range of the early (or only) cache or of the late one, of the position
+    """The slot, in the row's table of the early (or only) cache or of the late one, of the position
     the row computes next. A pruned row's survivors count as positions but hold early slots of their own
     only in the late cache (see `engine.pruning`)."""
     if seq.pruning is None:

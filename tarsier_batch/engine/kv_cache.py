@@ -1,106 +1,91 @@
-"""The engine's own KV cache: storage allocated once, each row a contiguous range of pages in it.
+"""The engine's own KV cache: storage allocated once, in pages; each row holds a block table of pages.
 
 Every layer's keys and values live in one preallocated tensor per kind, page-major
-(layers, pages, kv_heads, PAGE_SLOTS, head_dim). A row owns a contiguous range of whole pages
-(a `Region`, in slots, always page-aligned), reserved for its prompt plus some room to grow; it
-grows in place when the next pages are free and moves otherwise (rarely: growth is geometric).
+(layers, pages, kv_heads, PAGE_SLOTS, head_dim). A row holds a `BlockTable` per cache: its pages in
+context order, any pages anywhere, taken from the cache's free list as the row grows and given
+back when it finishes or is preempted. Nothing needs a contiguous hole and nothing moves: a row
+that could not grow in place used to be copied, and a long row waited for (or preempted others
+to make) a hole while enough pages were free in total.
 
 Why pages: a decode step attends for all its rows in one batched call (see `engine.attention`),
 one small matrix multiply per (page, kv head), and that needs the pages in use to be one strided
 view of the storage: the first N pages, (N * kv_heads, PAGE_SLOTS, head_dim), read where they are.
-Why contiguous ranges of pages rather than a page table: a prefill chunk reads its row's earlier
-context as one slice, and growth, compaction and offload stay simple range copies.
+The free list hands out the lowest free pages first, so the pages in use stay at the front and N
+stays close to the pages held. A prefill chunk reads its row's earlier context gathered from its
+pages (a chunk is compute-bound: the copy is small next to its arithmetic).
 
 A cache may hold a range of the layers only: with vision-token pruning the engine keeps two,
 one for the layers that see the whole prompt and a smaller one for the layers that see only
-the survivors (see `engine.pruning`), each row holding a range in both.
+the survivors (see `engine.pruning`), each row holding a table in both.
 
 `HostKV` keeps one row's keys and values in host memory, for rows whose prefill is offloaded.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass
+import heapq
 
+import numpy as np
 import torch
 
 from ..families.base import KVGeometry
 
 
-@dataclass
-class Region:
-    """A row's range of cache slots: [start, start + capacity)."""
+class BlockTable:
+    """A row's pages in one cache, in context order: the row's slot i is slot i % page_slots of page
+    pages[i // page_slots]."""
 
-    start: int
-    capacity: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.capacity
-
-
-class RangeAllocator:
-    """First-fit allocation of contiguous ranges in [0, capacity), with free neighbours merged."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity > 0 else []  # sorted (start, size)
+    def __init__(self, page_slots: int, pages: np.ndarray | None = None):
+        self.page_slots = page_slots
+        self.pages = pages if pages is not None else np.zeros(0, dtype=np.int64)
 
     @property
-    def free_slots(self) -> int:
-        return sum(size for _, size in self._free)
+    def capacity(self) -> int:
+        """Slots the row's pages hold."""
+        return len(self.pages) * self.page_slots
+
+    def locate(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page, offset in page) of the row's slots [start, stop), as two arrays."""
+        slots = np.arange(start, stop)
+        return self.pages[slots // self.page_slots], slots % self.page_slots
+
+    def first_pages(self, slots: int) -> np.ndarray:
+        """The pages holding the row's first `slots` slots."""
+        return self.pages[:-(-slots // self.page_slots)]
+
+
+class PagePool:
+    """Which pages no row holds (handed out lowest first: the pages in use stay at the front of the storage),
+    and how many rows hold each of the others: a page shared by rows is free once the last lets go."""
+
+    def __init__(self, pages: int):
+        self._free = list(range(pages))   # a heap, and sorted to start with
+        self.holders = np.zeros(pages, dtype=np.int64)
 
     @property
-    def largest_free(self) -> int:
-        return max((size for _, size in self._free), default=0)
+    def free(self) -> int:
+        return len(self._free)
 
-    def allocate(self, size: int) -> Region | None:
-        for index, (start, free_size) in enumerate(self._free):
-            if free_size >= size:
-                if free_size == size:
-                    del self._free[index]
-                else:
-                    self._free[index] = (start + size, free_size - size)
-                return Region(start, size)
-        return None
+    def take(self, count: int) -> np.ndarray | None:
+        """The `count` lowest free pages, now held once, or None (and nothing taken) if fewer are free."""
+        if count > len(self._free):
+            return None
+        pages = np.array([heapq.heappop(self._free) for _ in range(count)], dtype=np.int64)
+        self.holders[pages] = 1
+        return pages
 
-    def release(self, region: Region) -> None:
-        index = bisect.bisect(self._free, (region.start, 0))
-        self._free.insert(index, (region.start, region.capacity))
-        self._merge_around(index)
+    def share(self, pages: np.ndarray) -> None:
+        """One more row holds each of `pages` (distinct pages, held already)."""
+        self.holders[pages] += 1
 
-    def extend(self, region: Region, size: int) -> bool:
-        """Grow `region` in place to `size` slots if the range right after it is free."""
-        extra = size - region.capacity
-        if extra <= 0:
-            return True
-        index = bisect.bisect(self._free, (region.end, -1))
-        if index < len(self._free) and self._free[index][0] == region.end and self._free[index][1] >= extra:
-            start, free_size = self._free[index]
-            if free_size == extra:
-                del self._free[index]
-            else:
-                self._free[index] = (start + extra, free_size - extra)
-            region.capacity = size
-            return True
-        return False
-
-    def reset(self, used: int) -> None:
-        """Everything from `used` on is free (after the holders were compacted below it)."""
-        self._free = [(used, self.capacity - used)] if used < self.capacity else []
-
-    def _merge_around(self, index: int) -> None:
-        for left in (index, index - 1):
-            if 0 <= left < len(self._free) - 1:
-                start, size = self._free[left]
-                next_start, next_size = self._free[left + 1]
-                if start + size == next_start:
-                    self._free[left] = (start, size + next_size)
-                    del self._free[left + 1]
+    def give_back(self, pages: np.ndarray) -> None:
+        """One row fewer holds each of `pages` (distinct); those no row holds any more are free."""
+        self.holders[pages] -= 1
+        for page in pages[self.holders[pages] == 0].tolist():
+            heapq.heappush(self._free, page)
 
 
-# Slots per page: a row's range is whole pages. Larger pages waste more slots per row (at most
+# Slots per page: a row holds whole pages. Larger pages waste more slots per row (at most
 # PAGE_SLOTS - 1) but make decode attention's per-page partial results a smaller share of what a step
 # reads: (heads x head_dim) floats per page against 2 x kv_heads x head_dim values per slot, i.e.
 # (query heads per kv head) / PAGE_SLOTS of the keys and values in float32 against bfloat16: 22 %
@@ -116,21 +101,24 @@ class KVCache:
         self.layers = layers if layers is not None else range(geometry.num_layers)
         self.first_layer = self.layers.start   # a plain int: compiled steps trace the index arithmetic
         self.page_slots = page_slots
-        pages = capacity_tokens // page_slots
-        # One page more than ranges can use: the scratch page, where the padding rows of a decode step
+        self.pages = capacity_tokens // page_slots   # the tail of `capacity_tokens` short of a page is not used
+        # One page more than rows can hold: the scratch page, where the padding rows of a decode step
         # padded to a fixed size write their keys and values (see `engine.decode_step`).
-        self.scratch_page = pages
-        shape = (len(self.layers), pages + 1, geometry.kv_heads, page_slots, geometry.head_dim)
+        self.scratch_page = self.pages
+        shape = (len(self.layers), self.pages + 1, geometry.kv_heads, page_slots, geometry.head_dim)
         # torch.empty reserves without touching: on the CPU the pages are committed as rows use them.
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.geometry = geometry
-        # Every range is whole pages, so the tail of `capacity_tokens` short of a page is never handed out.
-        self.allocator = RangeAllocator(capacity_tokens)
+        self.pool = PagePool(self.pages)
 
     @property
     def capacity_tokens(self) -> int:
-        return self.allocator.capacity
+        return self.pages * self.page_slots
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free * self.page_slots
 
     @property
     def nbytes(self) -> int:
@@ -142,13 +130,42 @@ class KVCache:
         return 2 * len(self.layers) * self.geometry.kv_heads * self.geometry.head_dim * self.keys.element_size()
 
     def whole_pages(self, slots: int) -> int:
-        """`slots` rounded up to whole pages: what a range of at least that many slots takes."""
+        """`slots` rounded up to whole pages: what a table of at least that many slots takes."""
         return -(-slots // self.page_slots) * self.page_slots
 
-    def write(self, region: Region, layer: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def grow(self, table: BlockTable, slots: int) -> bool:
+        """Give `table` pages until it holds at least `slots` slots; False (and nothing taken) if too few are
+        free."""
+        missing = -(-slots // self.page_slots) - len(table.pages)
+        if missing <= 0:
+            return True
+        pages = self.pool.take(missing)
+        if pages is None:
+            return False
+        # Decode attention multiplies a page's slots past its row's context by weight 0, and never-written
+        # memory may hold NaN.
+        self.values[:, torch.from_numpy(pages).to(self.values.device)] = 0
+        table.pages = np.concatenate([table.pages, pages])
+        return True
+
+    def release(self, table: BlockTable) -> None:
+        """Let go of a finished or preempted row's pages (a page other rows share stays theirs)."""
+        self.pool.give_back(table.pages)
+        table.pages = table.pages[:0]
+
+    def share_prefix(self, source: BlockTable, length: int) -> BlockTable:
+        """A table for a row whose first `length` positions are `source`'s (another question about the same clip):
+        it holds `source`'s whole pages below `length` too, without a copy (`source` writes only past `length`,
+        so they no longer change). The partial page at `length`, if any, is the new row's own: `copy_tokens`."""
+        shared = source.pages[:length // self.page_slots].copy()
+        self.pool.share(shared)
+        return BlockTable(self.page_slots, shared)
+
+    def write(self, table: BlockTable, layer: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a row's new (tokens, kv_heads, head_dim) keys and values from position `offset` on."""
-        slots = torch.arange(region.start + offset, region.start + offset + keys.shape[0], device=keys.device)
-        self.write_at(layer, slots // self.page_slots, slots % self.page_slots, keys, values)
+        pages, offsets = table.locate(offset, offset + keys.shape[0])
+        self.write_at(layer, torch.from_numpy(pages).to(keys.device), torch.from_numpy(offsets).to(keys.device),
+                      keys, values)
 
     def write_at(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor) -> None:
@@ -161,9 +178,11 @@ class KVCache:
         self.keys[layers, pages, :, offsets] = keys
         self.values[layers, pages, :, offsets] = values
 
-    def read(self, region: Region, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A row's first `length` keys and values, (1, kv_heads, length, head_dim): a copy out of its pages."""
-        return self._contiguous(self.keys, region, layer, length), self._contiguous(self.values, region, layer, length)
+    def read(self, table: BlockTable, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's first `length` keys and values, (1, kv_heads, length, head_dim): gathered from its pages."""
+        pages = torch.from_numpy(table.first_pages(length)).to(self.keys.device)
+        return (self._contiguous(self.keys, pages, layer, length),
+                self._contiguous(self.values, pages, layer, length))
 
     def page_view(self, layer: int, pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `pages` pages of one layer as views (pages * kv_heads, page_slots, head_dim)."""
@@ -173,37 +192,32 @@ class KVCache:
         shape = (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
         return self.keys[index].narrow(0, 0, pages).view(shape), self.values[index].narrow(0, 0, pages).view(shape)
 
-    def clear_values(self, start: int, end: int) -> None:
-        """Zero the values of slots [start, end) as a range is handed out: decode attention multiplies a
-        page's slots past its row's context by weight 0, and never-written memory may hold NaN."""
-        self.values[:, start // self.page_slots:end // self.page_slots] = 0
-
-    def copy_tokens(self, source: Region, target: Region, length: int) -> None:
-        """Copy a row's first `length` tokens to another range: a row that cannot grow in place moves, a row
-        forked from another's prefix starts from a copy of it."""
+    def copy_tokens(self, source: BlockTable, target: BlockTable, length: int) -> None:
+        """Copy a row's first `length` tokens into another row's pages where the two hold different pages (a
+        fork's partial last page of the prefix)."""
         count = -(-length // self.page_slots)
-        first, to = source.start // self.page_slots, target.start // self.page_slots
-        for storage in (self.keys, self.values):  # clone: compaction moves ranges onto themselves
-            storage[:, to:to + count] = storage[:, first:first + count].clone()
-        self.clear_values(target.start + count * self.page_slots, target.end)
+        differ = source.pages[:count] != target.pages[:count]
+        into, out_of = (torch.from_numpy(pages[:count][differ]).to(self.keys.device)
+                        for pages in (target.pages, source.pages))
+        for storage in (self.keys, self.values):
+            storage[:, into] = storage[:, out_of]
 
-    def copy_from(self, region: Region, host: HostKV, length: int) -> None:
-        """Bring an offloaded row's first `length` tokens into its device range (a cache of every layer): one
+    def copy_from(self, table: BlockTable, host: HostKV, length: int) -> None:
+        """Bring an offloaded row's first `length` tokens into its device pages (a cache of every layer): one
         copy to the device (from a strided slice of host memory, which torch stages unpinned), then laid out in
         pages there."""
         count = -(-length // self.page_slots)
-        first = region.start // self.page_slots
+        pages = torch.from_numpy(table.pages[:count]).to(self.keys.device)
         for storage, kept in ((self.keys, host.keys), (self.values, host.values)):
             layers, heads, _, dim = kept.shape
             paged = storage.new_zeros(layers, heads, count * self.page_slots, dim)
             paged[:, :, :length].copy_(kept[:, :, :length], non_blocking=True)
-            storage[:, first:first + count] = paged.view(layers, heads, count, self.page_slots, dim).transpose(1, 2)
+            storage[:, pages] = paged.view(layers, heads, count, self.page_slots, dim).transpose(1, 2)
 
-    def _contiguous(self, storage: torch.Tensor, region: Region, layer: int, length: int) -> torch.Tensor:
-        first, count = region.start // self.page_slots, -(-length // self.page_slots)
-        pages = storage[layer - self.first_layer, first:first + count]        # (count, heads, page, dim)
-        heads, dim = pages.shape[1], pages.shape[3]
-        return pages.transpose(0, 1).reshape(heads, count * self.page_slots, dim)[:, :length].unsqueeze(0)
+    def _contiguous(self, storage: torch.Tensor, pages: torch.Tensor, layer: int, length: int) -> torch.Tensor:
+        gathered = storage[layer - self.first_layer, pages]        # (count, heads, page, dim)
+        count, heads, _, dim = gathered.shape
+        return gathered.transpose(0, 1).reshape(heads, count * self.page_slots, dim)[:, :length].unsqueeze(0)
 
 
 class HostKV:

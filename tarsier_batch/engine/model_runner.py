@@ -12,7 +12,7 @@ import torch
 from ..families.base import CaptionModel
 from .attention import DecodeAttention, RowSpan, StepAttention, paged_decode_attention, to_device
 from .decode_step import DecodeStep
-from .kv_cache import KVCache, Region
+from .kv_cache import BlockTable, KVCache
 from .pruning import attention_of_last_query, choose_survivors
 from .scheduler import ScheduledRow
 from .sequence import Sequence
@@ -53,7 +53,7 @@ class ModelRunner:
         for row in step:
             seq, start = row.seq, row.seq.num_computed
             end = start + row.num_tokens
-            spans.append(RowSpan(inputs.tokens, row.num_tokens, start, seq.regions[0] if seq.regions else None,
+            spans.append(RowSpan(inputs.tokens, row.num_tokens, start, seq.tables[0] if seq.tables else None,
                                  seq.host_kv))
             inputs.add(seq, start, end)
             if end == seq.length:
@@ -90,20 +90,20 @@ class ModelRunner:
                 early_outputs.append((seq, early.tokens, start, end))
                 if end == prompt and pruning.survivors is None:
                     scored[len(early.spans)] = seq
-                early.add(seq, start, end, start, seq.regions[0])
+                early.add(seq, start, end, start, seq.tables[0])
                 continue
             if pruning is not None and end <= prompt + pruning.num_survivors:   # survivors through the late layers
                 assert pruning.survivors is not None and pruning.layer_inputs is not None
                 chosen = pruning.survivors[start - prompt:end - prompt]
                 late_inputs.append((len(late.spans), pruning.layer_inputs[chosen.to(device)]))
-                late.add_survivors(seq.prompt.positions[:, chosen], start - prompt, seq.regions[1])
+                late.add_survivors(seq.prompt.positions[:, chosen], start - prompt, seq.tables[1])
             else:   # a row not pruned, or generated tokens: both parts; late slots after the survivors
                 survivors = pruning.num_survivors if pruning is not None else 0
                 real_start, real_end = start - survivors, end - survivors
                 late_inputs.append((len(late.spans), early.tokens))
-                early.add(seq, real_start, real_end, real_start, seq.regions[0])
+                early.add(seq, real_start, real_end, real_start, seq.tables[0])
                 late_start = start - prompt if pruning is not None else start
-                late.add(seq, real_start, real_end, late_start, seq.regions[1])
+                late.add(seq, real_start, real_end, late_start, seq.tables[1])
             if end == seq.length:
                 sampled.append(seq)
                 sampled_at.append(late.tokens - 1)
@@ -139,7 +139,7 @@ class ModelRunner:
     def _choose_survivors(self, seq: Sequence, query: torch.Tensor, scale: float) -> None:
         pruning = seq.pruning
         assert pruning is not None
-        keys, _ = self.pools[0].read(seq.regions[0], pruning.layer - 1, seq.prompt.length)
+        keys, _ = self.pools[0].read(seq.tables[0], pruning.layer - 1, seq.prompt.length)
         scores = attention_of_last_query(query, keys[0], scale)
         pruning.survivors = choose_survivors(scores, pruning.vision_mask, pruning.kept_vision)
 
@@ -195,13 +195,13 @@ class _Part:
     def tokens(self) -> int:
         return self.inputs.tokens
 
-    def add(self, seq: Sequence, start: int, end: int, kv_start: int, region: Region) -> None:
-        """Positions [start, end) of `seq`, cached from slot `kv_start` of `region` on."""
-        self.spans.append(RowSpan(self.tokens, end - start, kv_start, region, None))
+    def add(self, seq: Sequence, start: int, end: int, kv_start: int, table: BlockTable) -> None:
+        """Positions [start, end) of `seq`, cached from slot `kv_start` of `table` on."""
+        self.spans.append(RowSpan(self.tokens, end - start, kv_start, table, None))
         self.inputs.add(seq, start, end)
 
-    def add_survivors(self, positions: torch.Tensor, kv_start: int, region: Region) -> None:
-        self.spans.append(RowSpan(self.tokens, positions.shape[1], kv_start, region, None))
+    def add_survivors(self, positions: torch.Tensor, kv_start: int, table: BlockTable) -> None:
+        self.spans.append(RowSpan(self.tokens, positions.shape[1], kv_start, table, None))
         self.inputs.add_positions(positions)
 
 

@@ -3,10 +3,11 @@
 Every step spends `max_batch_tokens`: first one token for each running row that decodes, then
 prefill chunks (at most `prefill_chunk` positions each) for running rows still prefilling, then
 chunks of newly admitted rows while fewer than `max_rows` run. A row is admitted only when its
-prompt fits the KV cache with room to spare; a decoding row that cannot grow preempts the most
-recently admitted row, whose KV is freed and recomputed later (its tokens so far are kept).
+prompt fits the KV cache's free pages with room to spare; a decoding row that finds no free page
+to grow into preempts the most recently admitted row, whose pages are freed and its KV recomputed
+later (its tokens so far are kept). Pages are taken anywhere: a row never waits for a hole.
 With vision-token pruning there are two caches (the early layers' and the late layers'): a row
-holds a range in each, sized for its whole prompt and for its survivors, and is admitted only
+holds a table in each, sized for its whole prompt and for its survivors, and is admitted only
 when both have room.
 Rows are admitted in input order: attention runs on each row's exact length, so mixing a short
 image with a long video costs nothing and there is no reason to reorder.
@@ -17,12 +18,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_cache import HostKV, KVCache, Region
+from .kv_cache import BlockTable, HostKV, KVCache
 from .sequence import Sequence, Status
 
-# Slots reserved at admission for the first generated tokens, and the least a row grows by.
+# Slots reserved at admission for the first generated tokens.
 FIRST_DECODE_RESERVE = 16
-MIN_GROWTH = 64
 # A row is admitted only if this share of the cache stays free for the running rows to grow.
 ADMISSION_WATERMARK = 1 / 32
 MIN_BATCH_TOKENS = 16
@@ -52,7 +52,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Waiting and running rows, and the KV ranges they hold."""
+    """Waiting and running rows, and the KV pages they hold."""
 
     def __init__(self, config: SchedulerConfig, pools: list[KVCache]):
         """`pools`: one cache of every layer, or the early layers' and the late layers' (pruning)."""
@@ -206,7 +206,7 @@ class Scheduler:
     def _prefix_holder(self, seq: Sequence) -> Sequence | None:
         """The row whose device KV holds `seq`'s shared prefix computed, if there is one now."""
         source = seq.prefix_source
-        if source is None or source.status is not Status.RUNNING or not source.regions:
+        if source is None or source.status is not Status.RUNNING or not source.tables:
             return None
         return source if source.slots_used() >= seq.prefix_length else None
 
@@ -217,21 +217,25 @@ class Scheduler:
             seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
         else:
             needs = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
+            if source is not None:
+                assert len(self.pools) == 1, "a fork shares a prefix of every layer (not with FastV's two caches)"
+            # A fork holds its source's whole pages of the prefix: it needs free pages for the rest only.
+            shared = seq.prefix_length // self.pools[0].page_slots * self.pools[0].page_slots if source else 0
             for pool, need in zip(self.pools, needs):
-                # The slots that round a range up to whole pages are room to grow like the watermark's.
+                # The slots that round a table up to whole pages are room to grow like the watermark's.
                 watermark = 0 if force or not self.running else int(pool.capacity_tokens * ADMISSION_WATERMARK)
-                if pool.allocator.free_slots - need < watermark:
+                if pool.free_slots - (need - shared) < watermark:
                     return False
-            for index, need in enumerate(needs):
-                region = self._allocate(index, self.pools[index].whole_pages(need))
-                if region is None:
+            for index, (pool, need) in enumerate(zip(self.pools, needs)):
+                table = (pool.share_prefix(source.tables[index], seq.prefix_length) if source is not None
+                         else BlockTable(pool.page_slots))
+                if not pool.grow(table, need):
+                    pool.release(table)
                     self._release(seq)
                     return False
-                seq.regions.append(region)
-            if source is not None:   # after allocating, which may have compacted the source's ranges
-                assert len(self.pools) == 1, "a fork copies a prefix of every layer (not with FastV's two caches)"
-                for pool, own, shared in zip(self.pools, seq.regions, source.regions):
-                    pool.copy_tokens(shared, own, seq.prefix_length)
+                seq.tables.append(table)
+            if source is not None:   # the prefix's partial last page
+                self.pools[0].copy_tokens(source.tables[0], seq.tables[0], seq.prefix_length)
         seq.forked = seq.prefix_length if source is not None else 0
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -245,74 +249,39 @@ class Scheduler:
         if `seq` cannot run this step (it was preempted, or it waits for room).
         """
         for index, late in enumerate(self.late):
-            region = seq.regions[index] if seq.regions else None
+            table = seq.tables[index] if seq.tables else None
             needed = seq.kv_length(late)
-            if region is not None and region.capacity >= needed:
+            if table is not None and table.capacity >= needed:
                 continue
-            growth = (max(region.capacity * 5 // 4, needed + MIN_GROWTH) if region is not None
-                      else needed + FIRST_DECODE_RESERVE)
-            target = self.pools[index].whole_pages(min(seq.max_length(late), growth))
+            # A table grows by the pages it needs now (nothing moves, so growing often costs nothing); an
+            # offloaded row coming to the device brings room for its first tokens, as an admitted row does.
+            target = needed if table is not None else min(seq.max_length(late), needed + FIRST_DECODE_RESERVE)
             while not self._grow(seq, index, target):
                 if seq.host_kv is not None:
                     return False  # an offloaded prefill waits for room; evicting others would thrash
                 # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
-                victim = next(row for row in reversed(self.running) if row.regions)
+                victim = next(row for row in reversed(self.running) if row.tables)
                 self.preempt(victim)
                 if victim is seq:
                     return False
         return True
 
-    def _grow(self, seq: Sequence, index: int, size: int) -> bool:
+    def _grow(self, seq: Sequence, index: int, slots: int) -> bool:
         pool = self.pools[index]
-        current = seq.regions[index] if seq.regions else None
-        if current is not None:
-            old_end = current.end
-            if pool.allocator.extend(current, size):
-                pool.clear_values(old_end, current.end)
-                return True
-        region = self._allocate(index, size)
-        if region is None:
+        if seq.tables:
+            return pool.grow(seq.tables[index], slots)
+        # An offloaded prefill is done: bring its KV to the device.
+        assert seq.host_kv is not None
+        table = BlockTable(pool.page_slots)
+        if not pool.grow(table, slots):
             return False
-        current = seq.regions[index] if seq.regions else None   # compacting may have moved it
-        if current is not None:
-            pool.copy_tokens(current, region, seq.slots_used(self.late[index]))
-            pool.allocator.release(current)
-            seq.regions[index] = region
-        else:  # an offloaded prefill is done: bring its KV to the device
-            assert seq.host_kv is not None
-            pool.copy_from(region, seq.host_kv, seq.slots_used())
-            seq.host_kv = None
-            seq.regions = [region]
+        pool.copy_from(table, seq.host_kv, seq.slots_used())
+        seq.host_kv = None
+        seq.tables = [table]
         return True
 
-    def _allocate(self, index: int, size: int) -> Region | None:
-        """A free range of `size` in a cache, compacting the running rows' ranges if only fragmentation is
-        in the way."""
-        pool = self.pools[index]
-        region = pool.allocator.allocate(size)
-        if region is None and pool.allocator.free_slots >= size:
-            self._compact(index)
-            region = pool.allocator.allocate(size)
-        if region is not None:
-            pool.clear_values(region.start, region.end)
-        return region
-
-    def _compact(self, index: int) -> None:
-        """Slide every running row's range in a cache to its front, keeping their order."""
-        pool = self.pools[index]
-        holders = sorted((seq for seq in self.running if seq.regions), key=lambda s: s.regions[index].start)
-        cursor = 0
-        for seq in holders:
-            region = seq.regions[index]
-            if region.start != cursor:
-                moved = Region(cursor, region.capacity)
-                pool.copy_tokens(region, moved, min(seq.slots_used(self.late[index]), region.capacity))
-                seq.regions[index] = moved
-            cursor += region.capacity
-        pool.allocator.reset(used=cursor)
-
     def _release(self, seq: Sequence) -> None:
-        for pool, region in zip(self.pools, seq.regions):
-            pool.allocator.release(region)
-        seq.regions = []
+        for pool, table in zip(self.pools, seq.tables):
+            pool.release(table)
+        seq.tables = []
         seq.host_kv = None

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..families.base import ProcessedPrompt
-from .kv_cache import HostKV, Region
+from .kv_cache import BlockTable, HostKV
 from .pruning import RowPruning
 
 
@@ -40,7 +40,7 @@ class Sequence:
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
     error_kind: str | None = None            # with `error`: one of `errors.KINDS`
-    regions: list[Region] = field(default_factory=list)   # device KV ranges while running, one per cache
+    tables: list[BlockTable] = field(default_factory=list)   # device KV pages while running, one per cache
     host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
     encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
