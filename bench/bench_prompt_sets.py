@@ -9,7 +9,7 @@ A random-weight Tarsier2 checkpoint at the official frame geometry (`wide`: 460,
 32 new tokens with EOS off, the engine sized as `tarsier caption` sizes it on this machine (batch size,
 KV cache, prefill chunk). Media are decoded and prompts prepared before timing, once for both sides, so
 the separate runs are not charged for decoding each clip three times (as they would be). Side by side in
-one process, interleaved: the three questions as a set (each clip's later questions copy its first's
+one process, interleaved: the three questions as a set (each clip's later questions share its first's
 prefix KV) and as three runs; then one question alone through the same engine (the path without a set).
 Peak memory (VmHWM above the loaded model) of each side in a fresh process. Prints one JSON object.
 """

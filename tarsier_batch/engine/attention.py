@@ -193,6 +193,10 @@ class StepAttention:
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))
         self.chunks = [row for row in rows if not row.decodes]
+        # The pages a later chunk reads its row's context from, on the device once for every layer.
+        self.context_pages = [to_device(row.table.first_pages(row.start + row.num_tokens), device)
+                              if row.table is not None and row.host_kv is None and row.start > 0 else None
+                              for row in self.chunks]
         # On CUDA a later chunk's causal triangle goes to the fused kernels as a lower-right causal bias; a
         # boolean mask would keep them out (see `_attend`).
         self.fused_chunks = fuses_chunks(device)
@@ -226,15 +230,15 @@ class StepAttention:
         out = torch.empty_like(q)
         if self.decode is not None:
             out[self.decode_tokens] = decoded
-        for row, mask in zip(self.chunks, self.masks):
+        for row, mask, pages in zip(self.chunks, self.masks, self.context_pages):
             tokens = slice(row.offset, row.offset + row.num_tokens)
-            keys, values = self._context(row, layer, k[tokens], v[tokens])
+            keys, values = self._context(row, pages, layer, k[tokens], v[tokens])
             query = q[tokens].transpose(0, 1).unsqueeze(0)
             out[tokens] = _attend(query, keys, values, mask, row.start == 0 and row.num_tokens > 1, scale,
                                   self.fused_chunks).transpose(0, 1)
         return out
 
-    def _context(self, row: RowSpan, layer: int, new_keys: torch.Tensor,
+    def _context(self, row: RowSpan, pages: torch.Tensor | None, layer: int, new_keys: torch.Tensor,
                  new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(1, kv_heads, context, head_dim) keys and values a chunk attends to (its own new ones included)."""
         context = row.start + row.num_tokens
@@ -243,8 +247,8 @@ class StepAttention:
             return row.host_kv.read(layer, context)
         if row.start == 0:   # a prompt's first chunk: its context is what it just computed
             return new_keys.transpose(0, 1).unsqueeze(0), new_values.transpose(0, 1).unsqueeze(0)
-        assert row.table is not None
-        return self.kv.read(row.table, layer, context)
+        assert pages is not None
+        return self.kv.gather(pages, layer, context)
 
 
 def fuses_chunks(device: torch.device) -> bool:

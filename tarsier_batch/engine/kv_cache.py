@@ -143,8 +143,10 @@ class KVCache:
         if pages is None:
             return False
         # Decode attention multiplies a page's slots past its row's context by weight 0, and never-written
-        # memory may hold NaN.
-        self.values[:, torch.from_numpy(pages).to(self.values.device)] = 0
+        # memory may hold NaN. Slices of consecutive pages (those taken together mostly are): no index to copy
+        # to the device, which would wait for it.
+        for first, stop in _runs(pages):
+            self.values[:, first:stop] = 0
         table.pages = np.concatenate([table.pages, pages])
         return True
 
@@ -180,7 +182,12 @@ class KVCache:
 
     def read(self, table: BlockTable, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's first `length` keys and values, (1, kv_heads, length, head_dim): gathered from its pages."""
-        pages = torch.from_numpy(table.first_pages(length)).to(self.keys.device)
+        return self.gather(torch.from_numpy(table.first_pages(length)).to(self.keys.device, non_blocking=True),
+                           layer, length)
+
+    def gather(self, pages: torch.Tensor, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` keys and values in `pages` (a row's, on the device: a step makes its index once for
+        every layer), (1, kv_heads, length, head_dim)."""
         return (self._contiguous(self.keys, pages, layer, length),
                 self._contiguous(self.values, pages, layer, length))
 
@@ -197,7 +204,7 @@ class KVCache:
         fork's partial last page of the prefix)."""
         count = -(-length // self.page_slots)
         differ = source.pages[:count] != target.pages[:count]
-        into, out_of = (torch.from_numpy(pages[:count][differ]).to(self.keys.device)
+        into, out_of = (torch.from_numpy(pages[:count][differ]).to(self.keys.device, non_blocking=True)
                         for pages in (target.pages, source.pages))
         for storage in (self.keys, self.values):
             storage[:, into] = storage[:, out_of]
@@ -207,7 +214,7 @@ class KVCache:
         copy to the device (from a strided slice of host memory, which torch stages unpinned), then laid out in
         pages there."""
         count = -(-length // self.page_slots)
-        pages = torch.from_numpy(table.pages[:count]).to(self.keys.device)
+        pages = torch.from_numpy(table.pages[:count]).to(self.keys.device, non_blocking=True)
         for storage, kept in ((self.keys, host.keys), (self.values, host.values)):
             layers, heads, _, dim = kept.shape
             paged = storage.new_zeros(layers, heads, count * self.page_slots, dim)
@@ -218,6 +225,12 @@ class KVCache:
         gathered = storage[layer - self.first_layer, pages]        # (count, heads, page, dim)
         count, heads, _, dim = gathered.shape
         return gathered.transpose(0, 1).reshape(heads, count * self.page_slots, dim)[:, :length].unsqueeze(0)
+
+
+def _runs(pages: np.ndarray) -> list[tuple[int, int]]:
+    """`pages` as [first, stop) runs of consecutive pages, in order."""
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    return [(int(run[0]), int(run[-1]) + 1) for run in np.split(pages, breaks) if len(run)]
 
 
 class HostKV:

@@ -47,10 +47,11 @@ class Sequence:
     preemptions: int = 0
     pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
     # Another row whose first `prefix_length` positions are this row's (another question about the same
-    # clip): while that row holds them computed, this one starts from a copy of their KV.
+    # clip): while that row holds them computed, this one starts from their KV (holding their whole pages with
+    # it, a copy of the partial last one).
     prefix_source: Sequence | None = None
     prefix_length: int = 0
-    forked: int = 0                          # positions copied from `prefix_source` when last admitted
+    forked: int = 0                          # positions taken from `prefix_source` when last admitted
     # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
     # finish.
     fork_points: set[int] = field(default_factory=set)
