@@ -98,12 +98,13 @@ def main() -> None:
                                       env={**os.environ, "PYTHONPATH": tree})
                 figures = json.loads(done.stdout.strip().splitlines()[-1])
                 assert figures.pop("tree") == tree, f"the {name} side imported another checkout"
+                figures.pop("seconds")   # items/s says it
                 runs[name].append(figures)
     result = {"workload": {"long": args.long, "short": args.short, "items": args.items,
                            "new_tokens": args.new_tokens, "kv_cache_tokens": 4 * (args.long + args.new_tokens),
                            "repeats": args.repeats}}
     for name, figures in runs.items():
-        result[name] = {**figures[0], "items_per_s": statistics.median(run["items_per_s"] for run in figures),
+        result[name] = {**figures[0], "items_per_s": round(statistics.median(run["items_per_s"] for run in figures), 3),
                         "all_items_per_s": [run["items_per_s"] for run in figures]}
     result["pages_over_ranges"] = {
         key: round(result["pages"][key] / result["ranges"][key], 3)
