@@ -32,6 +32,16 @@ def text_prompt(prompt: ProcessedPrompt, length: int) -> ProcessedPrompt:
     return ProcessedPrompt("", text, torch.arange(length).unsqueeze(0), length, [], torch.empty(0))
 
 
+def assert_each_row_as_alone(batched: torch.Tensor, cache: KVCache, layer: int, queries: torch.Tensor,
+                             rows: list[BlockTable], contexts: list[int]) -> None:
+    """Each row's batched result equals SDPA of its query over its own context read back from its pages."""
+    for index, (context, table) in enumerate(zip(contexts, rows)):
+        keys, values = cache.read(table, layer, context)
+        alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
+                                                   scale=0.3, enable_gqa=True)[0, :, 0]
+        torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
 def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: bool) -> None:
     """Rows of several lengths (one slot, exactly a page, a page and one, many pages) at scattered pages with
@@ -54,11 +64,7 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: b
     tables = decode_tables(rows, np.array(contexts), 4, torch.device("cpu"),
                            bucketed_within=cache.scratch_page if bucketed else None)
     batched = attend_decoding(cache, 1, queries, tables, scale=0.3)
-    for index, (context, table) in enumerate(zip(contexts, rows)):
-        keys, values = cache.read(table, 1, context)
-        alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
-                                                   scale=0.3, enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
+    assert_each_row_as_alone(batched, cache, 1, queries, rows, contexts)
     # The view ends at the last page a decoding row uses (28), or at its power of two within the 40 pages.
     assert tables.owner.shape[0] == (32 if bucketed else 28)
     assert tables.row_pages.shape == ((8, 8) if bucketed else (5, 8))
@@ -87,11 +93,7 @@ def test_rows_sharing_pages_attend_each_over_its_own_context(bucketed: bool) -> 
                            bucketed_within=cache.scratch_page if bucketed else None)
     assert tables.owner.shape[1] == (4 if bucketed else 3), "pages 3 and 7 each meet three rows' queries"
     batched = attend_decoding(cache, 0, queries, tables, scale=0.3)
-    for index, (context, table) in enumerate(zip(contexts, rows)):
-        keys, values = cache.read(table, 0, context)
-        alone_out = F.scaled_dot_product_attention(queries[index].unsqueeze(0).unsqueeze(2), keys, values,
-                                                   scale=0.3, enable_gqa=True)[0, :, 0]
-        torch.testing.assert_close(batched[index], alone_out, rtol=1e-5, atol=1e-6)
+    assert_each_row_as_alone(batched, cache, 0, queries, rows, contexts)
     assert batched.isfinite().all()
 
 
