@@ -85,9 +85,9 @@ class Engine:
 
         `prefix_source`: a row added earlier whose prompt starts like this one (another question about the
         same clip): while it holds that shared prefix computed, this row holds the prefix's KV pages with it
-        instead of computing them. The tokens are the same either way. Not with FastV pruning (its survivors are chosen by
-        the last prompt token, which differs per question) or offloaded prefill (the prefix is not on the
-        device while it is computed): there each row computes its whole prompt."""
+        instead of computing them. The tokens are the same either way. Not with FastV pruning (its survivors
+        are chosen by the last prompt token, which differs per question) or offloaded prefill (the prefix is
+        not on the device while it is computed): there each row computes its whole prompt."""
         seq = Sequence(prompt, max_new_tokens or self.sampling.max_new_tokens, seed, payload)
         if self.config.prune is not None and prompt.vision_blocks:
             seq.pruning = row_pruning(prompt, self.config.prune)
