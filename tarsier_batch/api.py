@@ -82,7 +82,7 @@ class Captioner:
             max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
             prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
             # On the CPU the "device" is host memory already: offloading would only add copies.
-            offload_kv=settings.offload_kv and self.device.type != "cpu",
+            offload_kv=settings.offload_kv and self.device.type != "cpu", prefix_cache=settings.prefix_cache,
             prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
             compile=settings.compile_step)
         needed = self.model.processor.min_vision_positions(self.frames)
@@ -135,6 +135,7 @@ class Captioner:
             "generation": generation, "batch_size": self.batch_size,
             "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
+            "prefix_cache": config.prefix_cache,
             "prune": self.settings.pruning,
             "compile": config.compile,
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
@@ -163,6 +164,12 @@ class Captioner:
         return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
                 f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
                 f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}{offload}{pruning}")
+
+    def prompt_reuse(self) -> tuple[int, int]:
+        """(prompt positions of the rows admitted, how many of them came computed from the prefix cache), since
+        loading."""
+        counts = self.engine.prefix_counts
+        return counts.prompt_positions, counts.reused_positions
 
     def resolved_settings(self) -> Resolved:
         """What loading settled that the settings may leave open (see `settings.resume_settings`)."""

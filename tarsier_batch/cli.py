@@ -258,6 +258,11 @@ def caption(
         "--offload-kv",
         help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect "
              "on CPU).")] = False,
+    prefix_cache: Annotated[bool, typer.Option(
+        "--prefix-cache/--no-prefix-cache",
+        help="Keep the computed KV of prompts' full pages, and let an item whose prompt starts the same way (the same "
+             "clip and prompt under a second path, an item preempted and coming back) take them instead of computing "
+             "them. Same captions either way.")] = True,
     preflight: Annotated[bool, typer.Option(
         "--preflight/--no-preflight",
         help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, "
@@ -362,6 +367,7 @@ def caption(
         CaptionSettings, model=model, prompt=prompt, prompt_set=_prompt_set(prompts, ask or []), frames=frames,
         batch_size=batch_size,
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
+        prefix_cache=prefix_cache,
         prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value if prune_method else None,
         compile_step=compile_step, dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,

@@ -39,6 +39,9 @@ class RunStats:
     failed: int = 0
     generated_tokens: int = 0
     streamed_tokens: int = 0
+    # The prefix cache: prompt positions of the rows admitted, and how many came computed (0, 0: not known).
+    prompt_positions: int = 0
+    reused_positions: int = 0
     started: float = field(default_factory=time.perf_counter)
     # When captioning began, the model loaded: the live display's elapsed time counts from `started` as the
     # summary's wall time does, and the summary tells the two parts apart.
@@ -92,7 +95,8 @@ class RunStats:
         return {"total": self.total, "captioned": self.captioned, "failed": self.failed,
                 "already_done": self.already_done, "missing_kept": self.missing_kept,
                 "missing_pruned": self.missing_pruned, "skipped": self.skipped, "left_for_later": self.left_for_later,
-                "generated_tokens": self.generated_tokens, "wall_time_s": round(self.elapsed_s, 3),
+                "generated_tokens": self.generated_tokens, "prompt_positions": self.prompt_positions,
+                "reused_prompt_positions": self.reused_positions, "wall_time_s": round(self.elapsed_s, 3),
                 "items_per_s": round(self.items_per_s, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
@@ -235,9 +239,11 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
         rows.append(("left for later", f"{stats.left_for_later} (--limit); run again to caption them"))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
              ("wall time", _wall_time(stats)),
-             ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens"),
-             ("output", written)]
-    return rows
+             ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens")]
+    if stats.prompt_positions:
+        rows.append(("prefix cache", f"{stats.reused_positions:,} of {stats.prompt_positions:,} prompt positions "
+                                     f"reused ({stats.reused_positions / stats.prompt_positions:.1%})"))
+    return rows + [("output", written)]
 
 
 def _wall_time(stats: RunStats) -> str:

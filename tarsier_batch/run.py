@@ -134,6 +134,10 @@ class Backend(Protocol):
     def resolved_settings(self) -> Resolved:
         """What loading settled that the settings may leave open."""
 
+    def prompt_reuse(self) -> tuple[int, int] | None:
+        """(prompt positions of the rows admitted, how many came computed from the prefix cache) since loading,
+        or None where not known."""
+
     def describe(self) -> str:
         """One line for the user: the model and where it runs."""
 
@@ -416,7 +420,11 @@ class CaptionRun:
         backend = self._load(len(plan.todo))
         provenance = run_provenance(backend, self.settings)
         check_settings(stored.settings, provenance["settings"])
+        reuse_before = backend.prompt_reuse()
         stopped = yield from self._run_loop(backend, loop, provenance)
+        reuse = backend.prompt_reuse()
+        if reuse is not None and reuse_before is not None:   # this run's share, with a captioner shared by runs
+            stats.prompt_positions, stats.reused_positions = (now - then for now, then in zip(reuse, reuse_before))
         # Again: a cluster's actors tell how they captioned once they have
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 

@@ -115,6 +115,7 @@ class CaptionSettings:
     prefill_chunk: int = 2048          # 0: prefill each prompt whole
     kv_cache_gb: float | None = None   # None: what the device can spare (CUDA), up to 4 GiB (CPU)
     offload_kv: bool = False           # keep prefilling rows' KV in host memory
+    prefix_cache: bool = True          # reuse computed prompt pages seen earlier (the same captions either way)
     prune_vision: float = 0.0          # share of each row's vision tokens dropped after prune_layer (0: off)
     prune_layer: int | None = None     # None: DEFAULT_PRUNE_LAYER (when pruning with fastv)
     # PRUNE_METHODS: before the LM by frame change, or after layer K by attention. None: temporal, which keeps the

@@ -97,6 +97,29 @@ def test_rows_sharing_pages_attend_each_over_its_own_context(bucketed: bool) -> 
     assert batched.isfinite().all()
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+def test_rows_far_apart_attend_over_their_pages_copied_out(bucketed: bool) -> None:
+    """One row low, one near the top of a 64-page cache: the window is their 3 pages copied out, not the 62 the
+    view would read, and each row's result is its own context's attention."""
+    geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=8)
+    cache = KVCache(geometry, 64 * 4, torch.float32, torch.device("cpu"), page_slots=4)
+    cache.keys.fill_(float("nan"))
+    cache.values.fill_(float("nan"))
+    rows, contexts = [BlockTable(4, np.array([61, 0])), BlockTable(4, np.array([60]))], [7, 3]
+    for context, table in zip(contexts, rows):
+        cache.values[:, torch.from_numpy(table.pages)] = 0
+        cache.write(table, 1, 0, torch.randn(context, 2, 8), torch.randn(context, 2, 8))
+    queries = torch.randn(2, 4, 8)
+    tables = decode_tables(rows, np.array(contexts), 4, torch.device("cpu"),
+                           bucketed_within=cache.scratch_page if bucketed else None)
+    assert tables.pages is not None and tables.pages.tolist()[:3] == [0, 60, 61]
+    assert tables.owner.shape[0] == (4 if bucketed else 3)
+    batched = attend_decoding(cache, 1, queries, tables, scale=0.3)
+    assert_each_row_as_alone(batched, cache, 1, queries, rows, contexts)
+    # Rows close together are read in place.
+    assert decode_tables([BlockTable(4, np.array([0, 2]))], np.array([6]), 4, torch.device("cpu")).pages is None
+
+
 def decode_step_kernels(model, prompts: list[ProcessedPrompt], sampling: SamplingParams) -> list[str]:
     """The kernels of one pure decode step of an engine running `prompts`."""
     engine = Engine(model, EngineConfig(max_rows=len(prompts), max_batch_tokens=4096, prefill_chunk=0,

@@ -22,6 +22,27 @@ def test_pages_go_out_lowest_first_and_come_back_when_no_row_holds_them() -> Non
     assert pool.take(1).tolist() == [1]
 
 
+def test_pages_with_known_content_are_kept_when_let_go_and_handed_out_last_least_recent_first() -> None:
+    """The prefix cache's bookkeeping: a remembered page no row holds is kept (counted free), found by its
+    digest, held again when shared; taken only once no page is free, the one let go longest ago first, and
+    forgotten then."""
+    pool = PagePool(6)
+    first, second = pool.take(2), pool.take(2)
+    pool.remember([b"a", b"b"], first)
+    pool.remember([b"c", b"a"], second)   # "a" keeps page 0; page 3 stays unknown
+    pool.give_back(second)
+    pool.give_back(first)
+    assert pool.free == 6 and pool.kept == 3, "pages 0, 1 and 2 are kept, page 3 is free"
+    assert pool.cached([b"a", b"b", b"x", b"c"]).tolist() == [0, 1], "the run of digests from the first only"
+    assert pool.cached([b"c"]).tolist() == [2] and pool.cached([b"b"]).tolist() == [1]
+    pool.share(np.array([1]))
+    assert pool.kept == 2 and pool.holders[1] == 1 and pool.kept_among(np.array([0, 1, 2])) == 2
+    assert pool.take(2).tolist() == [3, 4], "free pages first"
+    assert pool.take(2).tolist() == [5, 2], "then the kept page let go longest ago (page 2 before page 0)"
+    assert pool.cached([b"c"]).tolist() == [] and pool.cached([b"a"]).tolist() == [0], "a taken page is forgotten"
+    assert pool.take(2) is None and pool.kept == 1, "too few: nothing taken, nothing forgotten"
+
+
 def test_a_table_grows_into_free_pages_anywhere() -> None:
     """The fragmentation a range could not live with: the free pages are scattered between other rows' pages,
     and a row wanting more than any run of them still gets them all."""
@@ -72,7 +93,7 @@ def test_a_fork_shares_the_whole_pages_of_its_prefix_and_copies_the_partial_one(
     keys, values = torch.randn(19, 3, 4), torch.randn(19, 3, 4)
     for layer in range(2):
         cache.write(source, layer, 0, keys, values)
-    fork = cache.share_prefix(source, 11)   # page 0 whole below 11; page 1 partly
+    fork = cache.hold_prefix(source.pages[:11 // 8])   # page 0 whole below 11; page 1 partly
     assert fork.pages.tolist() == [0] and cache.pool.holders[:3].tolist() == [2, 1, 1]
     assert cache.grow(fork, 16) and fork.pages.tolist() == [0, 3]
     assert not cache.values[:, 3].isnan().any(), "pages handed out have their values cleared"

@@ -154,13 +154,14 @@ def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_
 def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) -> None:
     """In a cache that holds two unpruned rows, pruning three quarters of the vision tokens runs more at once,
     with the same tokens as each row alone. (32 frames: a video-shaped prompt, almost all vision, as the
-    late layers' cache is sized for.)"""
+    late layers' cache is sized for. The six rows are one clip: without the prefix cache, which would let the
+    unpruned rows share their prompt's pages, each holds its own.)"""
     videos = [process(tiny_model, shared_media / "demo_test.mp4", frames=32)] * 6
     memory = 2 * (videos[0].length + 20) + 40
 
     def most_rows_at_once(prune: PruneConfig | None) -> tuple[int, list[list[int]]]:
         engine = Engine(tiny_model, EngineConfig(max_rows=6, prefill_chunk=0, kv_cache_tokens=memory, prune=prune,
-                                                     kv_page_slots=2),
+                                                     kv_page_slots=2, prefix_cache=False),
                         SamplingParams(max_new_tokens=20, repetition_penalty=1.0))
         rows = [engine.add(prompt) for prompt in videos]
         most = 0

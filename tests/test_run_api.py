@@ -276,6 +276,9 @@ class Reversed:
 
         return Resolved(None, 8, 1.0)
 
+    def prompt_reuse(self) -> None:
+        return None
+
     def describe(self) -> str:
         return "reversed"
 

@@ -172,11 +172,13 @@ def _prompts(job: DecodeJob, media: Media, texts: list[str | None]) -> list[Proc
     """One prompt per instruction over the item's frames, all holding the first's pixels (and, pruned, the
     same surviving vision vectors: the scores depend on the pixels only)."""
     first = job.processor.process(media, texts[0])
+    first.digest_pixels()   # here, not in the engine's loop
     changes = job.processor.vision_changes(first) if job.temporal_pruning else None
     prompts = []
     for text in texts:
         prompt = first if text == texts[0] else replace(job.processor.process(media, text),
-                                                         pixel_values=first.pixel_values)
+                                                         pixel_values=first.pixel_values,
+                                                         pixel_digests=first.pixel_digests)
         if changes is not None:
             prompt = drop_static_vision(prompt, changes, job.temporal_pruning)
         prompts.append(prompt)

@@ -52,11 +52,22 @@ class RowSpan:
         return self.num_tokens == 1 and self.host_kv is None
 
 
+# Decode attention reads a window of pages: the cache's first pages as they lie (a view), or, where the rows'
+# pages are scattered (a row left high up, the prefix cache's kept pages between them), just the rows' pages
+# copied out. Every page of the window costs the same work whoever holds it, and the copy about one more pass
+# over the pages it copies: past twice the pages held, the copy costs less than the view. Not in compiled steps:
+# a copied window is another kind of tensor to the compiler (made in inference mode, where the view is of the
+# cache), so a second graph (a minute's compile at 7B, another CUDA graph per size); they read the view.
+SPARSE_WINDOW = 2
+
+
 class DecodeTables(NamedTuple):
     """Where a step's one-position rows find their context in one cache: built once per step on the host,
     used by every layer's decode attention.
 
-    The cache's first `window` pages (`owner.shape[0]`) are read as one view. A page is read by the rows
+    The window is `owner.shape[0]` pages: the cache's first pages, read as one view, or, when `pages` is set,
+    those pages of the cache, copied out (see `SPARSE_WINDOW`); below, a page is its place in the window. A
+    page is read by the rows
     that hold it (one, or several where rows share a prompt's pages): `owner` names, for each page, the row
     of each of its `readers` (`owner.shape[1]`; row 0 where a page has fewer readers, and for pages of other
     rows and free pages, whose slots are then all masked), `masked` which slots are not that reader's
@@ -68,20 +79,27 @@ class DecodeTables(NamedTuple):
     masked: torch.Tensor      # (window, 1, readers, 1, slots): broadcast over kv heads and each one's query heads
     row_pages: torch.Tensor   # (rows, widest)
     padding: torch.Tensor     # (rows, widest, 1, 1)
+    pages: torch.Tensor | None = None   # (window,) the cache's pages of a copied window
 
 
 def decode_tables(tables: list[BlockTable], contexts: np.ndarray, page_slots: int, device: torch.device,
-                  bucketed_within: int | None = None) -> DecodeTables:
+                  bucketed_within: int | None = None, copy_sparse: bool = True) -> DecodeTables:
     """The tables of rows whose contexts (`contexts` slots each, the new position included) lie in the pages
     of `tables`. `bucketed_within` pads every size to a power of two (`bucket`): the rows, the pages per
     row, and the window, at most that many pages (the readers per page, 1 unless rows share pages, to a
     power of two too). A padding row repeats row 0's pages; the pages past the rows' last are masked.
+
+    `copy_sparse`: copy out the rows' pages where they lie scattered (see `SPARSE_WINDOW`).
 
     Built with numpy on the host (no Python loop over pages, which at 7B scale number thousands a step),
     then copied to the device without waiting for it.
     """
     counts = -(-contexts // page_slots)
     page_index = np.concatenate([table.pages[:count] for table, count in zip(tables, counts)])
+    held = np.unique(page_index)
+    copied = copy_sparse and int(held[-1]) + 1 > SPARSE_WINDOW * len(held)
+    if copied:   # the window is the rows' pages, in order
+        page_index = np.searchsorted(held, page_index)
     row_of_page = np.repeat(np.arange(len(contexts)), counts)
     number_in_row = np.arange(len(row_of_page)) - np.repeat(np.cumsum(counts) - counts, counts)
     # Each (page, row) pair's rank among the page's readers, in row order.
@@ -109,8 +127,11 @@ def decode_tables(tables: list[BlockTable], contexts: np.ndarray, page_slots: in
         table = np.concatenate([table, np.repeat(table[:1], extra, axis=0)])
         padding = np.concatenate([padding, np.repeat(padding[:1], extra, axis=0)])
     masked = np.arange(page_slots) >= filled[:, :, None]
+    pages = None
+    if copied:   # padded with the window's first page (its slots masked there, as any page no row reads)
+        pages = to_device(np.concatenate([held, np.repeat(held[:1], window - len(held))]), device)
     return DecodeTables(to_device(owner, device), to_device(masked, device)[:, None, :, None, :],
-                        to_device(table, device), to_device(padding, device)[:, :, None, None])
+                        to_device(table, device), to_device(padding, device)[:, :, None, None], pages)
 
 
 def bucket(count: int) -> int:
@@ -122,7 +143,9 @@ def bucket(count: int) -> int:
 def attend_decoding(kv: KVCache, layer: int, q: torch.Tensor, tables: DecodeTables, scale: float,
                     kernel: DecodeAttention | None = None) -> torch.Tensor:
     """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages."""
-    keys, values = kv.page_view(layer, tables.owner.shape[0])       # (window * kv_heads, slots, dim), in place
+    # (window * kv_heads, slots, dim): in place, or copied out
+    keys, values = (kv.page_view(layer, tables.owner.shape[0]) if tables.pages is None
+                    else kv.page_copy(layer, tables.pages))
     return (kernel or paged_decode_attention)(q, keys, values, tables, scale)
 
 
@@ -133,7 +156,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     Scores and the softmax are float32; for a bfloat16 model the scores come out of the matrix
     multiply in bfloat16 first, as in transformers' eager attention.
     """
-    owner, masked, row_pages, padding = tables
+    owner, masked, row_pages, padding = tables.owner, tables.masked, tables.row_pages, tables.padding
     rows, heads, dim = q.shape
     window, readers = owner.shape
     kv_heads = keys.shape[0] // window
@@ -188,7 +211,8 @@ class StepAttention:
         if decoding:
             tables = [row.table for row in decoding if row.table is not None]
             assert len(tables) == len(decoding), "a decoding row holds device KV"
-            self.decode = decode_tables(tables, np.array([row.start + 1 for row in decoding]), kv.page_slots, device)
+            self.decode = decode_tables(tables, np.array([row.start + 1 for row in decoding]), kv.page_slots, device,
+                                        copy_sparse=decode_kernel is None)
         offsets = [row.offset for row in decoding]
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))

@@ -47,6 +47,7 @@ class DecodeStep:
         power-of-two sizes (by default when compiled)."""
         self.model = model
         self.pools = pools
+        self.compiled = compiled
         self.static_shapes = compiled if static_shapes is None else static_shapes
         # Which cache each layer uses, as booleans: a compiled step may trace the caches' ints as symbols
         # (when they differ between calls), and control flow cannot branch on a symbol.
@@ -93,7 +94,7 @@ class DecodeStep:
         positions = np.array([_kv_position(seq, late=part == 1) for seq in rows])
         page = pool.page_slots
         tables = decode_tables(row_tables, positions + 1, page, self.model.device,   # the new position included
-                               pool.scratch_page if self.static_shapes else None)
+                               pool.scratch_page if self.static_shapes else None, copy_sparse=not self.compiled)
         write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
         write_offsets = np.zeros(padded, dtype=np.int64)
         write_pages[:len(rows)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
@@ -124,7 +125,7 @@ def _sizes_vary(token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[C
     for tensor, dims in ((token_ids, (0,)), (positions, (1,))):
         torch._dynamo.maybe_mark_dynamic(tensor, dims)
     for part in parts:
-        owner, masked, row_pages, padding = part.tables
+        owner, masked, row_pages, padding, _ = part.tables   # compiled steps read a view, never copied pages
         for tensor, dims in ((owner, (0,)), (masked, (0,)), (row_pages, (0, 1)), (padding, (0, 1)),
                              (part.write_pages, (0,)), (part.write_offsets, (0,))):
             torch._dynamo.maybe_mark_dynamic(tensor, dims)

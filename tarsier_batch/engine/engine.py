@@ -15,7 +15,7 @@ from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning
 from .sampling import SamplingParams, seen_pairs, select_tokens
-from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from .scheduler import PrefixCacheCounts, ScheduledRow, Scheduler, SchedulerConfig
 from .sequence import Sequence
 
 
@@ -29,7 +29,8 @@ class EngineConfig:
     kv_cache_tokens: int = 65536   # slots of the preallocated KV cache (its memory, with pruning)
     offload_kv: bool = False       # keep prefilling rows' KV in host memory
     prune: PruneConfig | None = None   # drop vision tokens after a layer (not the official output)
-    kv_page_slots: int = PAGE_SLOTS    # a row's KV range is whole pages of this many slots
+    kv_page_slots: int = PAGE_SLOTS    # a row's KV is whole pages of this many slots
+    prefix_cache: bool = True          # keep computed prompt pages for rows that start the same way
     compile: bool = False              # layers and decode attention through torch.compile (the model's
                                        # layers stay compiled: `CaptionModel.compile` works in place)
 
@@ -58,7 +59,8 @@ class Engine:
                           KVCache(geometry, late, model.dtype, model.device, range(layer, geometry.num_layers),
                                   config.kv_page_slots)]
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
-                                                   config.prefill_chunk, config.offload_kv), self.pools)
+                                                   config.prefill_chunk, config.offload_kv, config.prefix_cache),
+                                   self.pools)
         self.runner = ModelRunner(model, self.pools, config.compile)
 
     @property
@@ -68,6 +70,11 @@ class Engine:
     @property
     def kv_bytes(self) -> int:
         return sum(pool.nbytes for pool in self.pools)
+
+    @property
+    def prefix_counts(self) -> PrefixCacheCounts:
+        """What the prefix cache saved so far (see `Scheduler.advance`)."""
+        return self.scheduler.prefix_counts
 
     @property
     def num_waiting(self) -> int:
@@ -127,8 +134,7 @@ class Engine:
 
     def _advance(self, step: list[ScheduledRow], sampled: list[Sequence], logits: torch.Tensor | None,
                  on_tokens: Callable[[int], None] | None) -> list[Sequence]:
-        for row in step:
-            row.seq.num_computed += row.num_tokens
+        self.scheduler.advance(step)
         if logits is None:
             return []
         for seq in sampled:   # a pruned row's prompt is done with: its layer-K inputs are no longer needed

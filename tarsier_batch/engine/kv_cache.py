@@ -24,6 +24,7 @@ the survivors (see `engine.pruning`), each row holding a table in both.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -55,34 +56,85 @@ class BlockTable:
 
 
 class PagePool:
-    """Which pages no row holds (handed out lowest first: the pages in use stay at the front of the storage),
-    and how many rows hold each of the others: a page shared by rows is free once the last lets go."""
+    """The pages of one cache: free, held by rows (how many rows hold each), or kept.
+
+    A kept page is the prefix cache: no row holds it, but it holds a prompt's computed full page, known by
+    its digest (see `Sequence.page_digests`), and a later row whose prompt starts the same way takes it
+    instead of computing it (a retry, a preempted row coming back, the same clip under a second path or asked
+    again). A held page is remembered the same way, so rows running together share too. Kept pages count as
+    free: one is handed out again only when no page is free, the one let go longest ago first, and loses its
+    digest then.
+    """
 
     def __init__(self, pages: int):
         self._free = list(range(pages))   # a heap, and sorted to start with
         self.holders = np.zeros(pages, dtype=np.int64)
+        self._kept: OrderedDict[int, None] = OrderedDict()   # least recently let go first
+        self._page_of: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        """Pages a row may take: the free ones and the kept ones."""
+        return len(self._free) + len(self._kept)
+
+    @property
+    def kept(self) -> int:
+        return len(self._kept)
 
     def take(self, count: int) -> np.ndarray | None:
-        """The `count` lowest free pages, now held once, or None (and nothing taken) if fewer are free."""
-        if count > len(self._free):
+        """`count` pages, now held once, or None (and nothing taken) if fewer are free: the lowest free pages,
+        then kept ones, least recently let go first."""
+        if count > self.free:
             return None
-        pages = np.array([heapq.heappop(self._free) for _ in range(count)], dtype=np.int64)
+        taken = [heapq.heappop(self._free) for _ in range(min(count, len(self._free)))]
+        for _ in range(count - len(taken)):
+            page, _ = self._kept.popitem(last=False)
+            del self._page_of[self._digest_of.pop(page)]
+            taken.append(page)
+        pages = np.array(taken, dtype=np.int64)
         self.holders[pages] = 1
         return pages
 
+    def kept_among(self, pages: np.ndarray) -> int:
+        """How many of `pages` are kept (free, but held once shared)."""
+        return int((self.holders[pages] == 0).sum())
+
     def share(self, pages: np.ndarray) -> None:
-        """One more row holds each of `pages` (distinct pages, held already)."""
+        """One more row holds each of `pages` (distinct pages, held or kept)."""
+        for page in pages[self.holders[pages] == 0].tolist():
+            del self._kept[page]
         self.holders[pages] += 1
 
     def give_back(self, pages: np.ndarray) -> None:
-        """One row fewer holds each of `pages` (distinct); those no row holds any more are free."""
+        """One row fewer holds each of `pages` (distinct); those no row holds any more are kept if their content
+        is known, else free."""
         self.holders[pages] -= 1
-        for page in pages[self.holders[pages] == 0].tolist():
-            heapq.heappush(self._free, page)
+        # Last page first: a row's last pages are then taken before its first, which a row with the same prompt
+        # finds even without them (a cached prefix is a run of pages from the first).
+        for page in pages[self.holders[pages] == 0][::-1].tolist():
+            if page in self._digest_of:
+                self._kept[page] = None
+            else:
+                heapq.heappush(self._free, page)
+
+    def remember(self, digests: list[bytes], pages: np.ndarray) -> None:
+        """`pages` (held) now hold the computed full pages known by `digests`. A digest already known keeps its
+        page (two rows computed the same page at once: the second's copy is freed with its row)."""
+        for digest, page in zip(digests, pages.tolist()):
+            if digest not in self._page_of and page not in self._digest_of:
+                self._page_of[digest] = page
+                self._digest_of[page] = digest
+
+    def cached(self, digests: list[bytes]) -> np.ndarray:
+        """The pages holding the longest run of `digests` from the first (not taken: `share` them)."""
+        pages = []
+        for digest in digests:
+            page = self._page_of.get(digest)
+            if page is None:
+                break
+            pages.append(page)
+        return np.array(pages, dtype=np.int64)
 
 
 # Slots per page: a row holds whole pages. Larger pages waste more slots per row (at most
@@ -155,13 +207,12 @@ class KVCache:
         self.pool.give_back(table.pages)
         table.pages = table.pages[:0]
 
-    def share_prefix(self, source: BlockTable, length: int) -> BlockTable:
-        """A table for a row whose first `length` positions are `source`'s (another question about the same clip):
-        it holds `source`'s whole pages below `length` too, without a copy (`source` writes only past `length`,
-        so they no longer change). The partial page at `length`, if any, is the new row's own: `copy_tokens`."""
-        shared = source.pages[:length // self.page_slots].copy()
-        self.pool.share(shared)
-        return BlockTable(self.page_slots, shared)
+    def hold_prefix(self, pages: np.ndarray) -> BlockTable:
+        """A table for a row whose first pages are `pages`, computed already (another question's prefix about the
+        same clip, or the prefix cache's): it holds them with the rows holding them, without a copy (no row
+        writes to a page below its computed positions, so they no longer change)."""
+        self.pool.share(pages)
+        return BlockTable(self.page_slots, pages.copy())
 
     def write(self, table: BlockTable, layer: int, offset: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a row's new (tokens, kv_heads, head_dim) keys and values from position `offset` on."""
@@ -198,6 +249,11 @@ class KVCache:
         index = layer - self.first_layer
         shape = (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
         return self.keys[index].narrow(0, 0, pages).view(shape), self.values[index].narrow(0, 0, pages).view(shape)
+
+    def page_copy(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`pages` (on the device) of one layer, copied out as (len(pages) * kv_heads, page_slots, head_dim)."""
+        index = layer - self.first_layer
+        return self.keys[index, pages].flatten(0, 1), self.values[index, pages].flatten(0, 1)
 
     def copy_tokens(self, source: BlockTable, target: BlockTable, length: int) -> None:
         """Copy a row's first `length` tokens into another row's pages where the two hold different pages (a

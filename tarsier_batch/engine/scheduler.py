@@ -11,12 +11,20 @@ holds a table in each, sized for its whole prompt and for its survivors, and is 
 when both have room.
 Rows are admitted in input order: attention runs on each row's exact length, so mixing a short
 image with a long video costs nothing and there is no reason to reorder.
+
+The prefix cache: every full page of a prompt a row computes is remembered by its digest (see
+`ProcessedPrompt.page_digests`), and a row admitted later takes the computed pages its prompt starts
+with instead of computing them again, while they are held or kept (see `PagePool`). Not with
+pruning's two caches (FastV's survivors differ per prompt) or offloaded prefill (its prefix is not
+on the device).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 from .kv_cache import BlockTable, HostKV, KVCache
 from .sequence import Sequence, Status
@@ -26,6 +34,21 @@ FIRST_DECODE_RESERVE = 16
 # A row is admitted only if this share of the cache stays free for the running rows to grow.
 ADMISSION_WATERMARK = 1 / 32
 MIN_BATCH_TOKENS = 16
+
+
+@dataclass
+class PrefixCacheCounts:
+    """What the prefix cache saved: of the prompt positions of the rows admitted (again, after a preemption),
+    how many they took computed."""
+
+    rows: int = 0
+    rows_hit: int = 0
+    prompt_positions: int = 0
+    reused_positions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.reused_positions / self.prompt_positions if self.prompt_positions else 0.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class SchedulerConfig:
     max_batch_tokens: int
     prefill_chunk: int      # 0: a prompt is prefilled whole
     offload_prefill: bool   # keep a prefilling row's KV in host memory until it decodes
+    prefix_cache: bool = True   # keep computed prompt pages for rows that start the same way
 
     def __post_init__(self) -> None:
         if self.max_rows < 1:
@@ -66,6 +90,8 @@ class Scheduler:
         self.offload_prefill = config.offload_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last is preempted first
+        self.prefix_cache = config.prefix_cache and len(pools) == 1 and not config.offload_prefill
+        self.prefix_counts = PrefixCacheCounts()
 
     @property
     def has_work(self) -> bool:
@@ -111,9 +137,11 @@ class Scheduler:
             if seq is None:
                 break
             source = self._prefix_holder(seq)
-            seq.num_computed = seq.prefix_length if source is not None else 0   # a fork starts after the prefix
+            cached = self._cached_pages(seq) if source is None else None
+            # A fork starts after the prefix, a row finding its first pages cached after them.
+            seq.num_computed = seq.prefix_length if source is not None else len(cached) * self.pools[0].page_slots
             tokens = self._chunk(seq, budget, prefilled_whole)
-            if not tokens or not self._admit(seq, source=source):
+            if not tokens or not self._admit(seq, source=source, cached=cached):
                 seq.num_computed = 0
                 break
             self.waiting.remove(seq)
@@ -126,6 +154,18 @@ class Scheduler:
                 return self._schedule_alone(seq)
             self.waiting.appendleft(seq)
         return step
+
+    def advance(self, step: list[ScheduledRow]) -> None:
+        """The step succeeded: its positions are computed, and the prompt pages it filled are remembered for
+        rows to come (the prefix cache)."""
+        for row in step:
+            seq = row.seq
+            before, seq.num_computed = seq.num_computed, seq.num_computed + row.num_tokens
+            if self.prefix_cache and seq.tables:
+                page = self.pools[0].page_slots
+                first, stop = before // page, min(seq.num_computed, seq.prompt.length) // page
+                if stop > first:
+                    self.pools[0].pool.remember(seq.page_digests(page)[first:stop], seq.tables[0].pages[first:stop])
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished row's KV at once, so a waiting row can take its place next step."""
@@ -210,25 +250,37 @@ class Scheduler:
             return None
         return source if source.slots_used() >= seq.prefix_length else None
 
-    def _admit(self, seq: Sequence, force: bool = False, source: Sequence | None = None) -> bool:
-        """Give `seq` KV and run it; `source`: a row holding `seq`'s shared prefix, copied instead of computed."""
+    def _cached_pages(self, seq: Sequence) -> np.ndarray:
+        """The computed pages `seq`'s prompt starts with, held or kept (none without the prefix cache). At least
+        its last position is left to compute: it samples from there."""
+        if not self.prefix_cache:
+            return np.zeros(0, dtype=np.int64)
+        page = self.pools[0].page_slots
+        digests = seq.page_digests(page)[:(seq.length - 1) // page]
+        return self.pools[0].pool.cached(digests)
+
+    def _admit(self, seq: Sequence, force: bool = False, source: Sequence | None = None,
+               cached: np.ndarray | None = None) -> bool:
+        """Give `seq` KV and run it; `source`: a row holding `seq`'s shared prefix, copied instead of computed;
+        `cached`: the computed pages its prompt starts with (the prefix cache)."""
         if self.offload_prefill and seq.in_prefill:
             pool = self.pools[0]
             seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
         else:
             needs = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
-            if source is not None:
-                assert len(self.pools) == 1, "a fork shares a prefix of every layer (not with FastV's two caches)"
-            # A fork holds its source's whole pages of the prefix: it needs free pages for the rest only.
-            shared = seq.prefix_length // self.pools[0].page_slots * self.pools[0].page_slots if source else 0
+            # The computed pages the row starts from: a fork holds its source's whole pages of the prefix.
+            shared = (source.tables[0].pages[:seq.prefix_length // self.pools[0].page_slots] if source is not None
+                      else cached if cached is not None else np.zeros(0, dtype=np.int64))
+            assert not len(shared) or len(self.pools) == 1, "a shared prefix is of every layer, not with two caches"
             for pool, need in zip(self.pools, needs):
                 # The slots that round a table up to whole pages are room to grow like the watermark's.
                 watermark = 0 if force or not self.running else int(pool.capacity_tokens * ADMISSION_WATERMARK)
-                if pool.free_slots - (need - shared) < watermark:
+                # Shared pages need no free page, but a kept one is free no more once held.
+                free = pool.free_slots - pool.pool.kept_among(shared) * pool.page_slots
+                if free - (need - len(shared) * pool.page_slots) < watermark:
                     return False
             for index, (pool, need) in enumerate(zip(self.pools, needs)):
-                table = (pool.share_prefix(source.tables[index], seq.prefix_length) if source is not None
-                         else BlockTable(pool.page_slots))
+                table = pool.hold_prefix(shared) if index == 0 else BlockTable(pool.page_slots)
                 if not pool.grow(table, need):
                     pool.release(table)
                     self._release(seq)
@@ -237,9 +289,19 @@ class Scheduler:
             if source is not None:   # the prefix's partial last page
                 self.pools[0].copy_tokens(source.tables[0], seq.tables[0], seq.prefix_length)
         seq.forked = seq.prefix_length if source is not None else 0
+        seq.cached = len(cached) * self.pools[0].page_slots if source is None and cached is not None else 0
+        self._count_admission(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
         return True
+
+    def _count_admission(self, seq: Sequence) -> None:
+        if self.prefix_cache:
+            counts = self.prefix_counts
+            counts.rows += 1
+            counts.rows_hit += seq.cached > 0
+            counts.prompt_positions += seq.prompt.length
+            counts.reused_positions += seq.cached
 
     def _make_room(self, seq: Sequence) -> bool:
         """Ensure `seq` holds device slots for every position it will have computed after this step,

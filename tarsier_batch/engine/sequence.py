@@ -52,10 +52,18 @@ class Sequence:
     prefix_source: Sequence | None = None
     prefix_length: int = 0
     forked: int = 0                          # positions taken from `prefix_source` when last admitted
+    cached: int = 0                          # positions taken from the prefix cache when last admitted
     # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
     # finish.
     fork_points: set[int] = field(default_factory=set)
     _prompt_vocabulary: torch.Tensor | None = None
+    _page_digests: list[bytes] | None = None
+
+    def page_digests(self, page_slots: int) -> list[bytes]:
+        """The prompt's full pages' digests (`ProcessedPrompt.page_digests`), made once."""
+        if self._page_digests is None:
+            self._page_digests = self.prompt.page_digests(page_slots)
+        return self._page_digests
 
     def prompt_vocabulary(self, device: torch.device) -> torch.Tensor:
         """Every distinct id of the prompt, on `device` (once: a repetition penalty looks at them every step)."""

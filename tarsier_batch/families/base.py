@@ -14,8 +14,9 @@ learns how its rows are batched, chunked or cached.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -47,6 +48,13 @@ class VisionBlock:
         return encoded[torch.tensor(self.kept, device=encoded.device)]
 
 
+class PixelDigests(NamedTuple):
+    """A digest of each vision block's pixels (what the vision encoder turns into its vectors), and the pixels."""
+
+    of: torch.Tensor
+    digests: tuple[bytes, ...]
+
+
 @dataclass
 class ProcessedPrompt:
     """One item's merged prompt, ready for the engine; made on the CPU, holds no device tensors.
@@ -63,10 +71,44 @@ class ProcessedPrompt:
     next_position: int            # position of the first generated token
     vision_blocks: list[VisionBlock]
     pixel_values: torch.Tensor    # (blocks, ...) the encoder's input for each block, float32
+    # A digest of each block's pixels, made where the pixels are (`digest_pixels`, in a decoding worker) rather
+    # than in the engine's loop; made when first needed if missing or of other pixels (a copy made with other
+    # `pixel_values` carries the old ones).
+    pixel_digests: PixelDigests | None = None
 
     @property
     def length(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def page_digests(self, page_slots: int) -> list[bytes]:
+        """One digest per full page of `page_slots` positions of the prompt, of everything the page's keys and
+        values depend on: its ids and positions, the vectors its vision positions take (which block, by its
+        pixels and layout, and which of the block's vectors), and, chained, every page before it. Two prompts
+        whose first n digests are equal compute their first n pages alike, so one may take the other's."""
+        pixels = self.digest_pixels().digests if self.vision_blocks else ()
+        blocks = [(block, hashlib.sha256(repr((block.length, block.grid, block.kept)).encode() + digest).digest())
+                  for block, digest in zip(self.vision_blocks, pixels)]
+        digests, previous = [], b""
+        for first in range(0, self.length - page_slots + 1, page_slots):
+            last = first + page_slots
+            page = hashlib.sha256(previous)
+            page.update(self.token_ids[first:last].numpy().tobytes())
+            page.update(self.positions[:, first:last].numpy().tobytes())
+            for block, digest in blocks:
+                if block.start < last and block.end > first:
+                    page.update(digest + repr((max(first, block.start) - block.start,
+                                               min(last, block.end) - block.start)).encode())
+            previous = page.digest()
+            digests.append(previous)
+        return digests
+
+    def digest_pixels(self) -> PixelDigests:
+        """The digests of this prompt's pixels, made now unless made already."""
+        if self.pixel_digests is None or self.pixel_digests.of is not self.pixel_values:
+            # SHA-256: the fastest of hashlib's where CPUs hash it in hardware (1.2 GB/s here, blake2b 0.45).
+            self.pixel_digests = PixelDigests(self.pixel_values, tuple(
+                hashlib.sha256(block.contiguous().numpy().data).digest() for block in self.pixel_values))
+        return self.pixel_digests
 
     def shared_prefix(self, other: ProcessedPrompt) -> int:
         """How many leading positions `other` computes exactly as this prompt does: the same ids at the same

@@ -93,6 +93,10 @@ class RayBackend:
     def resolved_settings(self) -> Resolved:
         return self.resolved
 
+    def prompt_reuse(self) -> None:
+        """Not gathered from the actors: each has its own prefix cache."""
+        return None
+
     def provenance(self) -> dict[str, Any]:
         """The actors' account of how they captioned, once one has answered; until then this process's."""
         return self._actor_provenance or {"tool": "tarsier-batch", "tool_version": __version__,
