@@ -4,8 +4,9 @@
 
 - `twice`: every clip captioned twice, the second time decoded afresh (the same file under a second path),
   the second round queued after the first; a cache hit takes all but the last page of the prompt.
-- `preempting`: every clip once, at batch 8 in a KV cache that holds the prompts but not their growth, so
-  rows are preempted as the others grow; a preempted row coming back takes its prompt's pages back.
+- `preempting`: every clip once, 128 new tokens, at batch 8 in a KV cache of 85 % of the prompts' pages:
+  the rows that fit are admitted with room for their first tokens only, and growing rows preempt the latest
+  admitted; a preempted row coming back takes its prompt's pages back (those not handed out meanwhile).
 
 A random-weight Tarsier2 checkpoint (`bench`: frames of at most 50,176 px, a ~100M-parameter language model;
 `wide`: the official 460,800 px, an 8-layer 1024-wide one), clips from ../shared/media and sample_data, EOS
@@ -37,6 +38,7 @@ from tarsier_batch.families.base import ProcessedPrompt  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 
 PREEMPTING_ROWS = 8
+PREEMPTING_NEW_TOKENS = 128
 
 
 def prepared(captioner: Captioner, clips: int, frames: int) -> list[ProcessedPrompt]:
@@ -45,28 +47,31 @@ def prepared(captioner: Captioner, clips: int, frames: int) -> list[ProcessedPro
             for item in videos(clips)]
 
 
-def run(captioner: Captioner, config: EngineConfig, prompts: list[ProcessedPrompt]) -> tuple[Engine, list[Sequence]]:
+def run(captioner: Captioner, config: EngineConfig, prompts: list[ProcessedPrompt], new_tokens: int
+        ) -> tuple[Engine, list[Sequence]]:
     engine = Engine(captioner.model, config, captioner.engine.sampling)
-    rows = [engine.add(prompt) for prompt in prompts]
+    rows = [engine.add(prompt, max_new_tokens=new_tokens) for prompt in prompts]
     while engine.has_work:
         engine.step()
     assert all(row.error is None for row in rows), [row.error for row in rows]
     return engine, rows
 
 
-def workload(captioner: Captioner, config: EngineConfig, prompts: list[ProcessedPrompt], repeats: int) -> dict:
+def workload(captioner: Captioner, config: EngineConfig, prompts: list[ProcessedPrompt], new_tokens: int,
+             repeats: int) -> dict:
     """Both sides, interleaved; the last run of each is the one reported."""
     last: dict[str, tuple[Engine, list[Sequence]]] = {}
 
     def side(name: str, cached: bool):
         return lambda: timed(lambda: last.__setitem__(name, run(captioner, replace(config, prefix_cache=cached),
-                                                                prompts)))
+                                                                prompts, new_tokens)))
 
     seconds = interleaved({"cache": side("cache", True), "no_cache": side("no_cache", False)}, repeats)
     outputs = {name: [row.output_ids for row in rows] for name, (_, rows) in last.items()}
     assert outputs["cache"] == outputs["no_cache"], "the prefix cache changed a caption"
     counts = last["cache"][0].prefix_counts
-    return {"rows": len(prompts), "batch_size": config.max_rows, "kv_cache_tokens": config.kv_cache_tokens,
+    return {"rows": len(prompts), "new_tokens": new_tokens, "batch_size": config.max_rows,
+            "kv_cache_tokens": config.kv_cache_tokens,
             "prompt_positions": counts.prompt_positions, "reused_positions": counts.reused_positions,
             "hit_rate": round(counts.hit_rate, 3), "rows_hit": counts.rows_hit,
             "preemptions": {name: sum(row.preemptions for row in rows) for name, (_, rows) in last.items()},
@@ -87,12 +92,13 @@ def main() -> None:
             model=str(model_dir), device="cpu", dtype="float32", frames=args.frames,
             sampling=SamplingParams(max_new_tokens=args.new_tokens))))
         first, again = prepared(captioner, args.clips, args.frames), prepared(captioner, args.clips, args.frames)
-        twice = workload(captioner, captioner.engine_config, first + again, args.repeats)
-        # Room for every prompt and a few pages more: growing rows preempt the latest admitted.
+        twice = workload(captioner, captioner.engine_config, first + again, args.new_tokens, args.repeats)
+        # Room for most of the prompts, not their growth: rows admitted with room for their first tokens grow by
+        # PREEMPTING_NEW_TOKENS each, and growing rows preempt the latest admitted.
         page = captioner.engine_config.kv_page_slots
         held = sum(-(-prompt.length // page) * page for prompt in first[:PREEMPTING_ROWS])
-        tight = replace(captioner.engine_config, max_rows=PREEMPTING_ROWS, kv_cache_tokens=held + 8 * page)
-        preempting = workload(captioner, tight, first, args.repeats)
+        tight = replace(captioner.engine_config, max_rows=PREEMPTING_ROWS, kv_cache_tokens=held * 85 // 100)
+        preempting = workload(captioner, tight, first, PREEMPTING_NEW_TOKENS, args.repeats)
     print(json.dumps({
         "benchmark": "prefix cache: on against off, same engine, same run",
         "checkpoint": f"tarsier2 {args.size}", "frames": args.frames, "new_tokens": args.new_tokens,
