@@ -34,6 +34,7 @@ from torch.nn.attention.bias import causal_lower_right
 from .kv_cache import BlockTable, HostKV, KVCache
 
 QUERY_BLOCK = 256  # queries per attention call in a masked chunk (bounds the kernel's float mask)
+EXP_FLOOR = -87.0  # exp(-87) = 1.6e-38, just above float32's smallest normal number (1.2e-38)
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     scores.masked_fill_(masked, float("-inf"))
     # A page with no slot of a reader has max -inf: clamped, its weights come out 0, not NaN.
     page_max = scores.amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).min)
-    weights = scores.sub_(page_max).exp_()                                # (window, kv_heads, readers, group, slots)
+    weights = _masked_exp(scores.sub_(page_max), masked)                  # (window, kv_heads, readers, group, slots)
     page_sum = weights.sum(dim=-1, keepdim=True)
     weights = weights.view(window * kv_heads, readers * group, slots)
     page_out = _float32(torch.bmm(weights if values.dtype == torch.float32 else weights.to(values.dtype),
@@ -180,13 +181,24 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     by_pair = page_max.transpose(1, 2).reshape(window * readers, heads, 1)
     partial = partial[row_pages]                                                       # (rows, widest, heads, dim + 1)
     row_max_by_page = by_pair[row_pages].masked_fill_(padding, float("-inf"))          # (rows, widest, heads, 1)
-    scale_by_page = row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)).exp_()
+    scale_by_page = _masked_exp(row_max_by_page.sub_(row_max_by_page.amax(dim=1, keepdim=True)), padding)
     combined = (scale_by_page * partial).sum(dim=1)                                     # (rows, heads, dim + 1)
     out = combined[..., :dim] / combined[..., dim:]
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 DecodeAttention = Callable[..., torch.Tensor]   # paged_decode_attention, or it compiled
+
+
+def _masked_exp(shifted: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """exp, in place, of scores less their maximum, whose `masked` entries are -inf: those come out 0."""
+    if shifted.device.type != "cpu":
+        return shifted.exp_()
+    # On x86 CPUs torch's exp takes a slow path for arguments below EXP_FLOOR (and -inf): 25x the time of the rest
+    # (measured on 180 pages of 4 x 32 scores: 497 us against 20; a decode step 99 ms against 86 end to end). Such
+    # weights are below 1.7e-38 of the largest (1), under what a float32 sum of them can hold: they come out as
+    # exp(EXP_FLOOR), and the masked entries 0 after.
+    return shifted.clamp_(min=EXP_FLOOR).exp_().masked_fill_(masked, 0.0)
 
 
 def _float32(tensor: torch.Tensor) -> torch.Tensor:
