@@ -1,6 +1,6 @@
 """Tarsier2 throughput: `tarsier caption`'s engine vs one item at a time with transformers' generate.
 
-    python bench/bench_tarsier2.py [--resolutions bench wide] [--frames 8] [--threads 2] [--repeats 1]
+    python bench/bench_tarsier2.py [--resolutions bench wide] [--frames 8] [--threads 2] [--repeats 1] [--video PATH]
 
 A random-weight Tarsier2 checkpoint with a ~100M-parameter language model (`bench`: frames of
 at most 50,176 px; `wide`: the official 460,800 px), 16 videos x 8 frames (../shared/media and
@@ -43,8 +43,10 @@ PEER_VLLM_CPU = {"bench": 3.2, "wide": 2.2}
 TARGET = {"bench": 3.5, "wide": 2.4}
 
 
-def videos(count: int = VIDEOS) -> list[MediaItem]:
-    found = [item for item in discover([str(REPO.parent / "shared" / "media"), str(REPO / "sample_data")]).items
+def videos(count: int = VIDEOS, video: str | None = None) -> list[MediaItem]:
+    """`count` videos of ../shared/media and sample_data, repeated as needed; or `video`, `count` times."""
+    found = [item for item in discover([video] if video else [str(REPO.parent / "shared" / "media"),
+                                                                 str(REPO / "sample_data")]).items
              if item.media_type is not MediaType.IMAGE]
     return [found[index % len(found)] for index in range(count)]
 
@@ -58,9 +60,9 @@ def startup_seconds(model_dir: Path) -> float:
     return time.perf_counter() - start
 
 
-def one_resolution(size: str, workdir: Path, repeats: int, frames: int) -> dict:
+def one_resolution(size: str, workdir: Path, repeats: int, frames: int, video: str | None) -> dict:
     model_dir = make_tiny_model(workdir / size, size, seed=0, family="tarsier2")
-    items = videos()
+    items = videos(video=video)
     captioner = without_eos(Captioner(CaptionSettings(
         model=str(model_dir), device="cpu", dtype="float32", frames=frames,
         sampling=SamplingParams(max_new_tokens=NEW_TOKENS))))
@@ -91,12 +93,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--video", help="caption this video 16 times (../shared/media/demo_test.mp4: 4,887 "
+                                        "positions at `wide`, the official size)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as scratch:
-        by_size = {size: one_resolution(size, Path(scratch), args.repeats, args.frames) for size in args.resolutions}
+        by_size = {size: one_resolution(size, Path(scratch), args.repeats, args.frames, args.video)
+                   for size in args.resolutions}
     print(json.dumps({"benchmark": "Tarsier2 throughput vs one-at-a-time generate", "videos": VIDEOS,
-                      "frames": args.frames, "new_tokens": NEW_TOKENS, "by_resolution": by_size,
+                      "frames": args.frames, "new_tokens": NEW_TOKENS, "video": args.video, "by_resolution": by_size,
                       "torch_threads": torch.get_num_threads(), "repeats": args.repeats}, indent=2))
 
 
