@@ -145,6 +145,7 @@ def test_compiled_decode_step_writes_the_cache_in_place(tiny_model_dir, prompts)
     model = load_caption_model(tiny_model_dir, torch.float32, torch.device("cpu"))
     engine = Engine(model, EngineConfig(max_rows=3, prefill_chunk=0, kv_cache_tokens=4096, compile=True),
                     SamplingParams(max_new_tokens=MAX_NEW))
+    assert engine.pools[0].pool.lowest_first, "a compiled step reads the first pages: kept pages go out in order"
     for prompt in prompts[:3]:
         engine.add(prompt)
     while any(seq.in_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:

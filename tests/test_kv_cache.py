@@ -43,6 +43,20 @@ def test_pages_with_known_content_are_kept_when_let_go_and_handed_out_last_least
     assert pool.take(2) is None and pool.kept == 1, "too few: nothing taken, nothing forgotten"
 
 
+def test_for_compiled_steps_kept_pages_go_out_lowest_first_with_the_free_ones() -> None:
+    """A compiled step reads the cache's first pages: kept pages below the free ones are handed out first, so the
+    pages in use stay at the front."""
+    pool = PagePool(6, lowest_first=True)
+    pages = pool.take(4)
+    pool.remember([b"a", b"b"], pages[:2])
+    pool.give_back(pages)
+    assert pool.kept == 2 and pool.cached([b"a", b"b"]).tolist() == [0, 1]
+    pool.share(np.array([1]))   # held again, then let go again: kept once, not twice
+    pool.give_back(np.array([1]))
+    assert pool.take(3).tolist() == [0, 1, 2] and pool.kept == 0 and pool.cached([b"a"]).tolist() == []
+    assert pool.take(3).tolist() == [3, 4, 5] and pool.take(1) is None
+
+
 def test_a_table_grows_into_free_pages_anywhere() -> None:
     """The fragmentation a range could not live with: the free pages are scattered between other rows' pages,
     and a row wanting more than any run of them still gets them all."""

@@ -46,8 +46,9 @@ class Engine:
         self.sampling = sampling
         geometry = model.kv_geometry
         if config.prune is None:
+            # A compiled step reads the first pages as they lie: kept pages must not push the pages in use up.
             self.pools = [KVCache(geometry, config.kv_cache_tokens, model.dtype, model.device,
-                                  page_slots=config.kv_page_slots)]
+                                  page_slots=config.kv_page_slots, lowest_first=config.compile)]
         else:
             # The caller's settings were checked already (settings.py, api.py); this guards the engine's own use.
             if not 1 <= config.prune.layer < geometry.num_layers:

@@ -64,14 +64,22 @@ class PagePool:
     again). A held page is remembered the same way, so rows running together share too. Kept pages count as
     free: one is handed out again only when no page is free, the one let go longest ago first, and loses its
     digest then.
+
+    `lowest_first`: kept pages go out with the free ones, the lowest page first, as if they were free. Decode
+    attention reads the cache's first pages up to the highest one in use; an eager step copies out the pages in
+    use where that window is sparse, a compiled step cannot (see `attention.SPARSE_WINDOW`), and with kept
+    pages below them taken last the pages in use would climb to the top of the cache. Kept pages then last
+    while no lower page is wanted.
     """
 
-    def __init__(self, pages: int):
+    def __init__(self, pages: int, lowest_first: bool = False):
         self._free = list(range(pages))   # a heap, and sorted to start with
         self.holders = np.zeros(pages, dtype=np.int64)
         self._kept: OrderedDict[int, None] = OrderedDict()   # least recently let go first
         self._page_of: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
+        self.lowest_first = lowest_first
+        self._kept_by_page: list[int] = []   # with `lowest_first`: a heap of kept pages (some no longer kept)
 
     @property
     def free(self) -> int:
@@ -84,17 +92,28 @@ class PagePool:
 
     def take(self, count: int) -> np.ndarray | None:
         """`count` pages, now held once, or None (and nothing taken) if fewer are free: the lowest free pages,
-        then kept ones, least recently let go first."""
+        then kept ones, least recently let go first (with `lowest_first`: the lowest of both)."""
         if count > self.free:
             return None
-        taken = [heapq.heappop(self._free) for _ in range(min(count, len(self._free)))]
-        for _ in range(count - len(taken)):
-            page, _ = self._kept.popitem(last=False)
-            del self._page_of[self._digest_of.pop(page)]
-            taken.append(page)
-        pages = np.array(taken, dtype=np.int64)
+        pages = np.array([self._next_page() for _ in range(count)], dtype=np.int64)
         self.holders[pages] = 1
         return pages
+
+    def _next_page(self) -> int:
+        if self.lowest_first:
+            while self._kept_by_page and self._kept_by_page[0] not in self._kept:   # held again since, or taken
+                heapq.heappop(self._kept_by_page)
+            if self._kept_by_page and (not self._free or self._kept_by_page[0] < self._free[0]):
+                return self._forget(heapq.heappop(self._kept_by_page))
+        if self._free:
+            return heapq.heappop(self._free)
+        return self._forget(next(iter(self._kept)))
+
+    def _forget(self, page: int) -> int:
+        """A kept page, no longer kept nor known."""
+        del self._kept[page]
+        del self._page_of[self._digest_of.pop(page)]
+        return page
 
     def kept_among(self, pages: np.ndarray) -> int:
         """How many of `pages` are kept (free, but held once shared)."""
@@ -115,6 +134,8 @@ class PagePool:
         for page in pages[self.holders[pages] == 0][::-1].tolist():
             if page in self._digest_of:
                 self._kept[page] = None
+                if self.lowest_first:
+                    heapq.heappush(self._kept_by_page, page)
             else:
                 heapq.heappush(self._free, page)
 
@@ -149,7 +170,8 @@ class KVCache:
     """Preallocated keys and values of some layers (all by default) for all rows, on the model's device."""
 
     def __init__(self, geometry: KVGeometry, capacity_tokens: int, dtype: torch.dtype, device: torch.device,
-                 layers: range | None = None, page_slots: int = PAGE_SLOTS):
+                 layers: range | None = None, page_slots: int = PAGE_SLOTS, lowest_first: bool = False):
+        """`lowest_first`: see `PagePool` (for compiled steps)."""
         self.layers = layers if layers is not None else range(geometry.num_layers)
         self.first_layer = self.layers.start   # a plain int: compiled steps trace the index arithmetic
         self.page_slots = page_slots
@@ -162,7 +184,7 @@ class KVCache:
         self.keys = torch.empty(shape, dtype=dtype, device=device)
         self.values = torch.empty(shape, dtype=dtype, device=device)
         self.geometry = geometry
-        self.pool = PagePool(self.pages)
+        self.pool = PagePool(self.pages, lowest_first)
 
     @property
     def capacity_tokens(self) -> int:
