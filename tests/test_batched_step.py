@@ -120,6 +120,29 @@ def test_rows_far_apart_attend_over_their_pages_copied_out(bucketed: bool) -> No
     assert decode_tables([BlockTable(4, np.array([0, 2]))], np.array([6]), 4, torch.device("cpu")).pages is None
 
 
+def test_decode_attention_with_scores_spread_far_apart_matches_float64() -> None:
+    """Scores hundreds apart (as random weights and long real contexts give): on the CPU weights below
+    exp(-64) of their page's largest are dropped (subnormal arithmetic is slow there), which must leave every
+    row's attention equal to an exact float64 softmax, rows of one dominant slot and of near ties alike."""
+    geometry = KVGeometry(num_layers=1, kv_heads=2, head_dim=8)
+    cache = KVCache(geometry, 16 * 4, torch.float32, torch.device("cpu"), page_slots=4)
+    rows, contexts = [BlockTable(4, np.array([0, 1, 2])), BlockTable(4, np.array([3, 4, 5, 6]))], [11, 16]
+    generator = torch.Generator().manual_seed(0)
+    for context, table in zip(contexts, rows):
+        cache.write(table, 0, 0, torch.randn(context, 2, 8, generator=generator),
+                    torch.randn(context, 2, 8, generator=generator))
+    queries = torch.randn(2, 4, 8, generator=generator) * 80
+    queries[1, 0] /= 800   # one head of near-equal scores beside the spread ones
+    batched = attend_decoding(cache, 0, queries, decode_tables(rows, np.array(contexts), 4, torch.device("cpu")),
+                              scale=0.3)
+    for index, (context, table) in enumerate(zip(contexts, rows)):
+        keys, values = (tensor.double().repeat_interleave(2, dim=1)[0] for tensor in cache.read(table, 0, context))
+        scores = torch.einsum("hd,hsd->hs", queries[index].double() * 0.3, keys)
+        assert (scores.amax(-1) - scores.amin(-1)).max() > 200, "spread far past exp's floor"
+        exact = torch.einsum("hs,hsd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(batched[index].double(), exact, rtol=1e-5, atol=1e-6)
+
+
 def decode_step_kernels(model, prompts: list[ProcessedPrompt], sampling: SamplingParams) -> list[str]:
     """The kernels of one pure decode step of an engine running `prompts`."""
     engine = Engine(model, EngineConfig(max_rows=len(prompts), max_batch_tokens=4096, prefill_chunk=0,
