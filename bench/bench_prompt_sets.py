@@ -2,6 +2,7 @@
 run per question (what three `tarsier caption --prompt` runs do today).
 
     python bench/bench_prompt_sets.py [--clips 16] [--frames 8] [--new-tokens 32] [--repeats 2] [--video PATH]
+                                      [--prefix-cache]
 
 A random-weight Tarsier2 checkpoint at the official frame geometry (`wide`: 460,800 px a frame, an
 8-layer 1024-wide language model), 16 videos from ../shared/media and sample_data (or --video, 16 times:
@@ -11,7 +12,9 @@ KV cache, prefill chunk). Media are decoded and prompts prepared before timing, 
 the separate runs are not charged for decoding each clip three times (as they would be). Side by side in
 one process, interleaved: the three questions as a set (each clip's later questions share its first's
 prefix KV) and as three runs; then one question alone through the same engine (the path without a set).
-Peak memory (VmHWM above the loaded model) of each side in a fresh process. Prints one JSON object.
+Peak memory (VmHWM above the loaded model) of each side in a fresh process. The prefix cache is off on both
+sides unless --prefix-cache: with it, the 16 copies of --video share their prefix in every run, each question's
+too, and the figures measure the cache rather than a set's forks. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ _PEAK = """
 import sys
 sys.path.insert(0, {bench!r})
 from bench_prompt_sets import load, prepared, run_engine
-captioner = load({model_dir!r}, {frames}, {new_tokens})
+captioner = load({model_dir!r}, {frames}, {new_tokens}, {prefix_cache})
 sets = prepared(captioner, {clips}, {frames}, {questions}, {video!r})
 run_engine(captioner, sets[:1], {fork})   # warm up
 status = lambda field: int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
@@ -55,9 +58,10 @@ print((status("VmHWM:") - start) / 1024)
 """
 
 
-def load(model_dir: str, frames: int, new_tokens: int) -> Captioner:
+def load(model_dir: str, frames: int, new_tokens: int, prefix_cache: bool) -> Captioner:
     return without_eos(Captioner(CaptionSettings(model=model_dir, device="cpu", dtype="float32", frames=frames,
-                                                 sampling=SamplingParams(max_new_tokens=new_tokens))))
+                                                 sampling=SamplingParams(max_new_tokens=new_tokens),
+                                                 prefix_cache=prefix_cache)))
 
 
 def prepared(captioner: Captioner, clips: int, frames: int, questions: int, video: str | None = None
@@ -88,7 +92,7 @@ def run_engine(captioner: Captioner, sets: list[list[ProcessedPrompt]], fork: bo
 def peak_mb(model_dir: Path, args: argparse.Namespace, questions: int, fork: bool) -> float:
     script = _PEAK.format(bench=str(REPO / "bench"), model_dir=str(model_dir), frames=args.frames,
                           new_tokens=args.new_tokens, clips=args.clips, questions=questions, fork=fork,
-                          video=args.video)
+                          video=args.video, prefix_cache=args.prefix_cache)
     done = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True)
     return round(float(done.stdout.strip().splitlines()[-1]), 1)
 
@@ -100,10 +104,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--video", help="caption this video --clips times instead of the shared media")
+    parser.add_argument("--prefix-cache", action="store_true", help="the prefix cache on, both sides")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         model_dir = make_tiny_model(Path(workdir) / "wide", "wide", seed=0, family="tarsier2")
-        captioner = load(str(model_dir), args.frames, args.new_tokens)
+        captioner = load(str(model_dir), args.frames, args.new_tokens, args.prefix_cache)
         sets = prepared(captioner, args.clips, args.frames, len(QUESTIONS), args.video)
         outputs: dict[str, list[list[int]]] = {}
 
@@ -128,6 +133,7 @@ def main() -> None:
             "checkpoint": "tarsier2 wide (460,800 px frames, 8-layer 1024-wide LM)", "clips": len(sets),
             "video": args.video or "shared media and sample_data",
             "frames": args.frames, "new_tokens": args.new_tokens, "batch_size": captioner.batch_size,
+            "prefix_cache": args.prefix_cache,
             "prefill_chunk": captioner.engine_config.prefill_chunk,
             "prompt_positions": sum(prompt.length for prompts in sets for prompt in prompts),
             "shared_prefix_positions": sum(prompts[0].shared_prefix(prompt)
