@@ -247,6 +247,7 @@ def reference(many: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPat
     return stable(out)
 
 
+@pytest.mark.kill
 def test_kill_9_at_several_points_then_rerun_gives_the_uninterrupted_output(many: Path, tiny_model_dir: Path,
                                                                            reference: list[dict],
                                                                            tmp_path: Path) -> None:
@@ -271,6 +272,7 @@ def test_kill_9_at_several_points_then_rerun_gives_the_uninterrupted_output(many
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r.parquet"]
 
 
+@pytest.mark.kill
 @pytest.mark.parametrize(("signal_number", "code", "word"), [(signal.SIGINT, 130, "interrupted"),
                                                            (signal.SIGTERM, 143, "terminated")])
 def test_signals_save_finished_rows_and_say_how_to_resume(many: Path, tiny_model_dir: Path, reference: list[dict],
@@ -313,6 +315,7 @@ def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.kill
 @pytest.mark.parametrize("fails", ["part", "final"])
 def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path, tiny_model_dir: Path,
                                                                     reference: list[dict], tmp_path: Path,
