@@ -9,6 +9,7 @@ pickled filesystem built with a key carries the key).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import io
@@ -39,6 +40,7 @@ _SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|awsaccesskeyid|signature|s
 # environment it started with, so a variable set later (a test's local server) is passed on explicitly.
 _SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT)$")
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
+_INFO_REQUESTS = 8   # objects asked for their facts at once, where a listing lacks them
 # Store answers worth another try: throttling and server-side failures (HTTP 5xx, 429, timeouts).
 _TRANSIENT_CODES = frozenset({"500", "502", "503", "504", "429", "InternalError", "ServiceUnavailable", "SlowDown",
                               "RequestTimeout", "RequestTimeTooSkewed", "Throttling", "ThrottlingException",
@@ -197,7 +199,10 @@ def object_facts(info: dict[str, Any]) -> ObjectFacts:
 
 
 def stat_url(url: str) -> ObjectFacts | None:
-    """The facts of the object at `url`; None if there is none (a folder-like prefix is not an object)."""
+    """The facts of the object at `url`; None if there is none (a folder-like prefix is not an object, nor is a
+    web folder: an http(s) URL whose path ends in '/', which answers with its index page)."""
+    if scheme(url) in ("http", "https") and urlsplit(url).path.endswith("/"):
+        return None
     fs, path = filesystem(url)
     try:
         info = with_retries(lambda: fresh_info(fs, path))
@@ -233,15 +238,21 @@ def list_objects(url: str, recursive: bool = True) -> list[tuple[str, ObjectFact
     else:
         base = path.rstrip("/")
         found = with_retries(lambda: fs.find(base, detail=True, maxdepth=None if recursive else 1))
-    listed = []
+    kept = {}
     for key, info in found.items():
         if info.get("type") == "directory" or key.endswith("/"):
             continue
         below = key[len(base):].lstrip("/") if key.startswith(base) else key
         if any(part.startswith(".") for part in below.split("/")):
             continue
-        listed.append((_url_of(fs, protocol, key), object_facts(info)))
-    return sorted(listed) or None
+        kept[key] = info
+    # A web folder's index page names its files, not their sizes or ETags: each is asked for them (HEAD), several
+    # at a time, so that a resumed run can tell a replaced file from the one it captioned.
+    unsized = [key for key, info in kept.items() if info.get("size") is None]
+    if unsized:
+        with concurrent.futures.ThreadPoolExecutor(_INFO_REQUESTS) as pool:
+            kept.update(zip(unsized, pool.map(lambda key: with_retries(lambda: fresh_info(fs, key)), unsized)))
+    return sorted((_url_of(fs, protocol, key), object_facts(info)) for key, info in kept.items()) or None
 
 
 def _url_of(fs: Any, protocol: str, path: str) -> str:

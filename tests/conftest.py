@@ -17,7 +17,7 @@ from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 
-pytest_plugins = ["s3_server"]   # the `s3` fixture: a real S3 API on loopback
+pytest_plugins = ["s3_server", "http_server"]   # `s3`: a real S3 API on loopback; `http_store`: a web server
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "sample_data"

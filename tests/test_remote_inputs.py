@@ -307,3 +307,49 @@ def test_a_long_objects_windows_download_it_once_per_worker(s3, tmp_path: Path) 
     rows = caption(f"s3://{bucket}/long/long.mp4", "--segments", "fixed:10s", "--workers", "1", "-o", str(out))
     assert [(row["start_s"], row["error"]) for row in rows] == [(float(start), None) for start in range(0, 65, 10)]
     assert s3.requests("GET", f"/{bucket}/long/long.mp4") == 2
+
+
+def test_a_web_folder_captions_as_the_files_do_and_resumes_by_etag(http_store, tmp_path: Path,
+                                                                   local_captions: dict[str, str]) -> None:
+    """http(s):// folder: its index page lists it (hidden entries and non-media left out), each file's size and ETag
+    come from a HEAD, so a rerun fetches nothing again, and a file replaced by other bytes of the same size (same
+    size, new ETag) is captioned again."""
+    clips = http_store.root / "clips"
+    (clips / ".hidden").mkdir(parents=True)
+    for name in CLIPS:
+        (clips / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    (clips / ".hidden" / "x.mp4").write_bytes((SAMPLE_DATA / CLIPS[0]).read_bytes())
+    (clips / "notes.txt").write_text("not media")
+    folder, out = f"{http_store.url}/clips/", tmp_path / "r.parquet"
+    rows = caption(folder, "-o", str(out))
+    assert [row["path"] for row in rows] == [f"{folder}{name}" for name in CLIPS]
+    assert [row["caption"] for row in rows] == [local_captions[name] for name in CLIPS]
+    assert [row["size_bytes"] for row in rows] == [(SAMPLE_DATA / name).stat().st_size for name in CLIPS]
+
+    gets = http_store.requests("GET", "/clips/demo_")
+    again = runner.invoke(app, ["caption", folder, "-o", str(out), "--model", "demo"])
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 3" in again.output, again.output
+    assert http_store.requests("GET", "/clips/demo_") == gets   # nothing fetched again
+
+    size = (clips / CLIPS[1]).stat().st_size
+    (clips / CLIPS[1]).write_bytes((SAMPLE_DATA / CLIPS[2]).read_bytes()[:size].ljust(size, b"\0"))
+    changed = runner.invoke(app, ["caption", folder, "-o", str(out), "--model", "demo"])
+    assert "done earlier 2" in changed.output, changed.output
+    rows = pq.read_table(out).to_pylist()
+    assert [row["caption"] for row in rows][::2] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]]]
+    assert rows[1]["path"] == f"{folder}{CLIPS[1]}" and rows[1]["caption"] != local_captions[CLIPS[1]]
+
+
+def test_a_shard_on_a_web_server_is_streamed_and_pinned_to_its_listed_version(http_store, tmp_path: Path,
+                                                                              local_captions: dict[str, str]) -> None:
+    (http_store.root / "wds").mkdir()
+    members = write_shard(http_store.root / "wds" / "00000.tar", [("a", CLIPS[0]), ("b", "still.png")])
+    url = f"{http_store.url}/wds/00000.tar"
+    rows = caption(f"{http_store.url}/wds/", "-o", str(tmp_path / "r.parquet"))
+    assert [row["path"] for row in rows] == [f"{url}#{name}" for name in members]
+    assert [row["caption"] for row in rows] == [local_captions[CLIPS[0]], local_captions["still.png"]]
+
+    item = discover([url]).items[0]
+    write_shard(http_store.root / "wds" / "00000.tar", [("a", CLIPS[1]), ("b", "still.png")])
+    with pytest.raises(ShardError, match="changed since it was listed"), readable_copy(item):
+        pass

@@ -1,0 +1,116 @@
+"""A static web server on loopback for the tests, as object stores and CDNs serve files over http(s)://.
+
+It serves a folder: an HTML index of links for a folder (what fsspec's HTTP filesystem lists), and for a file
+its bytes with `Content-Length`, a strong `ETag` (a digest of the content, so a file replaced by one of the same
+size and time is told apart), `Accept-Ranges: bytes`, `Range` requests (206, or 416 past the end) and `If-Match`
+(412 when the file changed). Each request is recorded before it is answered, so once a client has its answer the
+request is counted (`requests`), with no log to wait for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+
+
+@dataclass
+class StaticServer:
+    root: Path
+    url: str
+    log: list[tuple[str, str]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def requests(self, method: str, path_part: str) -> int:
+        """How many `method` requests whose path contains `path_part` the server has had."""
+        with self._lock:
+            return sum(1 for seen, path in self.log if seen == method and path_part in path)
+
+    def record(self, method: str, path: str) -> None:
+        with self._lock:
+            self.log.append((method, path))
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"   # keep-alive, as real servers answer
+    server: _Server
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._answer(body=False)
+
+    def do_GET(self) -> None:
+        self._answer(body=True)
+
+    def _answer(self, body: bool) -> None:
+        self.server.store.record(self.command, self.path)
+        relative = unquote(urlsplit(self.path).path).lstrip("/")
+        target = (self.server.store.root / relative).resolve()
+        if not target.is_relative_to(self.server.store.root.resolve()) or not target.exists():
+            return self._send(404, b"not found", body)
+        if target.is_dir():
+            names = [child.name + ("/" if child.is_dir() else "") for child in sorted(target.iterdir())]
+            links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in names)
+            return self._send(200, f"<html><body>\n{links}</body></html>\n".encode(), body,
+                              {"Content-Type": "text/html"})
+        content = target.read_bytes()
+        etag = f'"{hashlib.sha256(content).hexdigest()[:32]}"'
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted.strip() not in ("*", etag):
+            return self._send(412, b"precondition failed", body, {"ETag": etag})
+        headers = {"ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        asked = self.headers.get("Range")
+        if asked is None:
+            return self._send(200, content, body, headers)
+        match = _RANGE.match(asked.strip())
+        if match is None:
+            return self._send(200, content, body, headers)   # a range we do not serve: the whole file, as allowed
+        first = int(match.group(1))
+        last = min(int(match.group(2)) if match.group(2) else len(content) - 1, len(content) - 1)
+        if first >= len(content):
+            return self._send(416, b"", body, {**headers, "Content-Range": f"bytes */{len(content)}"})
+        self._send(206, content[first:last + 1], body,
+                   {**headers, "Content-Range": f"bytes {first}-{last}/{len(content)}"})
+
+    def _send(self, status: int, content: bytes, body: bool, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(content)))
+        self.end_headers()
+        if body:
+            self.wfile.write(content)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    store: StaticServer
+
+
+@pytest.fixture
+def http_store(tmp_path: Path) -> Iterator[StaticServer]:
+    """A web server serving a fresh folder (`.root`) at `.url` (no trailing slash)."""
+    root = tmp_path / "served"
+    root.mkdir()
+    server = _Server(("127.0.0.1", 0), _Handler)
+    server.store = StaticServer(root, f"http://127.0.0.1:{server.server_address[1]}")
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name="http-store")
+    thread.start()
+    try:
+        yield server.store
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
