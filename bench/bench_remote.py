@@ -3,8 +3,9 @@
     python bench/bench_remote.py [--items 24] [--rounds 3] [--big-gb 2]
 
 A local S3 server (moto, in a subprocess on loopback) holds the same clips as a local folder, as
-objects and as 3 tar shards; the same 3 shards sit on local disk too. Each side decodes all items
-through the real decoding pool (`workers.DecodePool`, the default worker count, the tiny
+objects and as 3 tar shards; the same 3 shards sit on local disk too, and a local web server
+(tests/http_server.py: Range requests, ETags, index pages; threads of this process) serves both.
+Each side decodes all items through the real decoding pool (`workers.DecodePool`, the default worker count, the tiny
 Tarsier2 checkpoint's processor at its real frame geometry, 16 frames): decode-bound, so that
 reading is what is measured. The sides run interleaved, round after round (this machine is shared
 and noisy), and the medians are compared: items/s of each side over local files (target >= 0.9x).
@@ -18,6 +19,7 @@ GET, so its own cost is not what S3's would be; its CPU time is reported. Prints
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
 CLIP = REPO.parent / "shared" / "media" / "demo_test.mp4"
 
 
@@ -134,6 +137,7 @@ def main() -> None:
     try:
         import boto3
 
+        from http_server import web_server
         from tarsier_batch.decoding.workers import DecodeJob
         from tarsier_batch.families.loading import load_processor
         from tarsier_batch.families.tiny import make_tiny_model
@@ -157,9 +161,12 @@ def main() -> None:
             client.upload_file(str(file), "bench", f"clips/{file.name}")
         for shard in sorted(shards.iterdir()):
             client.upload_file(str(shard), "bench", f"shards/{shard.name}")
-        sides = {"local files": [str(folder)], "S3 objects": ["s3://bench/clips/"],
+        web = contextlib.ExitStack()
+        site = web.enter_context(web_server(work)).url
+        sides = {"local files": [str(folder)], "S3 objects": ["s3://bench/clips/"], "web files": [f"{site}/clips/"],
                  "local tar shards": [str(shards / "{00000..00002}.tar")],
-                 "S3 tar shards": ["s3://bench/shards/{00000..00002}.tar"]}
+                 "S3 tar shards": ["s3://bench/shards/{00000..00002}.tar"],
+                 "web tar shards": [f"{site}/shards/{{00000..00002}}.tar"]}
         rates: dict[str, list[float]] = {name: [] for name in sides}
         listing: dict[str, float] = {}
         moto_cpu = cpu_seconds(server.pid)
@@ -171,6 +178,7 @@ def main() -> None:
                 assert len(items) == 3 * third, (name, len(items))
                 rates[name].append(decode_rate(job, items))
         moto_cpu = cpu_seconds(server.pid) - moto_cpu
+        web.close()
         medians = {name: statistics.median(values) for name, values in rates.items()}
         report = {"items": 3 * third, "rounds": args.rounds, "clip": CLIP.name, "frames": 16,
                   "items_per_s": {name: [round(value, 3) for value in values] for name, values in rates.items()},

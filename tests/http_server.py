@@ -4,11 +4,13 @@ It serves a folder: an HTML index of links for a folder (what fsspec's HTTP file
 its bytes with `Content-Length`, a strong `ETag` (a digest of the content, so a file replaced by one of the same
 size and time is told apart), `Accept-Ranges: bytes`, `Range` requests (206, or 416 past the end) and `If-Match`
 (412 when the file changed). Each request is recorded before it is answered, so once a client has its answer the
-request is counted (`requests`), with no log to wait for.
+request is counted (`requests`), with no log to wait for. The `http_store` fixture for tests, `web_server` for the
+benchmarks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import html
 import re
@@ -99,11 +101,9 @@ class _Server(ThreadingHTTPServer):
     store: StaticServer
 
 
-@pytest.fixture
-def http_store(tmp_path: Path) -> Iterator[StaticServer]:
-    """A web server serving a fresh folder (`.root`) at `.url` (no trailing slash)."""
-    root = tmp_path / "served"
-    root.mkdir()
+@contextlib.contextmanager
+def web_server(root: Path) -> Iterator[StaticServer]:
+    """A web server serving `root` at `.url` (no trailing slash) until the block ends."""
     server = _Server(("127.0.0.1", 0), _Handler)
     server.store = StaticServer(root, f"http://127.0.0.1:{server.server_address[1]}")
     thread = threading.Thread(target=server.serve_forever, daemon=True, name="http-store")
@@ -114,3 +114,12 @@ def http_store(tmp_path: Path) -> Iterator[StaticServer]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@pytest.fixture
+def http_store(tmp_path: Path) -> Iterator[StaticServer]:
+    """A web server serving a fresh folder (`.root`)."""
+    root = tmp_path / "served"
+    root.mkdir()
+    with web_server(root) as store:
+        yield store
