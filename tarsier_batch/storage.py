@@ -38,7 +38,8 @@ _SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|awsaccesskeyid|signature|s
                                r"access_?key|auth|authorization)$", re.IGNORECASE)
 # Store configuration that is not secret and that decoding workers must see: the fork server keeps the
 # environment it started with, so a variable set later (a test's local server) is passed on explicitly.
-_SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT)$")
+_SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT|"
+                                 r"STORAGE_EMULATOR_HOST)$")
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 _INFO_REQUESTS = 8   # objects asked for their facts at once, where a listing lacks them
 # Store answers worth another try: throttling and server-side failures (HTTP 5xx, 429, timeouts).

@@ -17,7 +17,8 @@ from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier import TarsierCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 
-pytest_plugins = ["s3_server", "http_server"]   # `s3`: a real S3 API on loopback; `http_store`: a web server
+# Real stores on loopback: `s3` (moto's S3 API), `gcs` (gcp-storage-emulator), `http_store` (a web server).
+pytest_plugins = ["s3_server", "gcs_server", "http_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "sample_data"

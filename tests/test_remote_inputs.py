@@ -353,3 +353,31 @@ def test_a_shard_on_a_web_server_is_streamed_and_pinned_to_its_listed_version(ht
     write_shard(http_store.root / "wds" / "00000.tar", [("a", CLIPS[1]), ("b", "still.png")])
     with pytest.raises(ShardError, match="changed since it was listed"), readable_copy(item):
         pass
+
+
+def test_a_gcs_prefix_and_shard_caption_as_the_files_do_and_resume(gcs, tmp_path: Path,
+                                                                   local_captions: dict[str, str]) -> None:
+    """gs:// against the GCS emulator: a prefix listed like a folder (hidden and non-media names left out), a shard
+    streamed, a rerun that captions nothing again, and an object replaced (new MD5) captioned again."""
+    bucket = gcs.new_bucket()
+    for name in CLIPS:
+        gcs.upload(bucket, f"clips/{name}", (SAMPLE_DATA / name).read_bytes())
+    gcs.upload(bucket, "clips/.hidden/x.mp4", (SAMPLE_DATA / CLIPS[0]).read_bytes())
+    gcs.upload(bucket, "clips/notes.txt", b"not media")
+    members = write_shard(tmp_path / "00000.tar", [("a", CLIPS[0]), ("b", "still.png")])
+    gcs.upload(bucket, "wds/00000.tar", (tmp_path / "00000.tar").read_bytes())
+    out = tmp_path / "r.parquet"
+    rows = caption(f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out))
+    assert [row["path"] for row in rows] == [*(f"gs://{bucket}/clips/{name}" for name in CLIPS),
+                                             *(f"gs://{bucket}/wds/00000.tar#{name}" for name in members)]
+    assert [row["caption"] for row in rows] == [*(local_captions[name] for name in CLIPS),
+                                                local_captions[CLIPS[0]], local_captions["still.png"]]
+    assert [row["size_bytes"] for row in rows[:3]] == [(SAMPLE_DATA / name).stat().st_size for name in CLIPS]
+
+    again = runner.invoke(app, ["caption", f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out),
+                                "--model", "demo"])
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 5" in again.output, again.output
+    gcs.upload(bucket, f"clips/{CLIPS[1]}", (SAMPLE_DATA / CLIPS[2]).read_bytes())
+    rows = caption(f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out))
+    assert [row["caption"] for row in rows[:3]] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]],
+                                                    local_captions[CLIPS[2]]]

@@ -51,9 +51,9 @@ def test_is_url(text: str, expected: bool) -> None:
 
 
 def test_a_scheme_without_its_backend_names_the_extra_to_install() -> None:
-    assert importlib.util.find_spec("gcsfs") is None, "the test extra does not install gcsfs: this test needs it absent"
-    with pytest.raises(storage.StorageError, match=r"pip install 'tarsier-batch\[gcs\]'"):
-        storage.filesystem("gs://bucket/a.mp4")
+    assert importlib.util.find_spec("adlfs") is None, "the test extra does not install adlfs: this test needs it absent"
+    with pytest.raises(storage.StorageError, match=r"pip install 'tarsier-batch\[azure\]'"):
+        storage.filesystem("az://container/a.mp4")
 
 
 def _client_error(code: str, status: int) -> ClientError:

@@ -1,0 +1,87 @@
+"""A Google Cloud Storage JSON API on loopback for the tests: gcp-storage-emulator in a subprocess.
+
+Used as a pytest plugin (conftest's `pytest_plugins`), as `s3_server` is. The emulator binds a port it picks and
+the small script below prints it, so there is no race for a free port. gcsfs finds it through
+`STORAGE_EMULATOR_HOST` (and then sends no credentials). What the emulator lacks, against the real service:
+preconditions (`ifGenerationMatch`: a create-only write overwrites), so the output lock's conditional writes are not
+tested here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+# gcsfs first asks, over gRPC, whether a bucket is hierarchical or zonal; an emulator has no gRPC endpoint and each
+# call would wait out a 60 s timeout. Set before any fork server starts (its children keep its environment).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+# The emulator's command line does not say which port it took when given 0: this asks its server object.
+_SERVE = """
+import time
+from gcp_storage_emulator.server import create_server
+server = create_server("127.0.0.1", 0, in_memory=True)
+server.start()
+print("http://127.0.0.1:%d" % server._api._httpd.server_address[1], flush=True)
+while True:
+    time.sleep(3600)
+"""
+_START_TIMEOUT_S = 60
+
+
+@dataclass
+class GCSServer:
+    endpoint: str
+    process: subprocess.Popen
+
+    def new_bucket(self) -> str:
+        """A fresh, empty bucket (one per test)."""
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        self.filesystem().mkdir(name)
+        return name
+
+    def upload(self, bucket: str, key: str, body: bytes) -> None:
+        self.filesystem().pipe_file(f"{bucket}/{key}", body)
+
+    def filesystem(self):  # noqa: ANN201 - gcsfs is imported only here
+        import gcsfs
+
+        return gcsfs.GCSFileSystem(endpoint_url=self.endpoint, token="anon", skip_instance_cache=True)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GCSServer]:
+    process = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    timer = threading.Timer(_START_TIMEOUT_S, process.kill)
+    timer.start()
+    try:
+        endpoint = process.stdout.readline().decode().strip()
+    finally:
+        timer.cancel()
+    if not endpoint.startswith("http://"):
+        raise RuntimeError("gcp-storage-emulator did not start")
+    try:
+        yield GCSServer(endpoint, process)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture
+def gcs(gcs_server: GCSServer, monkeypatch: pytest.MonkeyPatch) -> GCSServer:
+    """The local GCS emulator, made this process's endpoint (and that of the processes it starts)."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server.endpoint)
+    return gcs_server
