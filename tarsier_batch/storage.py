@@ -36,10 +36,13 @@ EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "ab
 _SECRET_PARAMETER = re.compile(r"^(x-amz-.*|x-goog-.*|awsaccesskeyid|signature|sig|se|st|skoid|sktid|skt|ske|sks|skv|"
                                r"expires|policy|key-pair-id|.*token|.*secret|.*password|.*credential|api_?key|"
                                r"access_?key|auth|authorization)$", re.IGNORECASE)
-# Store configuration that is not secret and that decoding workers must see: the fork server keeps the
-# environment it started with, so a variable set later (a test's local server) is passed on explicitly.
+# Store configuration that is not secret (endpoints, regions), which other machines of a cluster may be given.
 _SHARED_ENVIRONMENT = re.compile(r"^(AWS_ENDPOINT_URL(_[A-Z0-9_]+)?|AWS_REGION|AWS_DEFAULT_REGION|HF_ENDPOINT|"
                                  r"STORAGE_EMULATOR_HOST)$")
+# Every variable the stores' libraries read, credentials included: what this process's own children must see. They
+# come from a fork server that keeps the environment it started with, so a variable set later (by a program using
+# the Python API, or a test's local server) is passed on explicitly, through a pipe, never stored or printed.
+_STORE_ENVIRONMENT = re.compile(r"^(AWS_|AZURE_|GOOGLE_|GCSFS_|HF_|STORAGE_EMULATOR_HOST$)")
 _RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)
 _INFO_REQUESTS = 8   # objects asked for their facts at once, where a listing lacks them
 # Store answers worth another try: throttling and server-side failures (HTTP 5xx, 429, timeouts).
@@ -135,9 +138,11 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise StorageError(f"{redact(url)}: {error}") from error
 
 
-def environment() -> dict[str, str]:
-    """The store settings of this process that other processes must see (endpoints, regions; never credentials)."""
-    return {name: value for name, value in os.environ.items() if _SHARED_ENVIRONMENT.match(name)}
+def environment(credentials: bool = False) -> dict[str, str]:
+    """The store settings of this process that other processes must see: endpoints and regions, for other machines;
+    with `credentials`, everything the stores' libraries read, for this process's own children on this machine."""
+    pattern = _STORE_ENVIRONMENT if credentials else _SHARED_ENVIRONMENT
+    return {name: value for name, value in os.environ.items() if pattern.match(name)}
 
 
 def is_transient(error: BaseException) -> bool:

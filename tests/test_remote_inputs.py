@@ -355,29 +355,32 @@ def test_a_shard_on_a_web_server_is_streamed_and_pinned_to_its_listed_version(ht
         pass
 
 
-def test_a_gcs_prefix_and_shard_caption_as_the_files_do_and_resume(gcs, tmp_path: Path,
-                                                                   local_captions: dict[str, str]) -> None:
-    """gs:// against the GCS emulator: a prefix listed like a folder (hidden and non-media names left out), a shard
-    streamed, a rerun that captions nothing again, and an object replaced (new MD5) captioned again."""
-    bucket = gcs.new_bucket()
+@pytest.mark.parametrize(("store_fixture", "scheme"), [("gcs", "gs"), ("azure", "az")])
+def test_a_prefix_and_a_shard_in_a_store_caption_as_the_files_do_and_resume(
+        store_fixture: str, scheme: str, request: pytest.FixtureRequest, tmp_path: Path,
+        local_captions: dict[str, str]) -> None:
+    """gs:// (the GCS emulator) and az:// (Azurite): a prefix listed like a folder (hidden and non-media names left
+    out), a shard streamed, a rerun that captions nothing again, and an object replaced (a new MD5 or ETag) captioned
+    again. The stores' settings reach the decoding workers (set after their fork server started)."""
+    store = request.getfixturevalue(store_fixture)
+    bucket = store.new_bucket()
     for name in CLIPS:
-        gcs.upload(bucket, f"clips/{name}", (SAMPLE_DATA / name).read_bytes())
-    gcs.upload(bucket, "clips/.hidden/x.mp4", (SAMPLE_DATA / CLIPS[0]).read_bytes())
-    gcs.upload(bucket, "clips/notes.txt", b"not media")
+        store.upload(bucket, f"clips/{name}", (SAMPLE_DATA / name).read_bytes())
+    store.upload(bucket, "clips/.hidden/x.mp4", (SAMPLE_DATA / CLIPS[0]).read_bytes())
+    store.upload(bucket, "clips/notes.txt", b"not media")
     members = write_shard(tmp_path / "00000.tar", [("a", CLIPS[0]), ("b", "still.png")])
-    gcs.upload(bucket, "wds/00000.tar", (tmp_path / "00000.tar").read_bytes())
-    out = tmp_path / "r.parquet"
-    rows = caption(f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out))
-    assert [row["path"] for row in rows] == [*(f"gs://{bucket}/clips/{name}" for name in CLIPS),
-                                             *(f"gs://{bucket}/wds/00000.tar#{name}" for name in members)]
+    store.upload(bucket, "wds/00000.tar", (tmp_path / "00000.tar").read_bytes())
+    inputs, out = [f"{scheme}://{bucket}/clips", f"{scheme}://{bucket}/wds/"], tmp_path / "r.parquet"
+    rows = caption(*inputs, "-o", str(out))
+    assert [row["path"] for row in rows] == [*(f"{scheme}://{bucket}/clips/{name}" for name in CLIPS),
+                                             *(f"{scheme}://{bucket}/wds/00000.tar#{name}" for name in members)]
     assert [row["caption"] for row in rows] == [*(local_captions[name] for name in CLIPS),
                                                 local_captions[CLIPS[0]], local_captions["still.png"]]
     assert [row["size_bytes"] for row in rows[:3]] == [(SAMPLE_DATA / name).stat().st_size for name in CLIPS]
 
-    again = runner.invoke(app, ["caption", f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out),
-                                "--model", "demo"])
+    again = runner.invoke(app, ["caption", *inputs, "-o", str(out), "--model", "demo"])
     assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 5" in again.output, again.output
-    gcs.upload(bucket, f"clips/{CLIPS[1]}", (SAMPLE_DATA / CLIPS[2]).read_bytes())
-    rows = caption(f"gs://{bucket}/clips", f"gs://{bucket}/wds/", "-o", str(out))
+    store.upload(bucket, f"clips/{CLIPS[1]}", (SAMPLE_DATA / CLIPS[2]).read_bytes())
+    rows = caption(*inputs, "-o", str(out))
     assert [row["caption"] for row in rows[:3]] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]],
                                                     local_captions[CLIPS[2]]]

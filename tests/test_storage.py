@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import importlib.util
 import os
 import signal
 import subprocess
@@ -51,9 +50,13 @@ def test_is_url(text: str, expected: bool) -> None:
 
 
 def test_a_scheme_without_its_backend_names_the_extra_to_install() -> None:
-    assert importlib.util.find_spec("adlfs") is None, "the test extra does not install adlfs: this test needs it absent"
-    with pytest.raises(storage.StorageError, match=r"pip install 'tarsier-batch\[azure\]'"):
-        storage.filesystem("az://container/a.mp4")
+    """In a fresh interpreter where gcsfs cannot be imported (as without the gcs extra; the test extra has it)."""
+    script = ("import sys\nsys.modules['gcsfs'] = None   # an import of it raises ImportError\n"
+              "from tarsier_batch import storage\n"
+              "try:\n    storage.filesystem('gs://bucket/a.mp4')\nexcept storage.StorageError as error:\n"
+              "    print(error)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "gs:// needs a storage backend that is not installed: pip install 'tarsier-batch[gcs]'" in done.stdout
 
 
 def _client_error(code: str, status: int) -> ClientError:
@@ -158,3 +161,22 @@ def test_a_spool_on_disk_is_freed_when_its_process_is_killed(tmp_path: Path) -> 
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_other_machines_get_store_settings_and_our_own_workers_the_credentials_too(monkeypatch) -> None:
+    """A cluster is given endpoints and regions only; this process's own children (forked from a server that kept
+    an older environment) get what a program set since, credentials included, and no repr shows them."""
+    from tarsier_batch.review.thumbnails import StripJob
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-key")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "AccountName=a;AccountKey=s3cr3t-account")
+    monkeypatch.setenv("PATH_OF_SOMETHING_ELSE", "/x")
+    shared, local = storage.environment(), storage.environment(credentials=True)
+    assert shared["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+    assert not any("s3cr3t" in value for value in shared.values())
+    assert local["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-key"
+    assert "AccountKey=s3cr3t" in local["AZURE_STORAGE_CONNECTION_STRING"]
+    assert "PATH_OF_SOMETHING_ELSE" not in local
+    job = StripJob("s3://b/a.mp4", "video", (0,), 32)
+    assert job.storage_environment == local and "s3cr3t" not in repr(job)

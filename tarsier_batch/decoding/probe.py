@@ -51,7 +51,7 @@ def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, ti
             meanwhile()
         return [known[index] for index in range(len(items))]
     start_decoding_server()
-    pool = ProcessPool(workers, initializer=quiet_worker, initargs=(storage.environment(),),
+    pool = ProcessPool(workers, initializer=quiet_worker, initargs=(storage.environment(credentials=True),),
                        context=multiprocessing.get_context("forkserver"))
     try:
         lengths = {index: pool.schedule(_length, (items[index],), timeout=timeout_s) for index in unknown}

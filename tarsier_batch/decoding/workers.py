@@ -76,9 +76,10 @@ class DecodeJob:
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
     temporal_pruning: float = 0.0   # the share of vision vectors dropped for repeating the previous frame
     prompt_set: tuple[Question, ...] = ()   # several questions per item instead of one instruction
-    # Object-store settings (endpoints, regions; never credentials) of the process that made the job: a worker
-    # comes from a fork server that kept the environment of when it started.
-    storage_environment: dict[str, str] = field(default_factory=storage.environment)
+    # The object-store settings and credentials of the process that made the job (`storage.environment`): a worker
+    # comes from a fork server that kept the environment of when it started. Never in a repr.
+    storage_environment: dict[str, str] = field(default_factory=lambda: storage.environment(credentials=True),
+                                                repr=False)
 
 
 @dataclass

@@ -35,8 +35,9 @@ class StripJob:
     media_type: str
     indices: tuple[int, ...]
     height: int
-    # Object-store endpoints and regions of the process that asked (the fork server's children keep its environment).
-    storage_environment: dict[str, str] = field(default_factory=environment)
+    # The object-store settings and credentials of the process that asked (the fork server's children keep its
+    # environment; see `storage.environment`). Never in a repr.
+    storage_environment: dict[str, str] = field(default_factory=lambda: environment(credentials=True), repr=False)
 
 
 @dataclass
