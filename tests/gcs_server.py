@@ -10,15 +10,14 @@ tested here.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
+import re
 import sys
-import threading
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import pytest
+
+import local_servers
 
 # gcsfs first asks, over gRPC, whether a bucket is hierarchical or zonal; an emulator has no gRPC endpoint and each
 # call would wait out a 60 s timeout. Set before any fork server starts (its children keep its environment).
@@ -34,50 +33,20 @@ print("http://127.0.0.1:%d" % server._api._httpd.server_address[1], flush=True)
 while True:
     time.sleep(3600)
 """
-_START_TIMEOUT_S = 60
+_READY = re.compile(rb"^(http://127\.0\.0\.1:\d+)$")
 
 
-@dataclass
-class GCSServer:
-    endpoint: str
-    process: subprocess.Popen
-
-    def new_bucket(self) -> str:
-        """A fresh, empty bucket (one per test)."""
-        name = f"test-{uuid.uuid4().hex[:12]}"
-        self.filesystem().mkdir(name)
-        return name
-
-    def upload(self, bucket: str, key: str, body: bytes) -> None:
-        self.filesystem().pipe_file(f"{bucket}/{key}", body)
-
-    def filesystem(self):  # noqa: ANN201 - gcsfs is imported only here
-        import gcsfs
+class GCSServer(local_servers.Store):
+    def filesystem(self) -> Any:
+        import gcsfs  # only here: the plugin loads before the tests' imports
 
         return gcsfs.GCSFileSystem(endpoint_url=self.endpoint, token="anon", skip_instance_cache=True)
 
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[GCSServer]:
-    process = subprocess.Popen([sys.executable, "-c", _SERVE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    timer = threading.Timer(_START_TIMEOUT_S, process.kill)
-    timer.start()
-    try:
-        endpoint = process.stdout.readline().decode().strip()
-    finally:
-        timer.cancel()
-    if not endpoint.startswith("http://"):
-        raise RuntimeError("gcp-storage-emulator did not start")
-    try:
-        yield GCSServer(endpoint, process)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    with local_servers.running([sys.executable, "-c", _SERVE], _READY, "gcp-storage-emulator") as (process, url):
+        yield GCSServer(url, process)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -19,8 +18,11 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import IO
 
 import pytest
+
+import local_servers
 
 # Static credentials for the local server, set before any fork server starts (its children keep the
 # environment it started with). They are fake: moto accepts any.
@@ -31,7 +33,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 _READY = re.compile(rb"Running on (http://127\.0\.0\.1:\d+)")
 _REQUEST = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP')
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")   # werkzeug colours some log lines (206, 404)
-_START_TIMEOUT_S = 60
 
 
 @dataclass
@@ -65,8 +66,8 @@ class S3Server:
         return sum(1 for line in lines for match in [_REQUEST.search(line)]
                    if match and match.group(1) == method and path_part in match.group(2))
 
-    def _drain(self) -> None:
-        for raw in self.process.stderr:
+    def _drain(self, log: IO[bytes]) -> None:
+        for raw in log:
             with self._logged:
                 self.log.append(_COLOUR.sub("", raw.decode("utf-8", "replace")))
                 self._logged.notify_all()
@@ -74,36 +75,14 @@ class S3Server:
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    endpoint = _wait_for_port(process)
+    process, endpoint, log = local_servers.start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", "0"],
+                                                 _READY, "moto's S3 server", stream="stderr")
     server = S3Server(endpoint, process)
-    threading.Thread(target=server._drain, daemon=True, name="moto-log").start()
+    threading.Thread(target=server._drain, args=(log,), daemon=True, name="moto-log").start()
     try:
         yield server
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
-def _wait_for_port(process: subprocess.Popen) -> str:
-    """The server's URL, from its first lines on stderr (a timer kills it if it never says)."""
-    timer = threading.Timer(_START_TIMEOUT_S, process.kill)
-    timer.start()
-    seen = b""
-    try:
-        for raw in process.stderr:
-            seen += raw
-            match = _READY.search(raw)
-            if match:
-                return match.group(1).decode()
-    finally:
-        timer.cancel()
-    raise RuntimeError(f"moto's S3 server did not start: {seen.decode('utf-8', 'replace')[-2000:]}")
+        local_servers.stop(process)
 
 
 @pytest.fixture
