@@ -275,3 +275,38 @@ def test_a_read_only_url_is_refused_at_once(flag: str, url: str, tmp_path: Path)
     assert result.exit_code == 2
     assert result.output.splitlines() == [f"Error: {flag} {url}: {url.split(':')[0]}:// is read-only; write to "
                                           f"s3://, gs://, az:// or a local path"]
+
+
+@pytest.mark.parametrize(("store_fixture", "scheme"), [("s3", "s3"), ("azure", "az"), ("gcs", "gs")])
+def test_a_remote_lock_is_renewed_and_taken_over_only_once_its_holder_is_dead(
+        store_fixture: str, scheme: str, request: pytest.FixtureRequest) -> None:
+    """Against each store's own conditional writes (S3 If-None-Match / If-Match; Azure's ETag conditions; on GCS,
+    which gcsfs gives none, a look at the version before each write): a holder killed with SIGKILL stops renewing,
+    and its lock is refused while its lease runs, then taken over, naming it; a live holder renews its lease, so a
+    second run is refused past the first lease."""
+    store = request.getfixturevalue(store_fixture)
+    bucket, lease_s = store.new_bucket(), 4.0
+    dead_url, live_url = f"{scheme}://{bucket}/dead/r.parquet", f"{scheme}://{bucket}/live/r.parquet"
+    script = (f"from tarsier_batch.outputs.lock import RemoteLock\nRemoteLock({dead_url!r}, {lease_s}).acquire()\n"
+              f"print('held', flush=True)\nimport time\ntime.sleep(600)\n")
+    dead = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert dead.stdout.readline().strip() == "held"
+    finally:
+        dead.kill()
+        dead.wait()
+    with pytest.raises(OutputLockedError, match=f"pid {dead.pid} on "):
+        RemoteLock(dead_url, lease_s).acquire()
+    holder = RemoteLock(live_url, lease_s)
+    holder.acquire()
+    try:
+        time.sleep(lease_s + 0.5)   # past the first lease of both: only renewals keep one
+        with pytest.raises(OutputLockedError, match=f"pid {os.getpid()} on "):
+            RemoteLock(live_url, lease_s).acquire()
+        assert holder.lost is None
+        successor = RemoteLock(dead_url, lease_s)
+        successor.acquire()
+        successor.release()
+        assert successor.taken_over is not None and f"pid {dead.pid} on " in successor.taken_over
+    finally:
+        holder.release()

@@ -93,10 +93,12 @@ class RemoteLock:
     No store lock dies with its process, so the object carries a lease: its body (JSON) names the
     holder and when the lease ends, and a daemon thread renews it every third of the lease. A run
     that dies (even by `kill -9`) stops renewing, and the next run takes the lock over once the lease
-    has run out. Creating uses `If-None-Match: *` and every later write `If-Match` on the ETag last
-    seen, so of two runs that find the same expired lease only one takes it, and a holder whose lease
-    was taken over while it was paused learns it (`check`) instead of overwriting the new holder's
-    work. Expiry is judged on this host's clock against the holder's: keep clocks in sync (NTP).
+    has run out. Creating is create-only (S3 `If-None-Match: *`) and every later write is conditional on
+    the ETag last seen (S3 `If-Match`, Azure's ETag condition), so of two runs that find the same expired
+    lease only one takes it, and a holder whose lease was taken over while it was paused learns it
+    (`check`) instead of overwriting the new holder's work. gcsfs has no conditional replace: there each
+    write looks at the version first (`_look_then_write`, best effort). Expiry is judged on this host's
+    clock against the holder's: keep clocks in sync (NTP).
     """
 
     def __init__(self, url: str, lease_s: float | None = None):
@@ -136,7 +138,7 @@ class RemoteLock:
                                         f"finish or use another output")
             try:
                 self._etag = self._write(if_match=etag)
-            except OSError as error:
+            except Exception as error:  # noqa: BLE001 - each backend's own error type: only a lost race goes on
                 if not _lost_race(error):
                     raise
                 continue   # another run took it over first: look again
@@ -174,11 +176,9 @@ class RemoteLock:
             try:
                 self._etag = self._write(if_match=self._etag)
                 continue
-            except OSError as error:
-                if not _lost_race(error) and not isinstance(error, FileNotFoundError):
+            except Exception as error:  # noqa: BLE001 - this thread must outlive a failed request
+                if not _lost_race(error) and not _gone(error):
                     continue   # a store that failed to answer: the next renewal may, well within the lease
-            except Exception:  # noqa: BLE001 - likewise: this thread must outlive a failed request
-                continue
             try:
                 body, etag = self._read()
             except FileNotFoundError:
@@ -197,9 +197,24 @@ class RemoteLock:
         body = {"pid": os.getpid(), "host": socket.gethostname(), "since": self._since, "token": self._token,
                 "lease_s": self.lease_s, "lease_until": time.time() + self.lease_s}
         data = json.dumps(body).encode()
-        condition: dict[str, Any] = {"mode": "create"} if create else {"IfMatch": if_match}
+        if not _writes_conditionally(self.fs):
+            return self._look_then_write(data, create, if_match)
+        condition = {"mode": "create"} if create else _if_match(self.fs, if_match or "")
         answer = with_retries(lambda: self.fs.pipe_file(self.path, data, **condition))
-        return str((answer or {}).get("ETag", ""))
+        return _etag(answer or {})
+
+    def _look_then_write(self, data: bytes, create: bool, if_match: str | None) -> str:
+        """`_write` where the store's library offers no conditional replace (gcsfs): the object's version is looked
+        at, then written over if it is the one expected. Best effort: two runs that look within the same moment
+        could both write; a holder's renewals still find a successor's lock and give up."""
+        try:
+            current: str | None = _etag(with_retries(lambda: self.fs.info(self.path, refresh=True)))
+        except FileNotFoundError:
+            current = None
+        if (current is not None) if create else (current != if_match):
+            raise FileExistsError(self.path)
+        with_retries(lambda: self.fs.pipe_file(self.path, data))
+        return _etag(with_retries(lambda: self.fs.info(self.path, refresh=True)))
 
     def _is_ours(self, body: dict[str, Any]) -> bool:
         return body.get("token") == self._token   # not pid and time: two locks of one process may share them
@@ -213,7 +228,7 @@ class RemoteLock:
             body = json.loads(data)
         except ValueError:
             body = {}   # not a lock this tool wrote: treated as expired, and taken over with a warning
-        return body if isinstance(body, dict) else {}, str(info.get("ETag", ""))
+        return body if isinstance(body, dict) else {}, _etag(info)
 
     def __enter__(self) -> RemoteLock:
         self.acquire()
@@ -228,6 +243,35 @@ def _holder(body: dict[str, Any]) -> str:
     return f"pid {body.get('pid', '?')} on {body.get('host', 'an unknown host')}, since {body.get('since', '?')}"
 
 
-def _lost_race(error: OSError) -> bool:
-    """Whether a conditional write failed on its condition (s3fs: EINVAL for 412 Precondition Failed)."""
-    return isinstance(error, FileExistsError) or error.errno == errno.EINVAL
+def _writes_conditionally(fs: Any) -> bool:
+    """Whether `fs.pipe_file` can write only if absent and only over a version: s3fs and adlfs, not gcsfs."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return any(protocol in ("s3", "s3a", "abfs", "az") for protocol in protocols)
+
+
+def _if_match(fs: Any, etag: str) -> dict[str, Any]:
+    """The keywords of `fs.pipe_file` that write only over the object at version `etag`: S3's If-Match through
+    s3fs, Azure's ETag condition through adlfs (which hands them to the blob client)."""
+    if "abfs" in fs.protocol or "az" in fs.protocol:
+        from azure.core import MatchConditions
+
+        return {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+    return {"IfMatch": etag}
+
+
+def _etag(answer: dict[str, Any]) -> str:
+    """The ETag of a write's answer or an `info()` (S3 names it ETag, Azure etag)."""
+    return str(answer.get("ETag") or answer.get("etag") or "")
+
+
+def _gone(error: Exception) -> bool:
+    """Whether a write failed for want of the object (s3fs: FileNotFoundError; Azure's client: 404)."""
+    return isinstance(error, FileNotFoundError) or getattr(error, "status_code", None) == 404
+
+
+def _lost_race(error: Exception) -> bool:
+    """Whether a conditional write failed on its condition: 412 Precondition Failed (s3fs raises EINVAL, Azure's
+    client ResourceModifiedError), or a create-only write over an object."""
+    if isinstance(error, FileExistsError) or getattr(error, "status_code", None) == 412:
+        return True
+    return isinstance(error, OSError) and error.errno == errno.EINVAL
