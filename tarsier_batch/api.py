@@ -84,7 +84,7 @@ class Captioner:
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu", prefix_cache=settings.prefix_cache,
             prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
-            compile=settings.compile_step)
+            compile=settings.compile_step, cuda_graphs=settings.cuda_graphs)
         needed = self.model.processor.min_vision_positions(self.frames)
         page = self.engine_config.kv_page_slots
         # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
@@ -137,7 +137,7 @@ class Captioner:
             "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
             "prefix_cache": config.prefix_cache,
             "prune": self.settings.pruning,
-            "compile": config.compile,
+            "compile": config.compile, "cuda_graphs": config.cuda_graphs and self.device.type == "cuda",
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
             "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
@@ -158,7 +158,8 @@ class Captioner:
         if settings.temporal_pruning:
             pruning += (f", the {settings.temporal_pruning:g} of the vision tokens that change least from frame to "
                         f"frame dropped (not the official output)")
-        pruning += ", compiled step (the first steps compile)" if config.compile else ""
+        pruning += ", compiled layers (the first steps compile)" if config.compile else ""
+        pruning += ", decode steps as CUDA graphs" if config.cuda_graphs and self.device.type == "cuda" else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
         return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "

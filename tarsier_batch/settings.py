@@ -121,7 +121,8 @@ class CaptionSettings:
     # PRUNE_METHODS: before the LM by frame change, or after layer K by attention. None: temporal, which keeps the
     # captions (the demo model at R = 0.5: 98 % right, fastv 89 %), or fastv when prune_layer is given (its K).
     prune_method: str | None = None
-    compile_step: bool = False         # the decode step through torch.compile
+    compile_step: bool = False         # the layers and the decode attention through torch.compile
+    cuda_graphs: bool = True           # on CUDA, decode steps recorded and replayed as CUDA graphs
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"

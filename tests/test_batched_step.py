@@ -216,9 +216,8 @@ def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows:
 @pytest.mark.parametrize("family", ["tarsier", "tarsier2"])
 def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_media, monkeypatch) -> None:
     """--compile: the layers and the decode attention through torch.compile (inductor's C++ kernels here, Triton
-    on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill. A pure
-    decode step is one graph (`fullgraph`: no host synchronisation or value-dependent Python inside, or it
-    fails) at power-of-two sizes; a few compilations serve every step shape of the run, not one per shape."""
+    on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill. Decode
+    steps run at power-of-two sizes; a few compilations serve every step shape of the run, not one per shape."""
     import torch._dynamo
 
     from tarsier_batch.engine.decode_step import DecodeStep

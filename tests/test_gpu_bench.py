@@ -24,13 +24,17 @@ SUMMARY_KEYS = {"device", "torch", "speedup_vs_transformers", "speedup_vs_transf
                 "preflight_estimate_over_peak", "rows_lost"}
 
 
-def dry_run(tmp_path: Path, *flags: str) -> dict:
+def dry_run(tmp_path: Path, *flags: str, through_run_sh: bool = True) -> dict:
+    """The dry run through run.sh (whose start the budget counts from), or gpu_bench.py alone (from its own)."""
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"))
-    done = subprocess.run(["bash", "bench/gpu/run.sh", "--cpu-dry-run", "--workdir", str(tmp_path / "work"), *flags],
+    entry = ["bash", "bench/gpu/run.sh"] if through_run_sh else [sys.executable, "bench/gpu/gpu_bench.py", "--out",
+                                                                 str(tmp_path / "out")]
+    done = subprocess.run([*entry, "--cpu-dry-run", "--workdir", str(tmp_path / "work"), *flags],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     [path] = (tmp_path / "out").glob("gpu-*-cpu-dry-run.json")
-    assert (tmp_path / "out" / "gpu-bench.log").read_text().strip().endswith(done.stdout.strip().splitlines()[-1])
+    if through_run_sh:
+        assert (tmp_path / "out" / "gpu-bench.log").read_text().strip().endswith(done.stdout.strip().splitlines()[-1])
     return json.loads(path.read_text())
 
 
@@ -80,11 +84,21 @@ def test_cpu_dry_run_of_the_compiled_stage(tmp_path: Path) -> None:
 @pytest.mark.compile
 def test_a_compiled_stage_past_the_budget_is_stopped_and_named(tmp_path: Path) -> None:
     # Its child process is killed when the budget ends (the first H100 run's compilation ran for minutes): the
-    # run goes on to write its results, and the stage says it timed out and after which part.
-    results = dry_run(tmp_path, "--with-compile", "--stages", "compiled", "--budget-s", "2")
+    # run goes on to write its results, and the stage says it timed out and after which part. (Without run.sh
+    # the budget counts from the script's start: starting Python would take more than these 2 s.)
+    results = dry_run(tmp_path, "--with-compile", "--stages", "compiled", "--budget-s", "2", through_run_sh=False)
     compiled = results["stages"]["compiled"]
     assert compiled["error"] == "timed out after 2 s, in the part after none"
     assert results["summary"]["stages_failed"] == ["compiled"]
+
+
+@pytest.mark.bench
+def test_the_budget_counts_from_the_start_of_run_sh(tmp_path: Path) -> None:
+    # The H200 run's second call started its 380 s budget after ~25 s of installing wheels and starting Python,
+    # so the call's own 400 s limit killed it first. Starting Python alone takes more than half a second.
+    results = dry_run(tmp_path, "--stages", "env", "--budget-s", "0.5")
+    assert results["stages"]["env"]["skipped"].endswith("s left")
+    assert results["summary"]["stages_skipped"] == ["env"]
 
 
 def logits(*rows: list[float]) -> dict[int, tuple[torch.Tensor, list[int]]]:

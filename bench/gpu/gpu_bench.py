@@ -12,21 +12,26 @@ the output, so that a second call can run it; a stage that fails records its err
 - `equality`: float32 equality of batched, chunked, continuous, preempted, offloaded, forked and sampled
   rows with rows alone, on the tiny checkpoints of both families (bench/gpu/equality.py);
 - `build`: the real-size Tarsier2-7B checkpoint, weights drawn on the device, written to local disk;
-- `engine`: loaded by `Captioner` (the memory preflight first), 64 clips of 16 frames at 1920 x 800,
-  256 new tokens with EOS off, through the engine as `tarsier caption` drives it; then the same clips
-  prefilled only (one token each) for the prefill rate and MFU; the preflight's estimate against
+- `engine`: loaded by `Captioner` (the memory preflight first), 64 distinct clips of 16 frames at 1920 x
+  800, 256 new tokens with EOS off, through the engine as `tarsier caption` drives it (without --compile:
+  on CUDA its decode steps replay CUDA graphs); then 16 of the clips prefilled only (one token each, the
+  prefix cache off) for the prefill rate and MFU; the preflight's estimate against
   `torch.cuda.max_memory_allocated`;
 - `baseline`: transformers' one-at-a-time Qwen2-VL generate on the first clips, same weights: its items/s,
   and how often the engine's bfloat16 ids equal its ids, and where they first part;
-- `decode`: ms per decode step at 1, 8, 32 and 64 rows at the clips' context, against the bandwidth floor;
-- `profile`: torch.profiler over eager decode steps (1 and 64 rows) and a prefill of two clips: the top
-  ops by device and host time, kernel launches per step, device busy time against wall time
+- `decode`: ms per decode step at 1, 8, 32 and 64 rows at the clips' context, against the bandwidth floor:
+  as the engine runs it (CUDA graphs) and eager at exact sizes;
+- `compiled`: the same with `--compile` (the layers and the decode attention through torch.compile), in a
+  child process stopped at the budget: the 64 clips and the decode steps of the real-size model, then the
+  tiny equality scenarios compiled;
+- `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
+  device and host time, kernel launches per step, device busy time against wall time
   (bench/gpu/step_profile.py);
 - `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
 - `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
-  batch too large for the card (a clear refusal or a smaller batch, never lost rows);
-- `compiled`: the same with `--compile` (CUDA graphs), in a child process stopped at the budget: the 64
-  clips and the decode steps of the real-size model, then the tiny equality scenarios compiled.
+  batch too large for the card (a clear refusal or a smaller batch, never lost rows).
+
+The budget counts from run.sh's start (`--started-at`).
 
 Writes `gpu-<date>-<device>.json` (the figures; the keys of the summary first) and prints a short table
 last. Each stage's state (the checkpoint, the results so far) stays in --workdir, so a second call on the
@@ -66,6 +71,7 @@ import workload  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.engine import Engine  # noqa: E402
+from tarsier_batch.engine.decode_step import DecodeStep  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,7 @@ class Profile:
     width: int
     height: int
     clips: int                   # the speed workload
-    distinct_clips: int          # drawn and processed; the workload repeats them
+    prefill_clips: int           # of them, prefilled alone for the prefill rate
     baseline_clips: int          # transformers' one-at-a-time side
     new_tokens: int
     decode_rows: tuple[int, ...]
@@ -93,7 +99,7 @@ class Profile:
     stage_s: dict[str, float] = field(default_factory=dict)   # what each stage needs at most, to plan the budget
 
 
-GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, distinct_clips=16, baseline_clips=8,
+GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, prefill_clips=16, baseline_clips=8,
               new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64),
               attention_repeats=50, cli_clips=8,
               cli_new_tokens=32, cli_kv_gb=40, budget_s=480,
@@ -102,12 +108,14 @@ GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, 
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
-DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, distinct_clips=2,
+DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, prefill_clips=2,
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
               cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-# `compiled` last: its compile time is the least known (the first H100 run spent over 340 s in it unfinished).
-STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "profile", "attention", "cli", "compiled"]
+# `compiled` before the stages measured already (profile, attention, cli): with the whole decode step compiled as
+# one graph, the first H100 run spent over 340 s in it unfinished, the H200 run over 375 s; the layers and the
+# decode attention compiled alone take ~1/6 of that on the CPU.
+STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "profile", "attention", "cli"]
 DTYPE = torch.bfloat16
 
 
@@ -115,7 +123,9 @@ class Bench:
     """The run's state between stages: the profile, the device, what is loaded, and the results so far."""
 
     def __init__(self, profile: Profile, workdir: Path, out: Path, with_compile: bool, budget_s: float,
-                 in_child: bool = False):
+                 in_child: bool = False, started_at: float | None = None):
+        """`started_at`: when the call began (seconds since the epoch; by default now): the budget counts from
+        there, so that installing the wheels and starting Python count too."""
         self.profile = profile
         self.budget_s = budget_s
         self.in_child = in_child   # the compiled stage's own process (see run_compiled)
@@ -129,7 +139,8 @@ class Bench:
         self.captioner: Captioner | None = None
         self.eos_token_ids: frozenset[int] = frozenset()   # the checkpoint's, while the engine runs without
         self.prompts: list | None = None
-        self.started = time.perf_counter()
+        self.started_at = time.time() if started_at is None else started_at
+        self.started = time.perf_counter() - max(0.0, time.time() - self.started_at)
 
     @property
     def checkpoint(self) -> Path:
@@ -175,14 +186,15 @@ class Bench:
         return self.captioner
 
     def clip_prompts(self) -> list:
-        """The workload's prompts: `distinct_clips` clips through the checkpoint's processor, repeated."""
+        """The workload's prompts: `clips` clips through the checkpoint's processor."""
         if self.prompts is None:
             started = time.perf_counter()
             profile = self.profile
-            distinct = workload.prompts(self.loaded().model.processor, profile.distinct_clips, profile.frames,
-                                        profile.width, profile.height)
-            self.prompts = [distinct[index % len(distinct)] for index in range(profile.clips)]
-            self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in distinct})
+            # Every clip distinct: the prefix cache reuses only the text before the video, as in a real dataset
+            # (the first run repeated 16 clips 4 times, and 48 of 64 rows took their whole prompt cached).
+            self.prompts = workload.prompts(self.loaded().model.processor, profile.clips, profile.frames,
+                                            profile.width, profile.height)
+            self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in self.prompts})
             self.stage("engine")["prompts_s"] = round(time.perf_counter() - started, 1)
         return self.prompts
 
@@ -264,9 +276,9 @@ def run_engine(bench: Bench) -> None:
     run = real_size.engine_pass(captioner.engine, prompts, profile.new_tokens)
     (bench.workdir / "engine_ids.json").write_text(json.dumps(run.pop("ids")))
     info["eager"] = run
-    distinct = prompts[:profile.distinct_clips]
-    prefill = real_size.engine_pass(captioner.engine, distinct, 1)
-    prefill.pop("ids")
+    # Prefill alone, of clips the engine has just computed: with the prefix cache off, or they would not be.
+    distinct = prompts[:profile.prefill_clips]
+    prefill = real_size.prefill_pass(captioner.engine, distinct)
     flops = real_size.prefill_flops(captioner.model, distinct)
     env = bench.results["stages"].get("env", {})
     peak, peak_source = real_size.bf16_peak(env.get("device_name", ""), env.get("matmul_flop_per_s", float("nan")))
@@ -322,7 +334,8 @@ def decode_figures(bench: Bench, engine: Engine) -> dict:
     started = time.perf_counter()
     for rows in profile.decode_rows:
         figures["ms"][str(rows)] = real_size.decode_step_ms(engine, rows, context, profile.decode_steps,
-                                                            warmup=5 if engine.config.compile else 2)
+                                                            warmup=5 if engine.runner.decode_step.static_shapes
+                                                            else 2)
         if copy_rate:
             figures["floor_ms"][str(rows)] = real_size.decode_floor_ms(model, rows, context, copy_rate)
     figures["seconds"] = round(time.perf_counter() - started, 1)
@@ -332,7 +345,18 @@ def decode_figures(bench: Bench, engine: Engine) -> dict:
 
 
 def run_decode(bench: Bench) -> None:
-    bench.stage("decode")["eager"] = decode_figures(bench, bench.loaded().engine)
+    """The decode step as the engine runs it (on CUDA, replayed as CUDA graphs), and eager at exact sizes."""
+    engine = bench.loaded().engine
+    info = bench.stage("decode")
+    step = engine.runner.decode_step
+    if step.graphs is not None:
+        info["graphs"] = decode_figures(bench, engine)
+        info["graphs"].update(recorded=len(step.graphs.graphs), failed=step.graphs.failed)
+    engine.runner.decode_step = DecodeStep(engine.model, engine.pools)
+    try:
+        info["eager"] = decode_figures(bench, engine)
+    finally:
+        engine.runner.decode_step = step
 
 
 def run_profile(bench: Bench) -> None:
@@ -365,6 +389,7 @@ def run_compiled(bench: Bench) -> None:
     timeout_s = max(bench.budget_s - (time.perf_counter() - bench.started), bench.profile.stage_s.get("compiled", 0))
     command = [sys.executable, str(Path(__file__).resolve()), "--in-child", "--stages", "compiled",
                "--workdir", str(bench.workdir), "--out", str(bench.out), "--with-compile",
+               "--started-at", repr(bench.started_at), "--budget-s", repr(bench.budget_s),
                *(["--cpu-dry-run"] if bench.profile is DRY else [])]
     child = subprocess.Popen(command, start_new_session=True)   # its own group: inductor's compile workers too
     try:
@@ -486,7 +511,9 @@ def summary(results: dict) -> dict:
     eager = engine.get("eager", {}).get("items_per_s")
     compiled_rate = compiled.get("engine", {}).get("items_per_s")
     best = max([rate for rate in (eager, compiled_rate) if rate] or [None], key=lambda rate: rate or 0)
-    decode_source = compiled.get("decode") or decode.get("eager") or {}
+    decode_sources = {"compiled": compiled.get("decode"), "graphs": decode.get("graphs"), "eager": decode.get("eager")}
+    decode_from = next((name for name, figures in decode_sources.items() if figures), None)
+    decode_source = decode_sources.get(decode_from) or {}
     equal = [stage.get("passed") for stage in (stages.get("equality", {}), compiled.get("equality", {}))
              if "passed" in stage]
     agreement = baseline.get("bf16_engine_vs_transformers", {})
@@ -502,7 +529,10 @@ def summary(results: dict) -> dict:
         "prefill_mfu": engine.get("prefill_only", {}).get("mfu"),
         "decode_ms": decode_source.get("ms"), "decode_floor_ms": decode_source.get("floor_ms"),
         "decode_ms_eager": decode.get("eager", {}).get("ms"),
-        "decode_from": "compiled" if compiled.get("decode") else "eager",
+        "decode_ms_graphs": decode.get("graphs", {}).get("ms"),
+        "cuda_graphs_recorded": decode.get("graphs", {}).get("recorded"),
+        "cuda_graphs_failed": decode.get("graphs", {}).get("failed"),
+        "decode_from": decode_from,
         "fp32_equality_passed": all(equal) if equal else None,
         "bf16_exact_match_rate": agreement.get("exact_match_rate"),
         "bf16_first_divergence": agreement.get("first_divergence"),
@@ -517,7 +547,8 @@ def summary(results: dict) -> dict:
 
 def table(summary_: dict) -> str:
     keys = ["device", "torch", "fp32_equality_passed", "speedup_vs_transformers", "speedup_vs_transformers_eager",
-            "items_per_s", "transformers_items_per_s", "prefill_mfu", "decode_ms", "decode_floor_ms",
+            "items_per_s", "transformers_items_per_s", "prefill_mfu", "decode_from", "decode_ms", "decode_floor_ms",
+            "decode_ms_eager", "cuda_graphs_failed",
             "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "stages_failed",
             "stages_skipped"]
     return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)
@@ -531,6 +562,8 @@ def main() -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
     parser.add_argument("--budget-s", type=float, help="skip stages that would end past this (default: the profile's)")
     parser.add_argument("--with-compile", action="store_true", help="compile on the CPU too (minutes)")
+    parser.add_argument("--started-at", type=float, help="when the call began, in seconds since the epoch "
+                        "(run.sh's; the budget counts from there)")
     parser.add_argument("--in-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     profile = DRY if args.cpu_dry_run else GPU
@@ -544,11 +577,11 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     budget = args.budget_s or profile.budget_s
     bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU, budget_s=budget,
-                  in_child=args.in_child)
+                  in_child=args.in_child, started_at=args.started_at)
     for name in [stage for stage in STAGES if stage in wanted]:
         elapsed = time.perf_counter() - bench.started
         needs = profile.stage_s.get(name, 0)
-        if elapsed + needs > budget:
+        if elapsed + needs > budget and not args.in_child:   # the parent planned the child's stage
             bench.results["stages"][name] = {"skipped": f"{needs:.0f} s needed, {budget - elapsed:.0f} s left"}
             print(f"[{elapsed:6.1f} s] {name}: skipped (not enough time left)", flush=True)
             continue

@@ -65,7 +65,22 @@ def engine_pass(engine: Engine, prompts: list[ProcessedPrompt], new_tokens: int)
     tokens = sum(len(row.output_ids) for row in rows)
     return {"items": len(rows), "seconds": round(seconds, 3), "items_per_s": round(len(rows) / seconds, 4),
             "generated_tokens_per_s": round(tokens / seconds, 1), "generated_tokens": tokens,
-            "preemptions": sum(row.preemptions for row in rows), "ids": [row.output_ids for row in rows]}
+            "preemptions": sum(row.preemptions for row in rows),
+            "prefix_cache_hit_rate": round(engine.prefix_counts.hit_rate, 4), "ids": [row.output_ids for row in rows]}
+
+
+def prefill_pass(engine: Engine, prompts: list[ProcessedPrompt]) -> dict:
+    """`prompts` prefilled (one token each) with the prefix cache off: each prompt computed whole, even where
+    an earlier pass left its pages computed."""
+    scheduler = engine.scheduler
+    kept, scheduler.prefix_cache = scheduler.prefix_cache, False
+    try:
+        run = engine_pass(engine, prompts, 1)
+    finally:
+        scheduler.prefix_cache = kept
+    run.pop("ids")
+    run.pop("prefix_cache_hit_rate")
+    return run
 
 
 def baseline_pass(model: CaptionModel, prompts: list[ProcessedPrompt], new_tokens: int) -> dict:
@@ -133,7 +148,9 @@ def text_prompt(length: int, components: int, vocab: int) -> ProcessedPrompt:
 
 def fill_with_noise(engine: Engine) -> None:
     """Random keys and values in every slot of the engine's cache: the decode timings then read real numbers
-    (a slot never written may hold NaN or inf, which changes what the kernels do)."""
+    (a slot never written may hold NaN or inf, which changes what the kernels do). The prefix cache is off from
+    then on: the pages it kept hold noise now."""
+    engine.scheduler.prefix_cache = False
     for pool in engine.pools:
         pool.keys.normal_()
         pool.values.normal_()

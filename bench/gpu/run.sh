@@ -8,6 +8,7 @@
 # travel in .whl/ (bench/gpu/fetch_wheels.sh puts them there) and are installed beside the repository,
 # which is used in place. Figures and the log go to $OUT (the device tool's folder that comes back).
 set -uo pipefail
+STARTED_AT=$(date +%s.%N)   # the budget counts from here: installing the wheels and starting Python count too
 cd "$(dirname "$0")/../.."
 PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-$(mktemp -d)}"
@@ -23,5 +24,5 @@ else
 fi
 # Nothing outside the device machine can be reached: never wait on the Hub.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-"$PYTHON" bench/gpu/gpu_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu-bench.log"
+"$PYTHON" bench/gpu/gpu_bench.py --out "$OUT" --started-at "$STARTED_AT" "$@" 2>&1 | tee "$OUT/gpu-bench.log"
 exit "${PIPESTATUS[0]}"

@@ -58,9 +58,9 @@ class RowSpan:
 # Decode attention reads a window of pages: the cache's first pages as they lie (a view), or, where the rows'
 # pages are scattered (a row left high up, the prefix cache's kept pages between them), just the rows' pages
 # copied out. Every page of the window costs the same work whoever holds it, and the copy about one more pass
-# over the pages it copies: past twice the pages held, the copy costs less than the view. Not in compiled steps:
-# a copied window is another kind of tensor to the compiler (made in inference mode, where the view is of the
-# cache), so a second graph (a minute's compile at 7B, another CUDA graph per size); they read the view.
+# over the pages it copies: past twice the pages held, the copy costs less than the view. Not with the compiled
+# decode attention: a copied window is another kind of tensor to the compiler (made in inference mode, where the
+# view is of the cache), so a second compilation; it reads the view.
 SPARSE_WINDOW = 2
 
 
@@ -139,7 +139,7 @@ def decode_tables(tables: list[BlockTable], contexts: np.ndarray, page_slots: in
 
 def bucket(count: int) -> int:
     """The power of two at or above `count`, at least 2: the few sizes a static decode step is padded to. Never
-    1: torch.compile specialises a size of 1, and a second compilation of a 28-layer step costs a minute."""
+    1: torch.compile specialises a size of 1, which would compile the layers and the decode attention again."""
     return max(2, 1 << (count - 1).bit_length())
 
 

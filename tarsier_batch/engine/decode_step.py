@@ -3,14 +3,15 @@
 A decode step is the same computation every time, only its sizes change: the rows, and the cache
 pages their contexts span. It is one function of tensors alone (token ids, positions, and the page
 tables and KV write indices of each cache, all built on the host with numpy), with no host
-synchronisation and no Python control flow that depends on values, so torch.compile traces it whole
-(`fullgraph=True` fails loudly otherwise) and on CUDA its `reduce-overhead` mode replays it as a
-CUDA graph: one launch for the whole step instead of one per kernel.
+synchronisation and no Python control flow that depends on values, so on CUDA it is recorded as a
+CUDA graph and replayed (`cuda_graphs`): one launch for the whole step instead of one per kernel.
 
-A graph is recorded per distinct set of sizes, so with --compile the sizes are padded to powers of
-two (`attention.bucket`): the rows (padding rows read row 0's pages and write their keys and values
-to each cache's scratch page), the pages per row, and the window of pages read. Without --compile
-the step keeps its exact sizes: padding would only add arithmetic.
+A graph is recorded per distinct set of sizes, so there the sizes are padded to powers of two
+(`attention.bucket`): the rows (padding rows read row 0's pages and write their keys and values to
+each cache's scratch page), the pages per row, and the window of pages read. With --compile the
+layers and the decode attention run through torch.compile, at the same padded sizes, so that their
+few compilations serve every step. Otherwise (the CPU, eager) the step keeps its exact sizes:
+padding would only add arithmetic.
 
 Steps with prefill chunks (or rows whose prefill is offloaded) take the general path in
 `model_runner`; their decoding rows still attend in one batched call there.
@@ -18,13 +19,15 @@ Steps with prefill chunks (or rows whose prefill is offloaded) take the general 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ..families.base import CaptionModel
-from .attention import DecodeTables, attend_decoding, bucket, decode_tables, to_device
+from .attention import DecodeAttention, DecodeTables, attend_decoding, bucket, decode_tables, to_device
+from .cuda_graphs import StepGraphs
 from .kv_cache import KVCache
 from .scheduler import ScheduledRow
 from .sequence import Sequence
@@ -39,25 +42,21 @@ class CacheStep(NamedTuple):
 
 
 class DecodeStep:
-    """Runs the steps in which every row decodes (`accepts`), eager at their own sizes or compiled at bucketed ones."""
+    """Runs the steps in which every row decodes (`accepts`): eager at their own sizes, or at padded ones
+    as CUDA graphs or compiled."""
 
-    def __init__(self, model: CaptionModel, pools: list[KVCache], compiled: bool = False,
-                 static_shapes: bool | None = None):
-        """`pools` as the model runner's; `compiled`: through torch.compile; `static_shapes`: padded to
-        power-of-two sizes (by default when compiled)."""
+    def __init__(self, model: CaptionModel, pools: list[KVCache], kernel: DecodeAttention | None = None,
+                 graphs: bool = False, static_shapes: bool | None = None):
+        """`pools` as the model runner's; `kernel`: the decode attention compiled (--compile); `graphs`:
+        replay CUDA graphs; `static_shapes`: padded to power-of-two sizes (by default with either)."""
         self.model = model
         self.pools = pools
-        self.compiled = compiled
-        self.static_shapes = compiled if static_shapes is None else static_shapes
-        # Which cache each layer uses, as booleans: a compiled step may trace the caches' ints as symbols
-        # (when they differ between calls), and control flow cannot branch on a symbol.
+        self.kernel = kernel
+        self.static_shapes = (graphs or kernel is not None) if static_shapes is None else static_shapes
+        # Which cache each layer uses, as booleans: fixed for the model, whatever the step.
         self.late_layers = tuple(layer not in pools[0].layers for layer in range(model.kv_geometry.num_layers))
-        self._logits = self.logits
-        if compiled:
-            for pool in pools:   # the graphs write the cache in place: its address must stay the recorded one
-                torch._dynamo.mark_static_address(pool.keys)
-                torch._dynamo.mark_static_address(pool.values)
-            self._logits = torch.compile(self.logits, fullgraph=True, mode="reduce-overhead")
+        self.graphs = StepGraphs(self.logits, model.device) if graphs else None
+        self._logits: Callable[..., torch.Tensor] = self.graphs or self.logits
 
     @staticmethod
     def accepts(step: list[ScheduledRow]) -> bool:
@@ -78,14 +77,12 @@ class DecodeStep:
             positions[index] = seq.prompt.next_position + generated
         components = rows[0].prompt.positions.shape[0]
         parts = tuple(self._cache_step(pool, part, rows, padded) for part, pool in enumerate(self.pools))
-        inputs = (to_device(token_ids, device), to_device(positions, device).expand(components, -1), parts)
-        if self.static_shapes:
-            _sizes_vary(*inputs)
-        return rows, self._logits(*inputs)[:len(rows)]
+        return rows, self._logits(to_device(token_ids, device), to_device(positions, device).expand(components, -1),
+                                  parts)[:len(rows)]
 
     def logits(self, token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> torch.Tensor:
         """The whole step, as a function of tensors: (rows,) ids at (components, rows) positions -> (rows, vocab)."""
-        attention = _PagedDecode(self.pools, parts, self.late_layers)
+        attention = _PagedDecode(self.pools, parts, self.late_layers, self.kernel)
         return self.model.logits(self.model.forward(self.model.embed_tokens(token_ids), positions, attention))
 
     def _cache_step(self, pool: KVCache, part: int, rows: list[Sequence], padded: int) -> CacheStep:
@@ -94,7 +91,8 @@ class DecodeStep:
         positions = np.array([_kv_position(seq, late=part == 1) for seq in rows])
         page = pool.page_slots
         tables = decode_tables(row_tables, positions + 1, page, self.model.device,   # the new position included
-                               pool.scratch_page if self.static_shapes else None, copy_sparse=not self.compiled)
+                               pool.scratch_page if self.static_shapes else None,
+                               copy_sparse=self.kernel is None)
         write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
         write_offsets = np.zeros(padded, dtype=np.int64)
         write_pages[:len(rows)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
@@ -105,30 +103,18 @@ class DecodeStep:
 class _PagedDecode:
     """The `Attention` callback of a decode step: each layer writes its cache and attends over its pages."""
 
-    def __init__(self, pools: list[KVCache], parts: tuple[CacheStep, ...], late_layers: tuple[bool, ...]):
+    def __init__(self, pools: list[KVCache], parts: tuple[CacheStep, ...], late_layers: tuple[bool, ...],
+                 kernel: DecodeAttention | None):
         self.pools = pools
         self.parts = parts
         self.late_layers = late_layers
+        self.kernel = kernel
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         part = 1 if self.late_layers[layer] else 0
         pool, inputs = self.pools[part], self.parts[part]
         pool.write_at(layer, inputs.write_pages, inputs.write_offsets, k, v)
-        return attend_decoding(pool, layer, q, inputs.tables, scale)
-
-
-def _sizes_vary(token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> None:
-    """Tell torch.compile which sizes change from step to step (the rows, the window of pages, the pages per
-    row), so that one compilation serves them all. Everything else (the model's and the cache's geometry)
-    stays a constant: marking the whole step dynamic would make those symbols too, and the compiler would
-    then specialise on the sizes after all."""
-    for tensor, dims in ((token_ids, (0,)), (positions, (1,))):
-        torch._dynamo.maybe_mark_dynamic(tensor, dims)
-    for part in parts:
-        owner, masked, row_pages, padding, _ = part.tables   # compiled steps read a view, never copied pages
-        for tensor, dims in ((owner, (0,)), (masked, (0,)), (row_pages, (0, 1)), (padding, (0, 1)),
-                             (part.write_pages, (0,)), (part.write_offsets, (0,))):
-            torch._dynamo.maybe_mark_dynamic(tensor, dims)
+        return attend_decoding(pool, layer, q, inputs.tables, scale, self.kernel)
 
 
 def _generated_index(seq: Sequence) -> int:

@@ -33,6 +33,7 @@ class EngineConfig:
     prefix_cache: bool = True          # keep computed prompt pages for rows that start the same way
     compile: bool = False              # layers and decode attention through torch.compile (the model's
                                        # layers stay compiled: `CaptionModel.compile` works in place)
+    cuda_graphs: bool = True           # on CUDA, decode steps replayed as CUDA graphs (`cuda_graphs`)
 
 
 class Engine:
@@ -62,7 +63,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
                                                    config.prefill_chunk, config.offload_kv, config.prefix_cache),
                                    self.pools)
-        self.runner = ModelRunner(model, self.pools, config.compile)
+        self.runner = ModelRunner(model, self.pools, config.compile, config.cuda_graphs)
 
     @property
     def has_work(self) -> bool:

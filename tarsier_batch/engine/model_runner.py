@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..families.base import CaptionModel
+from ..families.decoder import compile_for_any_sizes
 from .attention import DecodeAttention, RowSpan, StepAttention, paged_decode_attention, to_device
 from .decode_step import DecodeStep
 from .kv_cache import BlockTable, KVCache
@@ -21,16 +22,18 @@ VISION_BLOCKS_PER_CALL = 16  # bounds the vision tower's activations in one call
 
 
 class ModelRunner:
-    def __init__(self, model: CaptionModel, pools: list[KVCache], compile_step: bool = False):
+    def __init__(self, model: CaptionModel, pools: list[KVCache], compile_step: bool = False,
+                 cuda_graphs: bool = False):
         """`pools`: one cache of every layer, or (pruning) the layers before K's and the layers from K on's;
-        `compile_step`: run the layers and decode attention through torch.compile."""
+        `compile_step`: run the layers and decode attention through torch.compile; `cuda_graphs`: replay
+        decode steps as CUDA graphs (on CUDA)."""
         self.model = model
         self.pools = pools
         self.decode_kernel: DecodeAttention | None = None
         if compile_step:
             model.compile()
-            self.decode_kernel = torch.compile(paged_decode_attention, dynamic=True)
-        self.decode_step = DecodeStep(model, pools, compile_step)
+            self.decode_kernel = compile_for_any_sizes(paged_decode_attention)
+        self.decode_step = DecodeStep(model, pools, self.decode_kernel, cuda_graphs and model.device.type == "cuda")
 
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:

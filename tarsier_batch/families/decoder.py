@@ -8,10 +8,12 @@ the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v bi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.fx.experimental._config as shape_config
 from torch import nn
 
 from .base import Attention
@@ -51,10 +53,32 @@ class LayerSteps(NamedTuple):
     layer_outputs: Callable[..., torch.Tensor] = layer_outputs
 
 
+def compile_for_any_sizes(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` through torch.compile with every size a symbol, so that one compilation serves every step.
+
+    Sizes that happen to be equal stay apart (torch's "duck sizing" off while it compiles): with it, a first
+    call whose page window equals the head dimension, or whose tokens equal the rows, would tie the two, and
+    every later step where they differ would compile again, until torch's limit of recompilations sends the
+    function back to eager without a word. The setting is read when a call compiles; set around each call, it
+    costs ~8 us."""
+    compiled = torch.compile(function, dynamic=True)
+
+    @functools.wraps(function)
+    def run(*args: Any) -> Any:
+        duck_sizing = shape_config.use_duck_shape
+        shape_config.use_duck_shape = False
+        try:
+            return compiled(*args)
+        finally:
+            shape_config.use_duck_shape = duck_sizing
+
+    return run
+
+
 def compiled_layer_steps() -> LayerSteps:
     """Both halves through torch.compile: every layer runs the same code with its own weights as inputs, so
-    one compilation serves all layers; shapes are dynamic (one compilation serves every row count)."""
-    return LayerSteps(torch.compile(attention_inputs, dynamic=True), torch.compile(layer_outputs, dynamic=True))
+    one compilation serves all layers, and every row count (`compile_for_any_sizes`)."""
+    return LayerSteps(compile_for_any_sizes(attention_inputs), compile_for_any_sizes(layer_outputs))
 
 
 def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
