@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import sys
 import threading
 import urllib.error
@@ -18,7 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -36,11 +35,15 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")   # werkzeug colours some log lines (206
 
 
 @dataclass
-class S3Server:
-    endpoint: str
-    process: subprocess.Popen
+class S3Server(local_servers.Store):
     log: list[str] = field(default_factory=list)
     _logged: threading.Condition = field(default_factory=threading.Condition)
+
+    def filesystem(self) -> Any:
+        """A client of its own, with no listing cache: it sees what the runs wrote."""
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, skip_instance_cache=True, use_listings_cache=False)
 
     def new_bucket(self) -> str:
         """A fresh, empty bucket (one per test, so tests do not see each other's objects)."""

@@ -1,4 +1,5 @@
-"""Outputs at object store URLs, against a real S3 API on loopback (moto): written whole, resumed, locked."""
+"""Outputs at object store URLs, against real servers on loopback (moto's S3, the GCS emulator, Azurite): written
+whole, resumed after kill -9 and SIGTERM, locked."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import boto3
 import pyarrow.parquet as pq
 import pytest
-import s3fs
 from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
@@ -39,27 +40,56 @@ def stable(rows: list[dict]) -> list[dict]:
     return [{name: row[name] for name in STABLE} for row in rows]
 
 
-def store() -> s3fs.S3FileSystem:
-    """A client of its own, with no listing cache: it sees what the runs wrote."""
-    return s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+@dataclass
+class Bucket:
+    """A fresh bucket (or container) of one store, looked at through a client of the test's own."""
+
+    scheme: str
+    server: Any
+    name: str
+
+    def url(self, key: str = "") -> str:
+        return f"{self.scheme}://{self.name}/{key}"
+
+    def keys(self) -> list[str]:
+        return sorted(path.partition("/")[2] for path in self.server.filesystem().find(self.name))
+
+    def cat(self, key: str) -> bytes:
+        return self.server.filesystem().cat_file(f"{self.name}/{key}")
+
+    def rows(self, key: str) -> list[dict]:
+        """The rows of a Parquet object, or of the shards under a prefix in name order, read through a file
+        object (pyarrow's own wrapper of an fsspec filesystem can abort the interpreter at exit)."""
+        fs = self.server.filesystem()
+        path = f"{self.name}/{key}"
+        files = sorted(name for name in fs.find(path) if name.rpartition("/")[2].startswith("part-")) \
+            if fs.isdir(path) else [path]
+        rows = []
+        for name in files:
+            with fs.open(name, "rb") as handle:
+                rows += pq.read_table(handle).to_pylist()
+        return rows
+
+    def parts(self, output: str = "r.parquet") -> list[str]:
+        return [key for key in self.keys() if key.startswith(f".{output}.tarsier/part-")]
+
+    def rows_in(self, keys_: list[str]) -> int:
+        return sum(len(self.rows(key)) for key in keys_)
 
 
-def read_rows(path: str) -> list[dict]:
-    """The rows of a Parquet object, or of the shards under a prefix in name order, read through a file object
-    (pyarrow's own wrapper of an fsspec filesystem can abort the interpreter at exit)."""
-    fs = store()
-    files = sorted(name for name in fs.find(path) if name.rpartition("/")[2].startswith("part-")) \
-        if fs.isdir(path) else [path]
-    rows = []
-    for name in files:
-        with fs.open(name, "rb") as handle:
-            rows += pq.read_table(handle).to_pylist()
-    return rows
+STORES = {"s3": "s3", "gs": "gcs", "az": "azure"}   # scheme: the fixture of its local server
 
 
-def keys(bucket: str) -> list[str]:
-    listed = boto3.client("s3").list_objects_v2(Bucket=bucket).get("Contents", [])
-    return sorted(entry["Key"] for entry in listed)
+@pytest.fixture(params=list(STORES))
+def bucket(request: pytest.FixtureRequest) -> Bucket:
+    """A fresh bucket of each store in turn: moto's S3, the GCS emulator, Azurite."""
+    server = request.getfixturevalue(STORES[request.param])
+    return Bucket(request.param, server, server.new_bucket())
+
+
+@pytest.fixture
+def s3_bucket(s3) -> Bucket:
+    return Bucket("s3", s3, s3.new_bucket())
 
 
 def no_secret(*texts: str | bytes) -> None:
@@ -101,66 +131,62 @@ def nothing_staged(staging: Path) -> bool:
     return not staging.exists() or not any(staging.iterdir())
 
 
-def test_parquet_at_a_url_is_the_local_run_s_rows_with_nothing_left_behind(s3, args: list[str], staging: Path,
-                                                                           reference: list[dict],
+def test_parquet_at_a_url_is_the_local_run_s_rows_with_nothing_left_behind(bucket: Bucket, args: list[str],
+                                                                           staging: Path, reference: list[dict],
                                                                            tmp_path: Path) -> None:
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/r.parquet"
+    url = bucket.url("r.parquet")
     log = tmp_path / "run.log"
     result = caption(*args, "-o", url, "--log-file", str(log))
     assert result.exit_code == 0, result.output
     assert f"{url} (3 rows)" in result.output and str(staging) not in result.output
-    assert keys(bucket) == ["r.parquet"]   # no part objects, no settings, no lock object
-    assert s3.requests("PUT", f"/{bucket}/r.parquet") == 1   # the output arrived whole, in one PUT
-    assert stable(read_rows(f"{bucket}/r.parquet")) == reference
+    assert bucket.keys() == ["r.parquet"]   # no part objects, no settings, no lock object
+    if bucket.scheme == "s3":   # moto's log counts the requests: the output arrived whole, in one PUT
+        assert bucket.server.requests("PUT", f"/{bucket.name}/r.parquet") == 1
+    assert stable(bucket.rows("r.parquet")) == reference
     assert nothing_staged(staging)
-    no_secret(result.output, log.read_text(), store().cat_file(f"{bucket}/r.parquet"))
+    no_secret(result.output, log.read_text(), bucket.cat("r.parquet"))
 
 
-def test_jsonl_at_a_url_is_continued_and_previewed_from_the_store(s3, args: list[str], staging: Path,
+def test_jsonl_at_a_url_is_continued_and_previewed_from_the_store(s3_bucket: Bucket, args: list[str], staging: Path,
                                                                  reference: list[dict]) -> None:
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/r.jsonl"
+    bucket = s3_bucket
+    url = bucket.url("r.jsonl")
     first = caption(*args, "-o", url)
     assert first.exit_code == 0, first.output
-    assert keys(bucket) == ["r.jsonl", "r.jsonl.meta.json"]
-    rows = [json.loads(line) for line in store().cat_file(f"{bucket}/r.jsonl").decode().splitlines()]
+    assert bucket.keys() == ["r.jsonl", "r.jsonl.meta.json"]
+    rows = [json.loads(line) for line in bucket.cat("r.jsonl").decode().splitlines()]
     assert [(row["path"], row["caption"]) for row in rows] == [(row["path"], row["caption"]) for row in reference]
-    meta = store().cat_file(f"{bucket}/r.jsonl.meta.json")
+    meta = bucket.cat("r.jsonl.meta.json")
     assert json.loads(meta)["tarsier_batch"]["settings"]["max_new_tokens"] == 3
     # Continued from the objects alone (the staging folder is gone): nothing to do, nothing rewritten.
     again = caption(*args, "-o", url)
     assert again.exit_code == 0 and "captioned 0" in again.output and f"{url} (3 rows, unchanged)" in again.output
     preview = caption(*args, "-o", url, "--dry-run")
     assert preview.exit_code == 0 and preview.output.count("skip\t") == 3, preview.output
-    assert s3.requests("PUT", f"/{bucket}/r.jsonl") == 2   # the meta file, then the rows: once each
-    assert keys(bucket) == ["r.jsonl", "r.jsonl.meta.json"] and nothing_staged(staging)
-    no_secret(first.output, again.output, preview.output, meta, store().cat_file(f"{bucket}/r.jsonl"))
+    assert bucket.server.requests("PUT", f"/{bucket.name}/r.jsonl") == 2   # the meta file, then the rows: once each
+    assert bucket.keys() == ["r.jsonl", "r.jsonl.meta.json"] and nothing_staged(staging)
+    no_secret(first.output, again.output, preview.output, meta, bucket.cat("r.jsonl"))
 
 
-def test_out_dir_at_a_url_writes_shards_and_drops_those_beyond_a_new_count(s3, args: list[str], staging: Path,
+def test_out_dir_at_a_url_writes_shards_and_drops_those_beyond_a_new_count(bucket: Bucket, args: list[str],
+                                                                          staging: Path,
                                                                           reference: list[dict]) -> None:
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/shards/"
+    url = bucket.url("shards/")
     first = caption(*args, "--out-dir", url, "--shard-rows", "2")
     assert first.exit_code == 0, first.output
-    assert keys(bucket) == ["shards/part-00000.parquet", "shards/part-00001.parquet"]
-    assert stable(read_rows(f"{bucket}/shards")) == reference
+    assert bucket.keys() == ["shards/part-00000.parquet", "shards/part-00001.parquet"]
+    assert stable(bucket.rows("shards")) == reference
     fewer = caption(*args, "--out-dir", url, "--shard-rows", "3", "--overwrite")
     assert fewer.exit_code == 0, fewer.output
-    assert keys(bucket) == ["shards/part-00000.parquet"]
-    assert stable(read_rows(f"{bucket}/shards")) == reference
-    store().pipe_file(f"{bucket}/shards/notes.txt", b"mine")
+    assert bucket.keys() == ["shards/part-00000.parquet"]
+    assert stable(bucket.rows("shards")) == reference
+    bucket.server.upload(bucket.name, "shards/notes.txt", b"mine")
     refused = caption(*args, "--out-dir", url)
     assert refused.exit_code == 2 and f"--out-dir {url} holds other objects (notes.txt)" in refused.output
     assert nothing_staged(staging)
 
 
-def parts(bucket: str, output: str = "r.parquet") -> list[str]:
-    return [key for key in keys(bucket) if key.startswith(f".{output}.tarsier/part-")]
-
-
-def started_until_parts(args: list[str], bucket: str, count: int) -> subprocess.Popen:
+def started_until_parts(args: list[str], bucket: Bucket, count: int) -> subprocess.Popen:
     """`tarsier caption ARGS` in a process group of its own, once `count` part objects are in the bucket.
 
     The last input hangs its decoder, so the run is still going then; a short lease lets a later run
@@ -171,7 +197,7 @@ def started_until_parts(args: list[str], bucket: str, count: int) -> subprocess.
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + WAIT_S
-        while len(parts(bucket)) < count:
+        while len(bucket.parts()) < count:
             assert run.poll() is None, f"the run ended first: {run.communicate(timeout=10)}"
             assert time.monotonic() < deadline, f"no {count} part objects after {WAIT_S} s"
             time.sleep(0.05)
@@ -194,32 +220,26 @@ def stop(run: subprocess.Popen, signal_number: int) -> tuple[str, str]:
             os.killpg(run.pid, signal.SIGKILL)   # whatever of the group outlived the run
 
 
-def rows_in(bucket: str, keys_: list[str]) -> int:
-    return sum(len(read_rows(f"{bucket}/{key}")) for key in keys_)
-
-
-def test_a_run_killed_mid_way_is_resumed_from_its_uploaded_parts(s3, args: list[str], staging: Path,
+def test_a_run_killed_mid_way_is_resumed_from_its_uploaded_parts(bucket: Bucket, args: list[str], staging: Path,
                                                                 reference: list[dict]) -> None:
     """kill -9 once rows reached the store, then run again: only the rest is captioned."""
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/r.parquet"
+    url = bucket.url("r.parquet")
     killed = started_until_parts([*args, "-o", url, "--quiet"], bucket, 2)
     stop(killed, signal.SIGKILL)
-    saved = rows_in(bucket, parts(bucket))
-    assert 2 <= saved < 3 and "r.parquet" not in keys(bucket)
-    lease = json.loads(store().cat_file(f"{bucket}/.r.parquet.tarsier.lock"))
+    saved = bucket.rows_in(bucket.parts())
+    assert 2 <= saved < 3 and "r.parquet" not in bucket.keys()
+    lease = json.loads(bucket.cat(".r.parquet.tarsier.lock"))
     time.sleep(max(0.0, lease["lease_until"] - time.time()))   # the dead run's lease runs out
     resumed = caption(*args, "-o", url)
     assert resumed.exit_code == 0, resumed.output
     assert f"took over the lock of {url} from pid {killed.pid} on " in resumed.output
     assert f"captioned {3 - saved}" in resumed.output and f"done earlier {saved}" in resumed.output
-    assert stable(read_rows(f"{bucket}/r.parquet")) == reference
-    assert keys(bucket) == ["r.parquet"] and nothing_staged(staging)
+    assert stable(bucket.rows("r.parquet")) == reference
+    assert bucket.keys() == ["r.parquet"] and nothing_staged(staging)
 
 
-def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(s3, args: list[str], staging: Path) -> None:
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/r.parquet"
+def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(bucket: Bucket, args: list[str], staging: Path) -> None:
+    url = bucket.url("r.parquet")
     run = started_until_parts([*args, "-o", url], bucket, 1)
     _, stderr = stop(run, signal.SIGTERM)
     assert run.returncode == 143, stderr
@@ -227,44 +247,44 @@ def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(s3, args: list[str
                      stderr)
     assert said is not None, stderr
     saved = int(said.group(1))
-    assert said.group(2, 3) == (f"s3://{bucket}/.r.parquet.tarsier", url)
-    assert rows_in(bucket, parts(bucket)) == saved >= 1   # every row the message counts is in the store
-    assert ".r.parquet.tarsier.lock" not in keys(bucket) and nothing_staged(staging)
+    assert said.group(2, 3) == (bucket.url(".r.parquet.tarsier"), url)
+    assert bucket.rows_in(bucket.parts()) == saved >= 1   # every row the message counts is in the store
+    assert ".r.parquet.tarsier.lock" not in bucket.keys() and nothing_staged(staging)
 
 
-def test_a_locked_output_exits_75_naming_its_holder_whose_lease_is_renewed(s3, args: list[str], staging: Path,
+def test_a_locked_output_exits_75_naming_its_holder_whose_lease_is_renewed(s3_bucket: Bucket, args: list[str],
+                                                                          staging: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/r.parquet"
+    bucket = s3_bucket
+    url = bucket.url("r.parquet")
     with RemoteLock(url):
         locked = caption(*args, "-o", url)
     assert locked.exit_code == 75
     assert locked.output.startswith(f"Error: another run is writing {url} (pid {os.getpid()} on ")
-    assert "loading" not in locked.output and keys(bucket) == []   # released: the object is gone
+    assert "loading" not in locked.output and bucket.keys() == []   # released: the object is gone
     monkeypatch.setenv(LEASE_ENV, "3")
     holder = RemoteLock(url)
     holder.acquire()
     try:
-        first = json.loads(store().cat_file(f"{bucket}/.r.parquet.tarsier.lock"))["lease_until"]
+        first = json.loads(bucket.cat(".r.parquet.tarsier.lock"))["lease_until"]
         time.sleep(max(0.0, first + 0.5 - time.time()))   # past the first lease: only renewals keep it
         with pytest.raises(OutputLockedError, match=f"pid {os.getpid()} on "):
             RemoteLock(url).acquire()
     finally:
         holder.release()
-    assert keys(bucket) == [] and not any(thread.name == "tarsier-lock-lease" for thread in threading.enumerate())
+    assert bucket.keys() == [] and not any(thread.name == "tarsier-lock-lease" for thread in threading.enumerate())
 
 
-def test_merge_writes_the_joined_shards_to_a_url(s3, args: list[str], staging: Path, reference: list[dict],
-                                                 tmp_path: Path) -> None:
-    bucket = s3.new_bucket()
+def test_merge_writes_the_joined_shards_to_a_url(bucket: Bucket, args: list[str], staging: Path,
+                                                 reference: list[dict], tmp_path: Path) -> None:
     for index in range(2):
         shard = caption(*args, "--shard", f"{index}/2", "-o", str(tmp_path / "shards" / f"shard-{index}.parquet"))
         assert shard.exit_code == 0, shard.output
-    url = f"s3://{bucket}/merged.parquet"
+    url = bucket.url("merged.parquet")
     merged = runner.invoke(app, ["merge", str(tmp_path / "shards"), "-o", url])
     assert merged.exit_code == 0 and f"merged 2 shards into {url} (3 rows, " in merged.output, merged.output
-    assert keys(bucket) == ["merged.parquet"] and nothing_staged(staging)
-    assert stable(read_rows(f"{bucket}/merged.parquet")) == reference
+    assert bucket.keys() == ["merged.parquet"] and nothing_staged(staging)
+    assert stable(bucket.rows("merged.parquet")) == reference
 
 
 @pytest.mark.parametrize(("flag", "url"), [("--out", "https://example.com/r.parquet"),
