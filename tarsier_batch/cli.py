@@ -64,6 +64,7 @@ from . import (
     Status,
     StorageError,
     Terminated,
+    WebDatasetShards,
     __version__,
     check_manifest_path,
     discover,
@@ -149,6 +150,11 @@ class KeyMode(str, Enum):
     sha256 = "sha256"
 
 
+class OutFormat(str, Enum):
+    parquet = "parquet"
+    webdataset = "webdataset"
+
+
 SHARD_ROWS = 10_000
 # Options whose relative paths in a --config file are relative to that file's folder.
 PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file", "prompts"})
@@ -180,6 +186,11 @@ def caption(
              "of one --out file (continued like --out).", show_default=False)] = None,
     shard_rows: Annotated[Optional[int], typer.Option(
         min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
+    out_format: Annotated[Optional[OutFormat], typer.Option(
+        case_sensitive=False,
+        help="What --out-dir holds: Parquet shards (parquet), or for inputs in WebDataset shards a tar per input "
+             "shard, named like it, with each member's row as KEY.json and caption as KEY.txt (webdataset).",
+        show_default=False)] = None,
     manifest: Annotated[Optional[str], typer.Option(
         metavar="FILE",
         help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table, a path or a URL (relative paths: "
@@ -363,7 +374,7 @@ def caption(
     """
     console = Console(stderr=True, soft_wrap=True)
     stream = out == "-"
-    output = _check_flags(inputs or [], out, out_dir, shard_rows, manifest, path_column, keep_columns,
+    output = _check_flags(inputs or [], out, out_dir, shard_rows, out_format, manifest, path_column, keep_columns,
                           null_separated, stream)
     target = output.target if isinstance(output, RemoteOutput) else output
     shard_spec = _parse_shard(shard)
@@ -391,7 +402,16 @@ def caption(
     if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
         _fail("--shard writes one Parquet file per shard for 'tarsier merge': "
               f"give --out shard-{shard_spec.index}.parquet")
+    if target.webdataset and (settings.long or settings.segments.mode != "whole"):
+        _fail(f"--out-format webdataset writes one sample per member: not with "
+              f"{'--long' if settings.long else '--segments'}")
     found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
+    if target.webdataset:
+        try:
+            WebDatasetShards.check_rows([item.path for item in
+                                         (found.discovery if isinstance(found, Manifest) else found).items])
+        except OutputError as error:
+            _fail(str(error))
     try:
         if log_file:   # its folder is made, as --out's is (shards/shard-0.log beside shards/shard-0.parquet)
             log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -429,8 +449,8 @@ def caption(
 
 
 def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_rows: int | None,
-                 manifest: str | None, path_column: str | None, keep_columns: str | None, null_separated: bool,
-                 stream: bool) -> OutputTarget | RemoteOutput:
+                 out_format: OutFormat | None, manifest: str | None, path_column: str | None,
+                 keep_columns: str | None, null_separated: bool, stream: bool) -> OutputTarget | RemoteOutput:
     """Answer a wrong combination of inputs and outputs at once, before anything is read, loaded or imported
     (the settings check their own rules: `settings.py`)."""
     if (out is None) == (out_dir is None):
@@ -438,6 +458,11 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
               if out is None else "give --out or --out-dir, not both")
     if shard_rows is not None and out_dir is None:
         _fail("--shard-rows needs --out-dir")
+    if out_format is not None and out_dir is None:
+        _fail("--out-format needs --out-dir (the format of an --out file is its suffix)")
+    webdataset = out_format is OutFormat.webdataset
+    if webdataset and shard_rows is not None:
+        _fail("--shard-rows does not apply to --out-format webdataset: it writes one tar per input shard")
     if manifest is None:
         if not inputs:
             _fail("give INPUTS (files, folders, globs, '-' for stdin) or --manifest FILE")
@@ -447,7 +472,8 @@ def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_
         _fail("give INPUTS or --manifest, not both")
     if null_separated and "-" not in inputs:
         _fail("-0 reads NUL-separated paths from stdin; add '-' to INPUTS")
-    output = _output(out_dir, shard_rows or SHARD_ROWS) if out_dir is not None else _output(out or "-")
+    output = _output(out_dir, None if webdataset else shard_rows or SHARD_ROWS, webdataset) if out_dir is not None \
+        else _output(out or "-")
     try:
         if manifest is not None:
             check_manifest_path(manifest)
@@ -467,11 +493,11 @@ def _segmenting(spec: str) -> Segmenting:
     return segmenting
 
 
-def _output(location: str, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
+def _output(location: str, shard_rows: int | None = None, webdataset: bool = False) -> OutputTarget | RemoteOutput:
     """The output at `location`; a read-only scheme or a missing storage backend stops the command here, before
     anything is loaded."""
     try:
-        return output_at(location, shard_rows)
+        return output_at(location, shard_rows, webdataset)
     except (OutputError, StorageError) as error:
         _fail(str(error))
 

@@ -46,8 +46,8 @@ def assert_each_row_as_alone(batched: torch.Tensor, cache: KVCache, layer: int, 
 def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: bool) -> None:
     """Rows of several lengths (one slot, exactly a page, a page and one, many pages) at scattered pages with
     free pages between and before them; never-written memory (NaN here) outside the rows' ranges must not
-    leak in. Bucketed (a static decode step's tables), the rows, the window and the pages per row are padded
-    to powers of two and each real row's result is the same."""
+    leak in. Bucketed (a static decode step's tables), the rows are padded to a power of two, the window and the
+    pages per row to `fine_bucket`'s sizes, and each real row's result is the same."""
     geometry = KVGeometry(num_layers=2, kv_heads=2, head_dim=8)
     cache = KVCache(geometry, 40 * 4, torch.float32, torch.device("cpu"), page_slots=4)
     cache.keys.fill_(float("nan"))
@@ -55,7 +55,7 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: b
     contexts = [1, 4, 5, 13, 30]
     # Page 0 stays free (NaN): rows with fewer pages than the longest must not borrow it as padding. A row's
     # pages are in any order, with other rows' pages between them.
-    rows = [BlockTable(4, np.array(pages)) for pages in ([3], [1, 2], [9, 5], [10, 11, 4, 12], [20, 27, 21, 22, 13,
+    rows = [BlockTable(4, np.array(pages)) for pages in ([3], [1, 2], [9, 5], [10, 11, 4, 12], [20, 28, 21, 22, 13,
                                                                                                  14, 23, 24])]
     queries = torch.randn(8 if bucketed else len(contexts), 4, 8)   # 4 query heads over 2 kv heads
     for context, table in zip(contexts, rows):
@@ -65,8 +65,8 @@ def test_decode_attention_over_pages_equals_each_row_attending_alone(bucketed: b
                            bucketed_within=cache.scratch_page if bucketed else None)
     batched = attend_decoding(cache, 1, queries, tables, scale=0.3)
     assert_each_row_as_alone(batched, cache, 1, queries, rows, contexts)
-    # The view ends at the last page a decoding row uses (28), or at its power of two within the 40 pages.
-    assert tables.owner.shape[0] == (32 if bucketed else 28)
+    # The view ends at the last page a decoding row uses (28: 29 pages), or at its bucket (30) within the 40 pages.
+    assert tables.owner.shape[0] == (30 if bucketed else 29)
     assert tables.row_pages.shape == ((8, 8) if bucketed else (5, 8))
     assert batched.shape[0] == queries.shape[0] and batched.isfinite().all(), "padding rows come out finite too"
 

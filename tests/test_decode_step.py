@@ -9,6 +9,7 @@ import torch
 import torch._dynamo
 
 from tarsier_batch.engine import PruneConfig, SamplingParams, model_runner
+from tarsier_batch.engine.attention import fine_bucket
 from tarsier_batch.engine.decode_step import DecodeStep
 from tarsier_batch.families.base import ProcessedPrompt
 from test_engine import MAX_NEW, NAMES, alone, ids, process, run
@@ -60,7 +61,7 @@ def assert_static(steps: list[dict], components: int) -> None:
         assert step["padded_rows"] == max(2, 1 << (step["rows"] - 1).bit_length())
         assert step["positions"] == (components, step["padded_rows"])
         assert step["writes"] == [step["padded_rows"]] * len(step["windows"])
-        assert all(power_of_two(size) for size in step["windows"] + step["widest"]), step
+        assert all(fine_bucket(size) == size for size in step["windows"] + step["widest"]), step
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=MAX_NEW),

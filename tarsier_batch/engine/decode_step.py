@@ -6,9 +6,10 @@ tables and KV write indices of each cache, all built on the host with numpy), wi
 synchronisation and no Python control flow that depends on values, so on CUDA it is recorded as a
 CUDA graph and replayed (`cuda_graphs`): one launch for the whole step instead of one per kernel.
 
-A graph is recorded per distinct set of sizes, so there the sizes are padded to powers of two
-(`attention.bucket`): the rows (padding rows read row 0's pages and write their keys and values to
-each cache's scratch page), the pages per row, and the window of pages read. With --compile the
+A graph is recorded per distinct set of sizes, so there the sizes are padded to a few: the rows to
+powers of two (`attention.bucket`; padding rows read row 0's pages and write their keys and values to
+each cache's scratch page), the pages per row and the window of pages read to within 12.5 %
+(`attention.fine_bucket`). With --compile the
 layers and the decode attention run through torch.compile, at the same padded sizes, so that their
 few compilations serve every step. Otherwise (the CPU, eager) the step keeps its exact sizes:
 padding would only add arithmetic.

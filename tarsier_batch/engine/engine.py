@@ -11,6 +11,7 @@ import torch
 from ..errors import MODEL_ERROR, OUT_OF_MEMORY, TOO_LARGE, plain_message
 from ..families.base import CaptionModel, ProcessedPrompt
 from ..model.devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
+from .cuda_graphs import CudaGraphError
 from .kv_cache import PAGE_SLOTS, KVCache
 from .model_runner import ModelRunner
 from .pruning import PruneConfig, row_pruning
@@ -125,7 +126,7 @@ class Engine:
         try:
             sampled, logits = self.runner.run(step)
         except Exception as error:
-            if is_fatal_device_error(error) or _is_compile_error(error):
+            if is_fatal_device_error(error) or _is_compile_error(error) or isinstance(error, CudaGraphError):
                 raise
             # Decide here, recover below: until this block ends, the traceback keeps the failed
             # step's tensors alive.
@@ -170,6 +171,7 @@ class Engine:
         retrying recomputes exactly what failed and the outputs do not change.
         """
         if out_of_memory:
+            self.runner.release_graphs()
             release_cached_memory(self.model.device)
             if self.scheduler.lower_budget_after_oom():
                 return []

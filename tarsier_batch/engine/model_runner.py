@@ -35,6 +35,11 @@ class ModelRunner:
             self.decode_kernel = compile_for_any_sizes(paged_decode_attention)
         self.decode_step = DecodeStep(model, pools, self.decode_kernel, cuda_graphs and model.device.type == "cuda")
 
+    def release_graphs(self) -> None:
+        """Give back the CUDA graphs' memory (after running out of memory); they are recorded again as needed."""
+        if self.decode_step.graphs is not None:
+            self.decode_step.graphs.release()
+
     @torch.inference_mode()
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Compute the step; returns the rows that reached their last position and their logits."""

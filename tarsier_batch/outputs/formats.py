@@ -1,4 +1,5 @@
-"""Result files on disk: Parquet, JSON Lines, CSV, or a folder of Parquet shards, written and read back.
+"""Result files on disk: Parquet, JSON Lines, CSV, a folder of Parquet shards, or WebDataset shards beside
+the inputs' shards, written and read back.
 
 Each kind of output is one `OutputFormat`: how a whole output is written and how it is read
 back, so that any of them can be continued by a later run. A new format is one subclass, named
@@ -10,22 +11,28 @@ no place for it: a small `<out>.meta.json` beside the file holds it instead.
 from __future__ import annotations
 
 import csv
+import fnmatch
+import hashlib
+import io
 import json
+import tarfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar, TextIO
+from typing import Any, BinaryIO, ClassVar, TextIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..inputs.tars import split_member_path, wds_key
 from .schema import PROVENANCE_KEY, SUMMARY_KEY
 
 ROWS_PER_GROUP = 4096          # a few MB per row group: big enough to scan fast, small enough for viewers
 PARQUET_COMPRESSION = "zstd"
 SHARD_PATTERN = "part-*.parquet"
 META_SUFFIX = ".meta.json"
+WDS_META = "tarsier.meta.json"   # a WebDataset output folder's provenance (tars have no place for it)
 
 
 class OutputError(Exception):
@@ -43,15 +50,25 @@ class OutputTarget:
     path: Path
     shard_rows: int | None = None
     url: str | None = None
+    webdataset: bool = False   # a folder of WebDataset shards, one per input shard (`WebDatasetShards`)
 
     @classmethod
     def existing(cls, path: Path) -> OutputTarget:
-        """The results at `path`: a folder of shards or one file."""
-        return cls(path, shard_rows=1) if path.is_dir() else cls(path)
+        """The results at `path`: a folder of shards (Parquet or WebDataset) or one file."""
+        if not path.is_dir():
+            return cls(path)
+        return cls(path, webdataset=True) if (path / WDS_META).exists() else cls(path, shard_rows=1)
+
+    @property
+    def is_folder(self) -> bool:
+        """A folder (or prefix) of shards rather than one file."""
+        return bool(self.shard_rows) or self.webdataset
 
     @property
     def kind(self) -> OutputFormat:
         """How this output is written and read back."""
+        if self.webdataset:
+            return WEBDATASET_SHARDS
         return PARQUET_SHARDS if self.shard_rows else FORMATS[self.path.suffix.lower()]
 
     @property
@@ -71,11 +88,11 @@ class OutputTarget:
 
     def check(self) -> None:
         """Answer a wrong --out or --out-dir before any work."""
-        if self.shard_rows:
+        if self.is_folder:
             if self.path.exists() and not self.path.is_dir():
                 raise OutputError(f"--out-dir {self.path} is a file; give a folder for the shards")
             strangers = [entry.name for entry in self.path.iterdir()
-                         if not entry.name.startswith(".") and not entry.match(SHARD_PATTERN)] \
+                         if not entry.name.startswith(".") and not self.kind.owns(entry.name)] \
                 if self.path.is_dir() else []
             if strangers:
                 raise OutputError(f"--out-dir {self.path} holds other files ({', '.join(sorted(strangers)[:3])}); "
@@ -89,10 +106,14 @@ class OutputTarget:
                               f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
 
     def exists(self) -> bool:
-        return bool(self.shards()) if self.shard_rows else self.path.exists()
+        return bool(self.shards()) if self.is_folder else self.path.exists()
 
     def shards(self) -> list[Path]:
-        return sorted(self.path.glob(SHARD_PATTERN)) if self.path.is_dir() else []
+        """A folder output's files, in the order they are written (a WebDataset folder's provenance first)."""
+        if not self.path.is_dir():
+            return []
+        return sorted((entry for entry in self.path.iterdir() if self.kind.owns(entry.name)),
+                      key=lambda entry: (entry.name != WDS_META, entry.name))
 
     @property
     def meta_path(self) -> Path:
@@ -150,6 +171,10 @@ class OutputFormat:
 
     name: ClassVar[str]
 
+    def owns(self, name: str) -> bool:
+        """Whether a file of this name in a folder output is part of the output (else it is a stranger)."""
+        return False
+
     def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
               replace: Replace) -> None:
         """Write `table` (its schema carries `provenance` and `summary`) as the whole output, each file whole."""
@@ -176,6 +201,9 @@ class ParquetShards(OutputFormat):
     """A folder of `shard_rows`-row Parquet files, `part-00000.parquet` on, each carrying the provenance."""
 
     name = "parquet"
+
+    def owns(self, name: str) -> bool:
+        return fnmatch.fnmatch(name, SHARD_PATTERN)
 
     def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
               replace: Replace) -> None:
@@ -242,18 +270,128 @@ class CsvFile(TextWithMeta):
         return _read_csv(path, schema)
 
 
+class WebDatasetShards(OutputFormat):
+    """A folder of tar shards, one per input shard and named like it, in which each member's row is `KEY.json`
+    and its caption `KEY.txt` (KEY: the member's WebDataset key), in input order: read beside the media shards,
+    key by key, they give each sample its caption. The provenance is `tarsier.meta.json` in the folder.
+
+    Every row must come from a tar member, one row per member (`check_rows`). Each shard is replaced whole
+    (`replace`), so a reader never sees half of one; shards of another run's inputs are left alone, and a
+    shard whose input shard no longer has rows is removed.
+    """
+
+    name = "webdataset"
+
+    def owns(self, name: str) -> bool:
+        return name == WDS_META or name.endswith(".tar")
+
+    def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
+              replace: Replace) -> None:
+        target.path.mkdir(parents=True, exist_ok=True)
+        # The provenance first: a crash between leaves the old shards with the new settings, which the next run
+        # refuses to mix (never the other way round).
+        replace(target.path / WDS_META, lambda path: path.write_text(meta_text(provenance, summary), encoding="utf-8"))
+        by_shard: dict[str, list[dict[str, Any]]] = {}
+        for row in table.to_pylist():
+            by_shard.setdefault(_shard_of(row["path"]), []).append(row)
+        names = shard_names(list(by_shard))
+        for shard, rows in by_shard.items():
+            replace(target.path / names[shard], lambda path, rows=rows: _write_tar(path, rows))
+        for stale in target.shards():
+            if stale.name != WDS_META and stale.name not in names.values():
+                stale.unlink(missing_ok=True)
+
+    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        meta_path = target.path / WDS_META
+        if not meta_path.exists():
+            raise ValueError(f"{WDS_META} is missing in it")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        lines = io.BytesIO()
+        for shard in target.shards():
+            if shard.name == WDS_META:
+                continue
+            with tarfile.open(shard, "r:") as tar:
+                for member in tar:
+                    if member.isfile() and member.name.endswith(".json"):
+                        extracted = tar.extractfile(member)
+                        assert extracted is not None   # a regular file
+                        lines.write(extracted.read().rstrip(b"\n") + b"\n")
+        table = _parse_jsonl(io.BytesIO(lines.getvalue()), schema) if lines.tell() else schema.empty_table()
+        return table, meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
+
+    @staticmethod
+    def check_rows(paths: list[str]) -> None:
+        """Refuse, before any work, inputs whose rows this format cannot place: a row not from a tar member, or
+        two members of one shard with the same WebDataset key (their captions would share a sample)."""
+        seen: dict[tuple[str, str], str] = {}
+        for path in paths:
+            split = split_member_path(path)
+            if split is None:
+                raise OutputError(f"--out-format webdataset writes captions beside WebDataset shards: {path} is not "
+                                  f"a member of a .tar shard")
+            shard, member = split
+            key = (shard, _sample_key(member))
+            if key in seen and seen[key] != member:
+                raise OutputError(f"--out-format webdataset: {shard} holds {seen[key]} and {member}, one "
+                                  f"WebDataset sample ({key[1]}); their captions cannot both be {key[1]}.json")
+            seen[key] = member
+
+
+def shard_names(shards: list[str]) -> dict[str, str]:
+    """Each input shard's output shard name: its own file name, or, where two shards share one (a/x.tar and
+    b/x.tar), that name with a digest of the whole path, so that each stays the same from run to run."""
+    base = {shard: shard.rstrip("/").rpartition("/")[2] for shard in shards}
+    taken = list(base.values())
+    return {shard: name if taken.count(name) == 1 else
+            f"{name[:-4]}-{hashlib.sha256(shard.encode()).hexdigest()[:8]}.tar" for shard, name in base.items()}
+
+
+def _shard_of(path: str) -> str:
+    split = split_member_path(path)
+    if split is None:   # the run checked its inputs (`check_rows`): an earlier output of other inputs
+        raise OutputError(f"--out-format webdataset: the row of {path} comes from no .tar shard")
+    return split[0]
+
+
+def _sample_key(member: str) -> str:
+    named = wds_key(member)
+    return named[0] if named is not None else member
+
+
+def _write_tar(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One output shard: `KEY.json` (the row) and `KEY.txt` (its caption, where there is one) per member."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for row in rows:
+            key = _sample_key(split_member_path(row["path"])[1])   # type: ignore[index]
+            _add(tar, f"{key}.json", json_line(row).encode())
+            if row.get("caption") is not None:
+                _add(tar, f"{key}.txt", row["caption"].encode())
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
 PARQUET_SHARDS = ParquetShards()
+WEBDATASET_SHARDS = WebDatasetShards()
 FORMATS: dict[str, OutputFormat] = {".parquet": ParquetFile(), ".jsonl": JsonLinesFile(), ".ndjson": JsonLinesFile(),
                                     ".csv": CsvFile()}
 
 
 def _read_jsonl(path: Path, schema: pa.Schema) -> pa.Table:
+    """A JSON Lines file, read by Arrow from the file (not all in memory first)."""
+    return _parse_jsonl(path, schema) if path.stat().st_size else schema.empty_table()
+
+
+def _parse_jsonl(source: Path | BinaryIO, schema: pa.Schema) -> pa.Table:
+    """Rows of JSON, one a line (at least one), typed by `schema`."""
     from pyarrow import json as arrow_json
 
-    if path.stat().st_size == 0:
-        return schema.empty_table()
     options = arrow_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
-    return arrow_json.read_json(path, parse_options=options)
+    return arrow_json.read_json(source, parse_options=options)
 
 
 def _read_csv(path: Path, schema: pa.Schema) -> pa.Table:

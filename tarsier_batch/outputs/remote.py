@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 
 from ..errors import one_line
 from ..storage import READ_ONLY_SCHEMES, cache_home, filesystem, is_url, redact, redact_text, scheme, with_retries
-from .formats import META_SUFFIX, SHARD_PATTERN, OutputError, OutputTarget, TextWithMeta
+from .formats import META_SUFFIX, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
 from .store import SETTINGS_FILE, OutputWriteError, work_name
 
@@ -56,26 +56,30 @@ def staging_root() -> Path:
     return cache_home() / "staging"
 
 
-def output_at(location: str | Path, shard_rows: int | None = None) -> OutputTarget | RemoteOutput:
+def output_at(location: str | Path, shard_rows: int | None = None,
+              webdataset: bool = False) -> OutputTarget | RemoteOutput:
     """The output at `location`: a local path, or an object store URL staged locally (a read-only scheme or a
     missing storage backend raises `OutputError` or `StorageError` here, before anything is read or written).
-    With `shard_rows`, a folder (or prefix) of shards."""
+    With `shard_rows`, a folder (or prefix) of Parquet shards; with `webdataset`, of WebDataset shards."""
     if isinstance(location, str) and is_url(location):
-        return RemoteOutput(location, shard_rows)
-    return OutputTarget(Path(location), shard_rows)
+        return RemoteOutput(location, shard_rows, webdataset=webdataset)
+    return OutputTarget(Path(location), shard_rows, webdataset=webdataset)
 
 
 class RemoteOutput:
-    """`--out URL` (one file) or, with `shard_rows`, `--out-dir URL` (a prefix of shards), staged locally.
+    """`--out URL` (one file) or, with `shard_rows` or `webdataset`, `--out-dir URL` (a prefix of shards), staged
+    locally.
 
     `target` is the staged `OutputTarget` a `ResultStore` works on (it names the URL in messages);
     give the store `written` and `removed` as its `on_written` and `on_removed`.
     Construction only names things: nothing is read or written before `held`.
     """
 
-    def __init__(self, url: str, shard_rows: int | None = None, staging: Path | None = None):
+    def __init__(self, url: str, shard_rows: int | None = None, staging: Path | None = None,
+                 webdataset: bool = False):
         self.url, self.shown = url, redact(url)
-        flag = "--out-dir" if shard_rows else "--out"
+        folder = bool(shard_rows) or webdataset
+        flag = "--out-dir" if folder else "--out"
         if scheme(url) in READ_ONLY_SCHEMES:
             raise OutputError(f"{flag} {self.shown}: {scheme(url)}:// is read-only; write to s3://, gs://, az:// "
                               f"or a local path")
@@ -83,9 +87,9 @@ class RemoteOutput:
         self.parent, _, name = path.rstrip("/").rpartition("/")
         if not self.parent or not name:
             raise OutputError(f"{flag} {self.shown} names a bucket; give an object in it, such as "
-                              f"{self.shown.rstrip('/')}/{'captions' if shard_rows else 'captions.parquet'}")
+                              f"{self.shown.rstrip('/')}/{'captions' if folder else 'captions.parquet'}")
         self.staging = staging or staging_root() / hashlib.sha256(self.shown.encode()).hexdigest()[:16]
-        self.target = OutputTarget(self.staging / name, shard_rows, url=self.shown)
+        self.target = OutputTarget(self.staging / name, shard_rows, url=self.shown, webdataset=webdataset)
         self.lock = RemoteLock(url)
         self._uploads = _Uploader()
 
@@ -110,7 +114,7 @@ class RemoteOutput:
         """This output pulled into a private temporary directory, without the lock (`--dry-run`: it writes
         nothing, and a run over the same URL on this host may be using the staging directory)."""
         with tempfile.TemporaryDirectory(prefix="tarsier-peek-") as directory:
-            copy = RemoteOutput(self.url, self.target.shard_rows, Path(directory))
+            copy = RemoteOutput(self.url, self.target.shard_rows, Path(directory), self.target.webdataset)
             copy.pull()
             yield copy
 
@@ -169,13 +173,13 @@ class RemoteOutput:
         self.lock.check()
         target, uploaded = self.target, ""
         try:
-            files = target.shards() if target.shard_rows else \
+            files = target.shards() if target.is_folder else \
                 [path for path in (target.meta_path, target.path) if path.exists()]   # as written: the meta first
             for path in files:
                 uploaded = self._shown(path)
                 with_retries(lambda: self.fs.put_file(str(path), self._key(path)))
             uploaded = self.shown
-            if target.shard_rows:   # shards beyond the new count
+            if target.is_folder:   # shards beyond the new count
                 stale = [key for key in self._output_objects() if key not in {self._key(p) for p in files}]
                 if stale:
                     with_retries(lambda: self.fs.rm(stale))
@@ -199,7 +203,7 @@ class RemoteOutput:
         """The keys of the output as the store holds it: the file (and its meta file), or the shards."""
         key = self._key(self.target.path)
         self.fs.invalidate_cache(key)
-        if not self.target.shard_rows:
+        if not self.target.is_folder:
             if not _is_object(self.fs, key, self.shown):
                 return []
             meta = key + META_SUFFIX   # JSON Lines and CSV keep their provenance beside them
@@ -214,7 +218,7 @@ class RemoteOutput:
             name = entry["name"].rstrip("/").rpartition("/")[2]
             if name.startswith("."):
                 continue
-            (shards if entry.get("type") == "file" and fnmatch.fnmatch(name, SHARD_PATTERN) else strangers).append(
+            (shards if entry.get("type") == "file" and self.target.kind.owns(name) else strangers).append(
                 entry["name"])
         if strangers:
             names = ", ".join(sorted(name.rpartition("/")[2] for name in strangers)[:3])

@@ -1,0 +1,158 @@
+"""`--out-format webdataset`: captions go back as WebDataset shards, one per input shard, keyed like its members,
+read by the webdataset library itself, continued like any output, refused where they cannot be placed."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import webdataset
+from typer.testing import CliRunner
+
+from conftest import SAMPLE_DATA
+from tarsier_batch.cli import app
+
+runner = CliRunner()
+SHARDS = {"00000.tar": [("clip-a", "ball.gif"), ("clip-b", "still.png")],
+          "00001.tar": [("clip-c", "portrait.JPG"), ("clip-d", "demo_green_square_shrinks.mp4")]}
+STABLE = ["path", "key", "caption", "num_frames", "frame_indices", "generated_tokens", "finish_reason", "error"]
+
+
+def caption(*args: str):
+    return runner.invoke(app, ["caption", *args])
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two input shards written by webdataset's own writer: each sample a medium and a JSON sibling."""
+    folder = tmp_path_factory.mktemp("shards")
+    for name, samples in SHARDS.items():
+        with webdataset.TarWriter(str(folder / name)) as sink:
+            for key, medium in samples:
+                sink.write({"__key__": key, medium.rsplit(".", 1)[1].lower(): (SAMPLE_DATA / medium).read_bytes(),
+                            "json": json.dumps({"source": medium}).encode()})
+    return folder
+
+
+@pytest.fixture
+def args(shards: Path, tiny_model_dir: Path) -> list[str]:
+    return [str(shards / "{00000..00001}.tar"), "--model", str(tiny_model_dir), "--max-new-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def reference(shards: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("reference") / "r.parquet"
+    result = caption(str(shards / "{00000..00001}.tar"), "--model", str(tiny_model_dir), "--max-new-tokens", "3",
+                     "-o", str(out))
+    assert result.exit_code == 0, result.output
+    return [{name: row[name] for name in STABLE} for row in pq.read_table(out).to_pylist()]
+
+
+def samples(path: Path) -> list[dict]:
+    """The samples of an output shard as webdataset reads them (json decoded, txt as text)."""
+    return list(webdataset.WebDataset(str(path), shardshuffle=False).decode())
+
+
+def test_each_input_shard_gets_a_shard_of_its_members_captions(args: list[str], shards: Path, tmp_path: Path,
+                                                               reference: list[dict]) -> None:
+    out = tmp_path / "captions"
+    result = caption(*args, "--out-dir", str(out), "--out-format", "webdataset")
+    assert result.exit_code == 0, result.output
+    assert sorted(entry.name for entry in out.iterdir()) == ["00000.tar", "00001.tar", "tarsier.meta.json"]
+    rows = []
+    for name, expected in SHARDS.items():
+        read = samples(out / name)
+        assert [sample["__key__"] for sample in read] == [key for key, _ in expected]   # the input's keys, in order
+        for sample, (key, medium) in zip(read, expected):
+            row = sample["json"]
+            assert row["path"] == f"{shards / name}#{key}.{medium.rsplit('.', 1)[1].lower()}"
+            assert sample["txt"] == row["caption"]
+            rows.append({column: row[column] for column in STABLE})
+    assert rows == reference   # the same rows as a Parquet output of the same run
+    meta = json.loads((out / "tarsier.meta.json").read_text())
+    assert meta["tarsier_batch"]["settings"]["max_new_tokens"] == 3
+    again = caption(*args, "--out-dir", str(out), "--out-format", "webdataset")
+    assert again.exit_code == 0 and "captioned 0" in again.output, again.output
+
+
+def test_a_run_cut_short_is_continued_into_the_same_shards(args: list[str], tmp_path: Path,
+                                                           reference: list[dict]) -> None:
+    out = tmp_path / "captions"
+    first = caption(*args, "--out-dir", str(out), "--out-format", "webdataset", "--limit", "1")
+    assert first.exit_code == 0, first.output
+    assert [sample["__key__"] for sample in samples(out / "00000.tar")] == ["clip-a"]
+    assert not (out / "00001.tar").exists()
+    rest = caption(*args, "--out-dir", str(out), "--out-format", "webdataset")
+    assert rest.exit_code == 0 and "captioned 3" in rest.output and "done earlier 1" in rest.output, rest.output
+    read = samples(out / "00000.tar") + samples(out / "00001.tar")
+    assert [{column: sample["json"][column] for column in STABLE} for sample in read] == reference
+
+
+def test_an_error_row_has_its_json_and_no_txt(tiny_model_dir: Path, tmp_path: Path) -> None:
+    shard = tmp_path / "broken.tar"
+    with tarfile.open(shard, "w") as tar:
+        tar.add(SAMPLE_DATA / "still.png", arcname="good.png")
+        data = tmp_path / "bad.mp4"
+        data.write_bytes(b"not a video")
+        tar.add(data, arcname="bad.mp4")
+    out = tmp_path / "captions"
+    result = caption(str(shard), "--model", str(tiny_model_dir), "--max-new-tokens", "3", "--out-dir", str(out),
+                     "--out-format", "webdataset")
+    assert result.exit_code == 1, result.output   # one item failed
+    with tarfile.open(out / "broken.tar") as tar:
+        assert tar.getnames() == ["good.json", "good.txt", "bad.json"]
+        bad = json.loads(tar.extractfile("bad.json").read())
+    assert bad["caption"] is None and bad["error"]
+
+
+def test_report_reads_a_webdataset_output(args: list[str], tmp_path: Path) -> None:
+    out = tmp_path / "captions"
+    assert caption(*args, "--out-dir", str(out), "--out-format", "webdataset").exit_code == 0
+    page = tmp_path / "report.html"
+    done = runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "1", "--frames-per-item", "1"])
+    assert done.exit_code == 0, done.output
+    assert "4 items" in done.output or "4 items" in page.read_text(), done.output
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--shard-rows", "5"], "--shard-rows does not apply to --out-format webdataset: it writes one tar per input "
+                            "shard"),
+    (["--segments", "fixed:1s"], "--out-format webdataset writes one sample per member: not with --segments"),
+])
+def test_settings_it_cannot_honour_are_refused_at_once(args: list[str], tmp_path: Path, extra: list[str],
+                                                       message: str) -> None:
+    result = caption(*args, "--out-dir", str(tmp_path / "captions"), "--out-format", "webdataset", *extra)
+    assert result.exit_code == 2 and result.output.splitlines() == [f"Error: {message}"], result.output
+    assert not (tmp_path / "captions").exists()
+
+
+def test_files_outside_shards_and_a_file_output_are_refused_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+    loose = caption(str(SAMPLE_DATA / "still.png"), "--model", str(tiny_model_dir), "--out-dir",
+                    str(tmp_path / "captions"), "--out-format", "webdataset")
+    assert loose.exit_code == 2
+    assert loose.output.splitlines() == [f"Error: --out-format webdataset writes captions beside WebDataset shards: "
+                                         f"{SAMPLE_DATA / 'still.png'} is not a member of a .tar shard"]
+    to_file = caption(str(SAMPLE_DATA / "still.png"), "--model", str(tiny_model_dir), "-o",
+                      str(tmp_path / "r.parquet"), "--out-format", "webdataset")
+    assert to_file.exit_code == 2
+    assert to_file.output.splitlines() == ["Error: --out-format needs --out-dir (the format of an --out file is its "
+                                           "suffix)"]
+
+
+def test_a_webdataset_output_at_a_url_is_its_shards_and_meta(s3, args: list[str], reference: list[dict],
+                                                             tmp_path: Path) -> None:
+    bucket = s3.new_bucket()
+    result = caption(*args, "--out-dir", f"s3://{bucket}/captions", "--out-format", "webdataset")
+    assert result.exit_code == 0, result.output
+    fs = s3.filesystem()
+    assert sorted(fs.find(bucket)) == [f"{bucket}/captions/{name}" for name in
+                                       ("00000.tar", "00001.tar", "tarsier.meta.json")]
+    rows = []
+    for name in SHARDS:
+        local = tmp_path / name
+        fs.get_file(f"{bucket}/captions/{name}", str(local))
+        rows += [{column: sample["json"][column] for column in STABLE} for sample in samples(local)]
+    assert rows == reference
