@@ -142,12 +142,15 @@ def test_files_outside_shards_and_a_file_output_are_refused_at_once(tiny_model_d
                                            "suffix)"]
 
 
-def test_a_webdataset_output_at_a_url_is_its_shards_and_meta(s3, args: list[str], reference: list[dict],
-                                                             tmp_path: Path) -> None:
-    bucket = s3.new_bucket()
-    result = caption(*args, "--out-dir", f"s3://{bucket}/captions", "--out-format", "webdataset")
+@pytest.mark.parametrize(("store_fixture", "scheme"), [("s3", "s3"), ("gcs", "gs"), ("azure", "az")])
+def test_a_webdataset_output_at_a_url_is_its_shards_and_meta(store_fixture: str, scheme: str, args: list[str],
+                                                             reference: list[dict], tmp_path: Path,
+                                                             request: pytest.FixtureRequest) -> None:
+    store = request.getfixturevalue(store_fixture)
+    bucket = store.new_bucket()
+    result = caption(*args, "--out-dir", f"{scheme}://{bucket}/captions", "--out-format", "webdataset")
     assert result.exit_code == 0, result.output
-    fs = s3.filesystem()
+    fs = store.filesystem()
     assert sorted(fs.find(bucket)) == [f"{bucket}/captions/{name}" for name in
                                        ("00000.tar", "00001.tar", "tarsier.meta.json")]
     rows = []
