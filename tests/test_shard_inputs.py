@@ -55,7 +55,7 @@ def test_members_decode_as_their_files_do(job: DecodeJob, tmp_path: Path, isolat
     for member, file in zip(members, files):
         assert member.media.frame_indices == file.media.frame_indices
         assert member.prompt.pixel_values.equal(file.prompt.pixel_values)
-        assert member.item.content is None   # the bytes do not travel back
+        assert member.item.local_copy is None   # the copy of its bytes is not handed back
 
 
 def test_a_crashing_member_costs_only_itself_and_nothing_leaks(job: DecodeJob, tmp_path: Path,
@@ -104,3 +104,40 @@ def test_a_shard_of_the_run_holds_whole_tars(tmp_path: Path) -> None:
         assert len(owners) == 1
         assert holders.setdefault(tar, owners[0]) == owners[0]   # every member of a tar in the same shard
     assert len(set(holders.values())) > 1   # and the tars spread over the shards
+
+
+def test_members_reach_workers_as_unnamed_files_closed_once_decoded(tmp_path: Path) -> None:
+    """The pool's shard reader writes each member into an unnamed in-memory file and hands on its path (what a
+    worker opens): the bytes are never an object of the parent to pickle. Releasing the item closes the file."""
+    import threading
+
+    from tarsier_batch.decoding.member_lane import MemberLane
+
+    shard = write_tar(tmp_path / "a.tar", MEDIA)
+    items = discover([str(shard)]).items
+    handed: list = []
+    done = threading.Semaphore(0)
+
+    def hand_on(item, ticket) -> None:
+        handed.append((item, ticket))
+        done.release()
+
+    lane = MemberLane(hand_on, lambda item, ticket, message: pytest.fail(message))
+    try:
+        for ticket, item in enumerate(items):
+            lane.read(item, ticket)
+        for _ in items:
+            assert done.acquire(timeout=60)
+        for (item, ticket), name in zip(handed, MEDIA):
+            assert item.local_copy.startswith(f"/proc/{os.getpid()}/fd/")
+            link = os.readlink(item.local_copy)
+            assert link.startswith("/memfd:")   # in memory, with no name on disk
+            with open(item.local_copy, "rb") as copy:
+                assert copy.read() == (SAMPLE_DATA / name).read_bytes()
+            lane.release(ticket)
+            try:
+                assert os.readlink(item.local_copy) != link, "released: the file is closed"
+            except FileNotFoundError:
+                pass
+    finally:
+        lane.close()

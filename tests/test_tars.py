@@ -66,6 +66,13 @@ SIBLINGS = {"sample00000": {"json": '{"caption": "a cat"}'},
             "dir/sample00002": {"json": "[1, 2]"},
             "clip": {"txt": "two dots"}}
 
+def read_member(reader: ShardReader, member: TarMember) -> bytes:
+    """A member's bytes, as `ShardReader.copy_to` hands them on."""
+    data = bytearray()
+    reader.copy_to(member, data.extend)
+    return bytes(data)
+
+
 
 def write_tar(path: Path, entries: list[tuple[str, bytes | None]], tar_format: int = tarfile.GNU_FORMAT) -> Path:
     with tarfile.open(path, "w", format=tar_format) as tar:
@@ -246,7 +253,7 @@ def test_a_shard_cut_later_lists_the_members_before_the_cut_and_is_not_cached(
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
     if where == "in member data":
         with pytest.raises(ShardError, match="before the end of member"), ShardReader(str(cut)) as reader:
-            reader.read(index.members[0])
+            read_member(reader, index.members[0])
 
 
 def test_a_damaged_header_stops_the_listing_there_and_a_non_tar_is_refused(shard: Path, tmp_path: Path) -> None:
@@ -269,7 +276,7 @@ def test_a_missing_shard_raises_file_not_found(tmp_path: Path, memory: tuple) ->
             with pytest.raises(FileNotFoundError):
                 list_shard(missing, cache_dir)
             with pytest.raises(FileNotFoundError), ShardReader(missing) as reader:
-                reader.read(TarMember("a.mp4", 512, 1, 0))
+                read_member(reader, TarMember("a.mp4", 512, 1, 0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -359,7 +366,7 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 def test_members_read_in_order_take_one_stream(shard: Path) -> None:
     index = list_shard(str(shard))
     with ShardReader(str(shard), index.version) as reader:
-        assert [reader.read(member) for member in index.members] == [data for _, data in FILES]
+        assert [read_member(reader, member) for member in index.members] == [data for _, data in FILES]
         assert reader.opens == 1
 
 
@@ -367,7 +374,7 @@ def test_members_are_read_through_small_gaps(shard: Path) -> None:
     index = list_shard(str(shard))
     media = [(member, data) for member, (_, data) in zip(index.members, FILES) if member.name.endswith(".mp4")]
     with ShardReader(str(shard)) as reader:
-        assert [reader.read(member) for member, _ in media] == [data for _, data in media]
+        assert [read_member(reader, member) for member, _ in media] == [data for _, data in media]
         assert reader.opens == 1
 
 
@@ -385,15 +392,16 @@ def test_a_far_member_opens_a_new_stream_and_a_near_one_does_not(gapped: Path) -
     assert members["after-g7.mp4"].offset_data - members["g7.mp4"].offset_data < REOPEN_GAP
     assert members["after-g9.mp4"].offset_data - members["g9.mp4"].offset_data > REOPEN_GAP
     with ShardReader(str(gapped)) as reader:
-        assert reader.read(members["a.mp4"]) == b"a" * 100
-        assert reader.read(members["after-g7.mp4"]) == b"g7" * 50
+        assert read_member(reader, members["a.mp4"]) == b"a" * 100
+        assert read_member(reader, members["after-g7.mp4"]) == b"g7" * 50
         assert reader.opens == 1
-        assert reader.read(members["after-g9.mp4"]) == b"g9" * 50
+        assert read_member(reader, members["after-g9.mp4"]) == b"g9" * 50
         assert reader.opens == 2
-        assert reader.read(members["a.mp4"]) == b"a" * 100      # behind the stream
+        assert read_member(reader, members["a.mp4"]) == b"a" * 100      # behind the stream
         assert reader.opens == 3
     with ShardReader(str(gapped)) as reader:
-        assert [len(reader.read(member)) for member in members.values()] == [100, 7 * 2**20, 100, 9 * 2**20, 100]
+        sizes = [len(read_member(reader, member)) for member in members.values()]
+        assert sizes == [100, 7 * 2**20, 100, 9 * 2**20, 100]
         assert reader.opens == 1
 
 
@@ -417,16 +425,16 @@ def test_a_stop_event_ends_a_read_between_chunks(gapped: Path) -> None:
     stop.set()
     with ShardReader(str(gapped), stop=stop) as reader:
         with pytest.raises(ReadStopped):
-            reader.read(members["a.mp4"])
+            read_member(reader, members["a.mp4"])
         stop.clear()
-        assert reader.read(members["a.mp4"]) == b"a" * 100
+        assert read_member(reader, members["a.mp4"]) == b"a" * 100
     stop = StopAfter(checks=3)
     with ShardReader(str(gapped), stop=stop) as reader:
         with pytest.raises(ReadStopped, match="gapped.tar#g7.mp4: read stopped"):
-            reader.read(members["g7.mp4"])
+            read_member(reader, members["g7.mp4"])
         assert stop.checks == -1   # looked at before each chunk: three 1 MiB chunks were read, the fourth refused
         stop.clear()
-        assert reader.read(members["g7.mp4"]) == bytes(7 * 2**20)
+        assert read_member(reader, members["g7.mp4"]) == bytes(7 * 2**20)
 
 
 def test_a_shard_cut_after_listing_is_a_shard_error(shard: Path) -> None:
@@ -435,10 +443,10 @@ def test_a_shard_cut_after_listing_is_a_shard_error(shard: Path) -> None:
     with open(shard, "r+b") as out:
         out.truncate(last.offset_data + 3)
     with ShardReader(str(shard), stop=threading.Event()) as reader:
-        assert reader.read(index.members[0]) == FILES[0][1]
+        assert read_member(reader, index.members[0]) == FILES[0][1]
         expected = f"^{re.escape(str(shard))}: the shard ends at byte {last.offset_data + 3}, before the end of member"
         with pytest.raises(ShardError, match=f"{expected} 'README'"):
-            reader.read(last)
+            read_member(reader, last)
 
 
 def test_a_shard_changed_since_listing_is_refused(shard: Path) -> None:
@@ -447,9 +455,9 @@ def test_a_shard_changed_since_listing_is_refused(shard: Path) -> None:
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     with ShardReader(str(shard), index.version) as reader:
         with pytest.raises(ShardError, match="the shard changed since it was listed"):
-            reader.read(index.members[0])
+            read_member(reader, index.members[0])
     with ShardReader(str(shard)) as reader:   # without a version nothing is compared
-        assert reader.read(index.members[0]) == FILES[0][1]
+        assert read_member(reader, index.members[0]) == FILES[0][1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -464,11 +472,11 @@ def test_a_url_shard_is_listed_and_read_like_a_local_one(shard: Path, memory: tu
     local = list_shard(str(shard))
     assert (index.shard, index.members, index.siblings) == (url, local.members, local.siblings)
     with ShardReader(url, index.version) as reader:
-        assert [reader.read(member) for member in index.members] == [data for _, data in FILES]
+        assert [read_member(reader, member) for member in index.members] == [data for _, data in FILES]
         assert reader.opens == 1
     with ShardReader(url, "another version") as reader:
         with pytest.raises(ShardError, match=f"^{re.escape(url)}: the shard changed since it was listed"):
-            reader.read(index.members[0])
+            read_member(reader, index.members[0])
 
 
 def test_a_url_shard_index_is_cached_by_version(shard: Path, memory: tuple, tmp_path: Path) -> None:

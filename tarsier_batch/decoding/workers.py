@@ -146,9 +146,9 @@ def decode_item(job: DecodeJob, index: int, item: MediaItem) -> Decoded:
     except Exception as error:  # any decoder failure is this item's problem only
         if _is_out_of_memory(error):
             raise
-        return Decoded(index, _without_content(item), time.perf_counter() - start,
+        return Decoded(index, _as_listed(item), time.perf_counter() - start,
                        error=storage.redact_text(plain_message(error)), error_kind=_kind_of(error))
-    return Decoded(index, _without_content(item), time.perf_counter() - start, replace(media, frames=[]), prompts,
+    return Decoded(index, _as_listed(item), time.perf_counter() - start, replace(media, frames=[]), prompts,
                    questions=tuple(question.name for question in questions))
 
 
@@ -164,9 +164,9 @@ def _kind_of(error: Exception) -> str:
     return INTERNAL
 
 
-def _without_content(item: MediaItem) -> MediaItem:
-    """`item` without the bytes it may have carried to the worker (they must not travel back)."""
-    return item if item.content is None else replace(item, content=None)
+def _as_listed(item: MediaItem) -> MediaItem:
+    """`item` without the local copy of its bytes it may have been given (closed once it is decoded)."""
+    return item if item.local_copy is None else replace(item, local_copy=None)
 
 
 def _prompts(job: DecodeJob, media: Media, texts: list[str | None]) -> list[ProcessedPrompt]:
@@ -240,7 +240,7 @@ class DecodePool:
             if self._closed:
                 raise RuntimeError("the decoding pool is shut down")
             self._pending[decoded] = (index, item, started)
-            if item.member is not None and item.content is None:
+            if item.member is not None and item.local_copy is None:
                 if self._members is None:
                     self._members = MemberLane(self._member_read, self._member_failed)
                 self._members.read(item, decoded)
@@ -262,12 +262,12 @@ class DecodePool:
         with self._lock:
             entry = self._pending.get(decoded)
         if entry is None:   # shut down meanwhile
-            self._members.release(item)
+            self._members.release(decoded)
             return
         try:
             self._start(decoded, entry[0], item)
         except BaseException as error:   # shut down meanwhile, or no worker could be started
-            self._members.release(item)
+            self._members.release(decoded)
             message = STOPPED if self._closed else \
                 f"it could not be given to a decoding worker ({plain_message(error)})"
             self._settle(decoded, Decoded(entry[0], entry[1], 0.0, error=message, error_kind=INTERNAL))
@@ -345,7 +345,7 @@ class DecodePool:
             return
         index, item, started = entry
         if item.member is not None and self._members is not None:
-            self._members.release(item)
+            self._members.release(decoded)
         try:
             outcome = self._outcome(task, index, item, started)
         except BaseException as error:  # never leave a future waiting (e.g. a result that cannot be unpickled)

@@ -68,8 +68,9 @@ class MediaItem:
     member: TarMember | None = field(default=None, compare=False)
     shard: str | None = None           # the member's shard (its path or URL)
     shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
-    # The member's bytes, read ahead by the decoding pool's shard reader on their way to a worker.
-    content: bytearray | None = field(default=None, repr=False, compare=False)
+    # Where the member's bytes can be opened: an unnamed in-memory file of the decoding pool's process, which its
+    # shard reader filled ahead (`decoding.member_lane`); a worker opens it by this path, nothing is pickled.
+    local_copy: str | None = field(default=None, repr=False, compare=False)
     # A segment: the stretch of the video its row captions, and its number among the file's segments.
     span: Span | None = None
     segment: int | None = None
@@ -455,9 +456,13 @@ _kept_object = threading.local()
 
 @contextlib.contextmanager
 def readable_copy(item: MediaItem) -> Iterator[str]:
-    """A path the decoders can open for `item`: its own path, or an unnamed local copy of an object or a shard's
-    member (freed on leaving, also if the process is killed: see `storage.Spooled`). A window of an object
+    """A path the decoders can open for `item`: its own path, the local copy the decoding pool made of a shard's
+    member (`item.local_copy`), or an unnamed local copy of an object or a shard's member made here (freed on
+    leaving, also if the process is killed: see `storage.Spooled`). A window of an object
     (`item.span`) keeps its copy in this thread until a window of another object (or another version) comes."""
+    if item.local_copy is not None:
+        yield item.local_copy
+        return
     if item.member is None and not storage.is_url(item.path):
         yield item.path
         return
@@ -471,22 +476,29 @@ def readable_copy(item: MediaItem) -> Iterator[str]:
             _kept_object.copy = (identity, _fetched(item))
         yield _kept_object.copy[1].path
         return
-    if item.member is not None:
-        content = item.content
-        if content is None:   # not read ahead by a pool: read this member alone
-            assert item.shard is not None, item.path
-            with tars.ShardReader(item.shard, item.shard_version) as reader:
-                content = reader.read(item.member)
-        spooled = storage.Spooled(len(content), item.member.name.rpartition("/")[2][:200] or "member")
-        try:
-            spooled.write(content)
-        except BaseException:
-            spooled.close()
-            raise
+    if item.member is not None:   # not read ahead by a pool: read this member alone
+        spooled = member_copy(item)
     else:
         spooled = _fetched(item)
     with spooled:
         yield spooled.path
+
+
+def member_copy(item: MediaItem, reader: tars.ShardReader | None = None) -> storage.Spooled:
+    """A shard member's bytes in an unnamed local file (in memory up to `storage.SPILL_TO_DISK_BYTES`), read by
+    `reader` (which must be on the member's shard) or by a reader of its own."""
+    assert item.member is not None and item.shard is not None, item.path
+    spooled = storage.Spooled(item.member.size, item.member.name.rpartition("/")[2][:200] or "member")
+    try:
+        if reader is not None:
+            reader.copy_to(item.member, spooled.write)
+        else:
+            with tars.ShardReader(item.shard, item.shard_version) as own:
+                own.copy_to(item.member, spooled.write)
+    except BaseException:
+        spooled.close()
+        raise
+    return spooled
 
 
 def _fetched(item: MediaItem) -> storage.Spooled:

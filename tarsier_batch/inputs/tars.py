@@ -22,7 +22,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -407,13 +407,14 @@ class ShardReader:
         self._stream: BinaryIO | None = None
         self._position = 0
 
-    def read(self, member: TarMember) -> bytearray:
-        """The member's bytes. Raises ReadStopped once `stop` is set, ShardError if the shard ends early or changed."""
+    def copy_to(self, member: TarMember, write: Callable[[memoryview], object]) -> None:
+        """The member's bytes handed to `write` a chunk at a time (never all in this process's memory at once).
+        Raises ReadStopped once `stop` is set, ShardError if the shard ends early or changed."""
         gap = member.offset_data - self._position
         if self._stream is None or not 0 <= gap <= REOPEN_GAP:
             self._reopen(member.offset_data)
-        self._take(member.offset_data - self._position, member, keep=False)
-        return self._take(member.size, member, keep=True)
+        self._take(member.offset_data - self._position, member, None)
+        self._take(member.size, member, write)
 
     def close(self) -> None:
         if self._stream is not None:
@@ -466,21 +467,19 @@ class ShardReader:
             raise ShardError(f"{printable(self.shard)}: the shard changed since it was listed "
                              f"(version {self.version}, now {version}); list it again")
 
-    def _take(self, count: int, member: TarMember, keep: bool) -> bytearray:
-        """Read `count` bytes in chunks, checking `stop` before each; return them if `keep` (read in place: a
-        member of 100 MB costs 100 MB here, not twice that while chunks are joined)."""
+    def _take(self, count: int, member: TarMember, write: Callable[[memoryview], object] | None) -> None:
+        """Read `count` bytes in chunks, checking `stop` before each, handing each to `write` (None: skip them)."""
         assert self._stream is not None
-        kept = bytearray(count if keep else min(CHUNK, count))
-        view = memoryview(kept)
+        view = memoryview(bytearray(min(CHUNK, count)))
         done = 0
         while done < count:
             if self._stop is not None and self._stop.is_set():
                 raise ReadStopped(f"{printable(member_path(self.shard, member.name))}: read stopped")
-            wanted = min(CHUNK, count - done)
-            read = self._read_into(view[done:done + wanted] if keep else view[:wanted])
+            read = self._read_into(view[:min(CHUNK, count - done)])
             if not read:
                 raise ShardError(f"{printable(self.shard)}: the shard ends at byte {self._position}, before the end "
                                  f"of member {printable(member.name)!r}; it was cut or changed since it was listed")
+            if write is not None:
+                write(view[:read])
             self._position += read
             done += read
-        return kept if keep else bytearray()
