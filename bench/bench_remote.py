@@ -2,9 +2,10 @@
 
     python bench/bench_remote.py [--items 24] [--rounds 3] [--big-gb 2]
 
-A local S3 server (moto, in a subprocess on loopback) holds the same clips as a local folder, as
-objects and as 3 tar shards; the same 3 shards sit on local disk too, and a local web server
-(tests/http_server.py: Range requests, ETags, index pages; threads of this process) serves both.
+A local S3 server (moto, in a subprocess on loopback), the GCS emulator and Azurite (the tests' servers)
+each hold the same clips as a local folder, as objects and as 3 tar shards; the same 3 shards sit on
+local disk too, and a local web server (tests/http_server.py: Range requests, ETags, index pages;
+threads of this process) serves both.
 Each side decodes all items through the real decoding pool (`workers.DecodePool`, the default worker count, the tiny
 Tarsier2 checkpoint's processor at its real frame geometry, 16 frames): decode-bound, so that
 reading is what is measured. The sides run interleaved, round after round (this machine is shared
@@ -137,6 +138,8 @@ def main() -> None:
     try:
         import boto3
 
+        import azure_server
+        import gcs_server
         from http_server import web_server
         from tarsier_batch.decoding.workers import DecodeJob
         from tarsier_batch.families.loading import load_processor
@@ -163,10 +166,22 @@ def main() -> None:
             client.upload_file(str(shard), "bench", f"shards/{shard.name}")
         web = contextlib.ExitStack()
         site = web.enter_context(web_server(work)).url
+        # The GCS emulator and Azurite, their buckets holding the same objects and shards.
+        gcs = web.enter_context(gcs_server.serve())
+        azure = web.enter_context(azure_server.serve())
+        os.environ.update(STORAGE_EMULATOR_HOST=gcs.endpoint, AZURE_STORAGE_CONNECTION_STRING=azure.connection_string)
+        for store in (gcs, azure):
+            fs = store.filesystem()
+            fs.mkdir("bench")
+            fs.put([str(file) for file in files], "bench/clips/")
+            fs.put([str(shard) for shard in sorted(shards.iterdir())], "bench/shards/")
         sides = {"local files": [str(folder)], "S3 objects": ["s3://bench/clips/"], "web files": [f"{site}/clips/"],
+                 "GCS objects": ["gs://bench/clips/"], "Azure objects": ["az://bench/clips/"],
                  "local tar shards": [str(shards / "{00000..00002}.tar")],
                  "S3 tar shards": ["s3://bench/shards/{00000..00002}.tar"],
-                 "web tar shards": [f"{site}/shards/{{00000..00002}}.tar"]}
+                 "web tar shards": [f"{site}/shards/{{00000..00002}}.tar"],
+                 "GCS tar shards": ["gs://bench/shards/{00000..00002}.tar"],
+                 "Azure tar shards": ["az://bench/shards/{00000..00002}.tar"]}
         rates: dict[str, list[float]] = {name: [] for name in sides}
         listing: dict[str, float] = {}
         moto_cpu = cpu_seconds(server.pid)

@@ -8,6 +8,7 @@ command that installs it (CI's `.ci/run` installs it).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from collections.abc import Iterator
@@ -34,14 +35,21 @@ class AzureServer(local_servers.Store):
         return adlfs.AzureBlobFileSystem(connection_string=self.connection_string, skip_instance_cache=True)
 
 
-@pytest.fixture(scope="session")
-def azure_server() -> Iterator[AzureServer]:
+@contextlib.contextmanager
+def serve() -> Iterator[AzureServer]:
+    """Azurite, started for the block (the tests' session fixture; the benchmarks)."""
     command = shutil.which("azurite-blob")
     if command is None:
         raise RuntimeError("Azurite is not installed: npm install -g azurite")
     with local_servers.running([command, "--blobHost", "127.0.0.1", "--blobPort", "0", "--inMemoryPersistence",
                                 "--skipApiVersionCheck", "--disableTelemetry"], _READY, "Azurite") as (process, url):
         yield AzureServer(url, process)
+
+
+@pytest.fixture(scope="session")
+def azure_server() -> Iterator[AzureServer]:
+    with serve() as server:
+        yield server
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ tested here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -43,10 +44,17 @@ class GCSServer(local_servers.Store):
         return gcsfs.GCSFileSystem(endpoint_url=self.endpoint, token="anon", skip_instance_cache=True)
 
 
-@pytest.fixture(scope="session")
-def gcs_server() -> Iterator[GCSServer]:
+@contextlib.contextmanager
+def serve() -> Iterator[GCSServer]:
+    """The emulator, started for the block (the tests' session fixture; the benchmarks)."""
     with local_servers.running([sys.executable, "-c", _SERVE], _READY, "gcp-storage-emulator") as (process, url):
         yield GCSServer(url, process)
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GCSServer]:
+    with serve() as server:
+        yield server
 
 
 @pytest.fixture
