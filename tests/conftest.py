@@ -19,7 +19,7 @@ from tarsier_batch.families.tiny import make_tiny_model
 
 # Real stores on loopback: `s3` (moto's S3 API), `gcs` (gcp-storage-emulator), `azure` (Azurite), `http_store`
 # (a web server).
-pytest_plugins = ["s3_server", "gcs_server", "azure_server", "http_server"]
+pytest_plugins = ["s3_server", "gcs_server", "azure_server", "http_server", "hf_server"]
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "sample_data"

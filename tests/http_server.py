@@ -15,10 +15,11 @@ import hashlib
 import html
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import pytest
@@ -43,7 +44,10 @@ class StaticServer:
             self.log.append((method, path))
 
 
-class _Handler(BaseHTTPRequestHandler):
+class LoopbackHandler(BaseHTTPRequestHandler):
+    """What the tests' web servers share: HTTP/1.1 keep-alive, no log lines, each request recorded in the server's
+    store before `answer` answers it (with or without a body: HEAD)."""
+
     protocol_version = "HTTP/1.1"   # keep-alive, as real servers answer
     server: _Server
 
@@ -51,42 +55,22 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def do_HEAD(self) -> None:
-        self._answer(body=False)
+        self._handle(body=False)
 
     def do_GET(self) -> None:
-        self._answer(body=True)
+        self._handle(body=True)
 
-    def _answer(self, body: bool) -> None:
+    def do_POST(self) -> None:
+        self._handle(body=True)
+
+    def _handle(self, body: bool) -> None:
         self.server.store.record(self.command, self.path)
-        relative = unquote(urlsplit(self.path).path).lstrip("/")
-        target = (self.server.store.root / relative).resolve()
-        if not target.is_relative_to(self.server.store.root.resolve()) or not target.exists():
-            return self._send(404, b"not found", body)
-        if target.is_dir():
-            names = [child.name + ("/" if child.is_dir() else "") for child in sorted(target.iterdir())]
-            links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in names)
-            return self._send(200, f"<html><body>\n{links}</body></html>\n".encode(), body,
-                              {"Content-Type": "text/html"})
-        content = target.read_bytes()
-        etag = f'"{hashlib.sha256(content).hexdigest()[:32]}"'
-        wanted = self.headers.get("If-Match")
-        if wanted is not None and wanted.strip() not in ("*", etag):
-            return self._send(412, b"precondition failed", body, {"ETag": etag})
-        headers = {"ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
-        asked = self.headers.get("Range")
-        if asked is None:
-            return self._send(200, content, body, headers)
-        match = _RANGE.match(asked.strip())
-        if match is None:
-            return self._send(200, content, body, headers)   # a range we do not serve: the whole file, as allowed
-        first = int(match.group(1))
-        last = min(int(match.group(2)) if match.group(2) else len(content) - 1, len(content) - 1)
-        if first >= len(content):
-            return self._send(416, b"", body, {**headers, "Content-Range": f"bytes */{len(content)}"})
-        self._send(206, content[first:last + 1], body,
-                   {**headers, "Content-Range": f"bytes {first}-{last}/{len(content)}"})
+        self.answer(body)
 
-    def _send(self, status: int, content: bytes, body: bool, headers: dict[str, str] | None = None) -> None:
+    def answer(self, body: bool) -> None:
+        raise NotImplementedError
+
+    def send(self, status: int, content: bytes, body: bool, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -96,17 +80,50 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(content)
 
 
+class _StaticHandler(LoopbackHandler):
+    def answer(self, body: bool) -> None:
+        relative = unquote(urlsplit(self.path).path).lstrip("/")
+        target = (self.server.store.root / relative).resolve()
+        if not target.is_relative_to(self.server.store.root.resolve()) or not target.exists():
+            return self.send(404, b"not found", body)
+        if target.is_dir():
+            names = [child.name + ("/" if child.is_dir() else "") for child in sorted(target.iterdir())]
+            links = "".join(f'<a href="{html.escape(name)}">{html.escape(name)}</a>\n' for name in names)
+            return self.send(200, f"<html><body>\n{links}</body></html>\n".encode(), body,
+                              {"Content-Type": "text/html"})
+        content = target.read_bytes()
+        etag = f'"{hashlib.sha256(content).hexdigest()[:32]}"'
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted.strip() not in ("*", etag):
+            return self.send(412, b"precondition failed", body, {"ETag": etag})
+        headers = {"ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
+        status, part, extra = ranged(content, self.headers.get("Range"))
+        self.send(status, part, body, {**headers, **extra})
+
+def ranged(content: bytes, asked: str | None) -> tuple[int, bytes, dict[str, str]]:
+    """What a server honouring `Range: bytes=A-B` answers for `content`: 206 and the range, 416 past its end, or
+    200 and all of it (no range, or one it does not serve, as HTTP allows)."""
+    match = _RANGE.match(asked.strip()) if asked is not None else None
+    if match is None:
+        return 200, content, {}
+    first = int(match.group(1))
+    last = min(int(match.group(2)) if match.group(2) else len(content) - 1, len(content) - 1)
+    if first >= len(content):
+        return 416, b"", {"Content-Range": f"bytes */{len(content)}"}
+    return 206, content[first:last + 1], {"Content-Range": f"bytes {first}-{last}/{len(content)}"}
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     store: StaticServer
 
 
 @contextlib.contextmanager
-def web_server(root: Path) -> Iterator[StaticServer]:
-    """A web server serving `root` at `.url` (no trailing slash) until the block ends."""
-    server = _Server(("127.0.0.1", 0), _Handler)
-    server.store = StaticServer(root, f"http://127.0.0.1:{server.server_address[1]}")
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name="http-store")
+def serving(handler: type[LoopbackHandler], store: Callable[[str], StaticServer], name: str) -> Iterator[Any]:
+    """A server on a port of loopback it picks, answering with `handler`, its store made by `store(url)`."""
+    server = _Server(("127.0.0.1", 0), handler)
+    server.store = store(f"http://127.0.0.1:{server.server_address[1]}")
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name=name)
     thread.start()
     try:
         yield server.store
@@ -114,6 +131,13 @@ def web_server(root: Path) -> Iterator[StaticServer]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+@contextlib.contextmanager
+def web_server(root: Path) -> Iterator[StaticServer]:
+    """A web server serving `root` at `.url` (no trailing slash) until the block ends."""
+    with serving(_StaticHandler, lambda url: StaticServer(root, url), "http-store") as store:
+        yield store
 
 
 @pytest.fixture

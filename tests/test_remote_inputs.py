@@ -9,6 +9,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import os
 import tarfile
 import threading
 from pathlib import Path
@@ -387,5 +388,44 @@ def test_a_prefix_and_a_shard_in_a_store_caption_as_the_files_do_and_resume(
                     if ACCOUNT_KEY.encode() in text]
     store.upload(bucket, f"clips/{CLIPS[1]}", (SAMPLE_DATA / CLIPS[2]).read_bytes())
     rows = caption(*inputs, "-o", str(out))
+    assert [row["caption"] for row in rows[:3]] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]],
+                                                    local_captions[CLIPS[2]]]
+
+
+def test_a_hub_dataset_folder_and_shard_caption_as_the_files_do_and_resume(hf_hub, tmp_path: Path,
+                                                                           local_captions: dict[str, str]) -> None:
+    """hf:// against a local server speaking the Hub's API (tests/hf_server.py): a dataset folder listed, a shard
+    streamed through `resolve`, a rerun that captions nothing again, and a file replaced (a new git blob id)
+    captioned again. The command runs in a process of its own: huggingface_hub reads HF_ENDPOINT on import."""
+    import subprocess
+    import sys
+
+    (hf_hub.root / "clips").mkdir()
+    for name in CLIPS:
+        (hf_hub.root / "clips" / name).write_bytes((SAMPLE_DATA / name).read_bytes())
+    (hf_hub.root / "wds").mkdir()
+    members = write_shard(hf_hub.root / "wds" / "00000.tar", [("a", CLIPS[0]), ("b", "still.png")])
+    repo = f"hf://datasets/{hf_hub.repo}"
+    out = tmp_path / "r.parquet"
+    env = {**os.environ, "HF_ENDPOINT": hf_hub.url, "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+
+    def run() -> str:
+        done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "caption", f"{repo}/clips", f"{repo}/wds/",
+                               "-o", str(out), "--model", "demo"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    run()
+    rows = pq.read_table(out).to_pylist()
+    assert [row["path"] for row in rows] == [*(f"{repo}/clips/{name}" for name in CLIPS),
+                                             *(f"{repo}/wds/00000.tar#{name}" for name in members)]
+    assert [row["caption"] for row in rows] == [*(local_captions[name] for name in CLIPS),
+                                                local_captions[CLIPS[0]], local_captions["still.png"]]
+    assert hf_hub.requests("GET", "/resolve/main/wds/00000.tar") >= 1
+    assert "captioned 0; failed 0; done earlier 5" in run()
+    (hf_hub.root / "clips" / CLIPS[1]).write_bytes((SAMPLE_DATA / CLIPS[2]).read_bytes())
+    assert "captioned 1; failed 0; done earlier 4" in run()
+    rows = pq.read_table(out).to_pylist()
     assert [row["caption"] for row in rows[:3]] == [local_captions[CLIPS[0]], local_captions[CLIPS[2]],
                                                     local_captions[CLIPS[2]]]
