@@ -82,8 +82,9 @@ def generate(model: CaptionModel, prompts: list[ProcessedPrompt], sampling: Samp
 
 def alone(model: CaptionModel, prompts: list[ProcessedPrompt], sampling: SamplingParams,
           max_new: list[int] | None = None, seeds: list[int] | None = None) -> Generated:
-    """The reference: each prompt in an engine of its own, one row, unchunked, eager."""
-    runs = [generate(model, [prompt], sampling, EngineConfig(max_rows=1, prefill_chunk=0, max_batch_tokens=8192),
+    """The reference: each prompt in an engine of its own, one row, unchunked, eager (no CUDA graphs)."""
+    config = EngineConfig(max_rows=1, prefill_chunk=0, max_batch_tokens=8192, cuda_graphs=False)
+    runs = [generate(model, [prompt], sampling, config,
                      [max_new[index]] if max_new else None, [seeds[index]] if seeds else None)
             for index, prompt in enumerate(prompts)]
     return Generated([run.ids[0] for run in runs], [run.logits[0] for run in runs])
@@ -160,7 +161,7 @@ def scenarios(prompts: list[ProcessedPrompt], compiled: bool) -> dict[str, dict]
     }
 
 
-def family_equality(family: str, workdir: Path, device: torch.device, compiled: bool) -> dict:
+def family_equality(family: str, workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool) -> dict:
     """Every scenario on the tiny checkpoint of `family`. The references first: compiling works in place, so a
     reference computed after a compiled scenario would run compiled layers."""
     model_dir = make_tiny_model(workdir / f"tiny-{family}", "tiny", seed=0, family=family)
@@ -179,7 +180,8 @@ def family_equality(family: str, workdir: Path, device: torch.device, compiled: 
         key = (sampling.greedy, tuple(max_new or ()), tuple(seeds or ()), len(rows))
         if key not in references:
             references[key] = alone(model, rows, sampling, max_new, seeds)
-        planned.append((name, spec["config"], sampling, rows, forks, max_new, seeds, references[key]))
+        config = replace(spec["config"], cuda_graphs=cuda_graphs)
+        planned.append((name, config, sampling, rows, forks, max_new, seeds, references[key]))
     results = {}
     for name, config, sampling, rows, forks, max_new, seeds, reference in planned:
         started = time.perf_counter()
@@ -193,11 +195,13 @@ def family_equality(family: str, workdir: Path, device: torch.device, compiled: 
             "scenarios": results, "passed": all(result["passed"] for result in results.values())}
 
 
-def run_equality(workdir: Path, device: torch.device, compiled: bool) -> dict:
-    """Both families; float32 with TF32 off everywhere (cuDNN's convolutions use TF32 by default)."""
+def run_equality(workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool = True) -> dict:
+    """Both families; float32 with TF32 off everywhere (cuDNN's convolutions use TF32 by default); the scenarios'
+    decode steps as CUDA graphs on CUDA unless not `cuda_graphs` (the references never)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    families = {family: family_equality(family, workdir, device, compiled) for family in ("tarsier", "tarsier2")}
+    families = {family: family_equality(family, workdir, device, compiled, cuda_graphs)
+                for family in ("tarsier", "tarsier2")}
     gaps = [scenario["largest_relative_logit_gap"] for result in families.values()
             for scenario in result["scenarios"].values()]
     return {"families": families, "passed": all(result["passed"] for result in families.values()),

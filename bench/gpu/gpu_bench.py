@@ -10,7 +10,10 @@ the output, so that a second call can run it; a stage that fails records its err
 - `env`: versions, the device, and its two ceilings measured: a device-to-device copy (bytes read plus
   written per second) and a large bfloat16 matrix product (FLOP/s);
 - `equality`: float32 equality of batched, chunked, continuous, preempted, offloaded, forked and sampled
-  rows with rows alone, on the tiny checkpoints of both families (bench/gpu/equality.py);
+  rows (decode steps as CUDA graphs) with rows alone (eager), on the tiny checkpoints of both families
+  (bench/gpu/equality.py), in a child process first: if it fails, the rest of the run goes without CUDA
+  graphs (a failed recording leaves torch's allocator mid-recording, which a process cannot recover from)
+  and the equality is run again without them;
 - `build`: the real-size Tarsier2-7B checkpoint, weights drawn on the device, written to local disk;
 - `engine`: loaded by `Captioner` (the memory preflight first), 64 distinct clips of 16 frames at 1920 x
   800, 256 new tokens with EOS off, through the engine as `tarsier caption` drives it (without --compile:
@@ -136,6 +139,8 @@ class Bench:
         self.state_file = workdir / "results.json"
         self.results: dict = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
         self.results.setdefault("stages", {})
+        # False once the equality stage's child failed with CUDA graphs: the later stages (and calls) go without.
+        self.cuda_graphs: bool = self.results.get("cuda_graphs", True)
         self.captioner: Captioner | None = None
         self.eos_token_ids: frozenset[int] = frozenset()   # the checkpoint's, while the engine runs without
         self.prompts: list | None = None
@@ -173,6 +178,7 @@ class Bench:
             kv_gb = math.ceil(rows * context * kv_bytes_per_position(self.checkpoint) / 2**30) + 1
             settings = CaptionSettings(model=str(self.checkpoint), device=profile.device, dtype="bfloat16",
                                        frames=profile.frames, kv_cache_gb=kv_gb, isolate_decoding=False,
+                                       cuda_graphs=self.cuda_graphs,
                                        sampling=SamplingParams(max_new_tokens=profile.new_tokens))
             release(self.device)
             if self.device.type == "cuda":
@@ -257,7 +263,34 @@ def matmul_rate(device: torch.device, side: int) -> float:
 
 
 def run_equality(bench: Bench) -> None:
-    bench.results["stages"]["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=False)
+    if not bench.in_child:
+        code = run_in_child(bench, "equality", bench.profile.stage_s.get("equality", 300) * 2)
+        info = bench.stage("equality")
+        if code == 0 and "error" not in info and "passed" in info:
+            return
+        bench.results["cuda_graphs"] = bench.cuda_graphs = False
+        bench.results["cuda_graphs_failure"] = info.get("error") or f"the equality child exited with {code}"
+    bench.results["stages"]["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=False,
+                                                                cuda_graphs=bench.cuda_graphs)
+
+
+def run_in_child(bench: Bench, stage: str, timeout_s: float) -> int | str:
+    """Run `stage` in a child process of its own group (killed past `timeout_s`), with the results so far; then
+    take up what it saved. Its exit code, or "timed out"."""
+    bench.save()
+    command = [sys.executable, str(Path(__file__).resolve()), "--in-child", "--stages", stage,
+               "--workdir", str(bench.workdir), "--out", str(bench.out), "--started-at", repr(bench.started_at),
+               "--budget-s", repr(bench.budget_s), *(["--with-compile"] if bench.with_compile else []),
+               *(["--cpu-dry-run"] if bench.profile is DRY else [])]
+    child = subprocess.Popen(command, start_new_session=True)   # its own group: inductor's compile workers too
+    try:
+        code: int | str = child.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        code = "timed out"
+    bench.results = json.loads(bench.state_file.read_text())   # what the child saved
+    return code
 
 
 def run_build(bench: Bench) -> None:
@@ -385,23 +418,12 @@ def run_compiled(bench: Bench) -> None:
         compiled_parts(bench)
         return
     bench.drop_model()
-    bench.save()
     timeout_s = max(bench.budget_s - (time.perf_counter() - bench.started), bench.profile.stage_s.get("compiled", 0))
-    command = [sys.executable, str(Path(__file__).resolve()), "--in-child", "--stages", "compiled",
-               "--workdir", str(bench.workdir), "--out", str(bench.out), "--with-compile",
-               "--started-at", repr(bench.started_at), "--budget-s", repr(bench.budget_s),
-               *(["--cpu-dry-run"] if bench.profile is DRY else [])]
-    child = subprocess.Popen(command, start_new_session=True)   # its own group: inductor's compile workers too
-    try:
-        code = child.wait(timeout=timeout_s)
-        failure = None if code == 0 else f"the child process exited with {code}"
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
-        failure = f"timed out after {timeout_s:.0f} s"
-    bench.results = json.loads(bench.state_file.read_text())   # what the child saved, part by part
+    code = run_in_child(bench, "compiled", timeout_s)
     info = bench.stage("compiled")
-    if failure is not None:
+    if code != 0:
+        failure = f"timed out after {timeout_s:.0f} s" if code == "timed out" else \
+            f"the child process exited with {code}"
         info["error"] = f"{failure}, in the part after {info.get('parts_done') or 'none'}"
 
 
@@ -450,7 +472,8 @@ def compiled_parts(bench: Bench) -> None:
     # Compiled functions recompile for each model; past torch._dynamo's limit of recompilations they would run
     # eager without a word, so the tiny checkpoints start from a clean slate (drop_model reset it).
     started = time.perf_counter()
-    info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True)
+    info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True,
+                                             cuda_graphs=bench.cuda_graphs)
     done("equality", started)
 
 
@@ -477,7 +500,8 @@ def run_cli(bench: Bench) -> None:
     # On CUDA the defaults are the device and bfloat16, as a user runs it: the first H100 run's explicit
     # `--device cuda` stopped at "No such option" (the `help` record below looks into that).
     common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens), "--overwrite",
-              *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"])]
+              *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"]),
+              *([] if bench.cuda_graphs else ["--no-cuda-graphs"])]
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
@@ -531,6 +555,7 @@ def summary(results: dict) -> dict:
         "decode_ms_eager": decode.get("eager", {}).get("ms"),
         "decode_ms_graphs": decode.get("graphs", {}).get("ms"),
         "cuda_graphs_recorded": decode.get("graphs", {}).get("recorded"),
+        "cuda_graphs": results.get("cuda_graphs", True), "cuda_graphs_failure": results.get("cuda_graphs_failure"),
         "decode_from": decode_from,
         "fp32_equality_passed": all(equal) if equal else None,
         "bf16_exact_match_rate": agreement.get("exact_match_rate"),
