@@ -42,7 +42,7 @@ _EXPORTS = {
     "make_tiny_model": "families.tiny",
     "evaluate_demo": "demo.evaluate",
     # outputs
-    "OutputTarget": "outputs.formats", "OutputError": "outputs.formats", "WebDatasetShards": "outputs.formats",
+    "OutputTarget": "outputs.formats", "OutputError": "outputs.formats",
     "RemoteOutput": "outputs.remote", "output_at": "outputs.remote",
     "OutputLockedError": "outputs.lock",
     "OutputWriteError": "outputs.store",
@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from .media import MAX_IMAGE_PIXELS
     from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, ModelNotFoundError, model_reference_problem
     from .model.preflight import NotEnoughMemory
-    from .outputs.formats import OutputError, OutputTarget, WebDatasetShards
+    from .outputs.formats import OutputError, OutputTarget
     from .outputs.lock import OutputLockedError
     from .outputs.merge import MergeError, MergeReport, merge_outputs
     from .outputs.remote import RemoteOutput, output_at
@@ -117,4 +117,4 @@ __all__ = ["__version__", "Answer", "Backend", "Captioner", "CaptionResult", "Ca
            "Question", "RayBackend", "RaySettings", "read_manifest", "read_prompt_set", "RemoteOutput", "Reporter",
            "RESERVED_NAMES", "RunOutcome", "RunReporter", "RunSettings", "RunStats", "SamplingParams", "Segmenting",
            "SegmentsError", "SettingsError", "SettingsMismatchError", "Shard", "ShardError", "sibling_columns",
-           "Status", "StorageError", "Terminated", "WebDatasetShards", "write_report"]
+           "Status", "StorageError", "Terminated", "write_report"]

@@ -64,7 +64,6 @@ from . import (
     Status,
     StorageError,
     Terminated,
-    WebDatasetShards,
     __version__,
     check_manifest_path,
     discover,
@@ -406,10 +405,10 @@ def caption(
         _fail(f"--out-format webdataset writes one sample per member: not with "
               f"{'--long' if settings.long else '--segments'}")
     found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
-    if target.webdataset:
+    if target.webdataset:   # the one output that cannot place every input's row
         try:
-            WebDatasetShards.check_rows([item.path for item in
-                                         (found.discovery if isinstance(found, Manifest) else found).items])
+            target.kind.check_rows([item.path for item in
+                                    (found.discovery if isinstance(found, Manifest) else found).items])
         except OutputError as error:
             _fail(str(error))
     try:

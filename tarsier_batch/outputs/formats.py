@@ -175,6 +175,9 @@ class OutputFormat:
         """Whether a file of this name in a folder output is part of the output (else it is a stranger)."""
         return False
 
+    def check_rows(self, paths: list[str]) -> None:
+        """Refuse, before any work, inputs whose rows this format cannot place (any, but for `WebDatasetShards`)."""
+
     def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
               replace: Replace) -> None:
         """Write `table` (its schema carries `provenance` and `summary`) as the whole output, each file whole."""
@@ -319,8 +322,7 @@ class WebDatasetShards(OutputFormat):
         table = _parse_jsonl(io.BytesIO(lines.getvalue()), schema) if lines.tell() else schema.empty_table()
         return table, meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
 
-    @staticmethod
-    def check_rows(paths: list[str]) -> None:
+    def check_rows(self, paths: list[str]) -> None:
         """Refuse, before any work, inputs whose rows this format cannot place: a row not from a tar member, or
         two members of one shard with the same WebDataset key (their captions would share a sample)."""
         seen: dict[tuple[str, str], str] = {}
