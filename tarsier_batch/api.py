@@ -29,6 +29,7 @@ import torch
 from .decoding.fork_server import start_decoding_server
 from .decoding.workers import Decoded, DecodeJob, DecodePool, default_workers
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
+from .engine.model_runner import fused_attention_available
 from .errors import INTERNAL
 from .families.base import CaptionModel, Processor
 from .families.loading import load_caption_model, load_processor
@@ -84,7 +85,8 @@ class Captioner:
             # On the CPU the "device" is host memory already: offloading would only add copies.
             offload_kv=settings.offload_kv and self.device.type != "cpu", prefix_cache=settings.prefix_cache,
             prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
-            compile=settings.compile_step, cuda_graphs=settings.cuda_graphs)
+            compile=settings.compile_step, cuda_graphs=settings.cuda_graphs,
+            fused_attention=settings.fused_attention)
         needed = self.model.processor.min_vision_positions(self.frames)
         page = self.engine_config.kv_page_slots
         # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
@@ -138,6 +140,7 @@ class Captioner:
             "prefix_cache": config.prefix_cache,
             "prune": self.settings.pruning,
             "compile": config.compile, "cuda_graphs": config.cuda_graphs and self.device.type == "cuda",
+            "fused_attention": config.fused_attention and fused_attention_available(self.device),
             "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
             "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
@@ -160,6 +163,8 @@ class Captioner:
                         f"frame dropped (not the official output)")
         pruning += ", compiled layers (the first steps compile)" if config.compile else ""
         pruning += ", decode steps as CUDA graphs" if config.cuda_graphs and self.device.type == "cuda" else ""
+        fused = config.fused_attention and fused_attention_available(self.device)
+        pruning += ", fused decode attention" if fused else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
         return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "

@@ -286,6 +286,10 @@ def caption(
         "--cuda-graphs/--no-cuda-graphs",
         help="On CUDA, record each decode step as a CUDA graph (once per power-of-two size) and replay it: one "
              "launch instead of ~1,900 kernel launches a step. Same captions in float32.")] = True,
+    fused_attention: Annotated[bool, typer.Option(
+        "--fused-attention/--no-fused-attention",
+        help="On CUDA, decoding rows attend in one fused Triton kernel that reads each row's KV pages where they "
+             "lie (otherwise a split attention of torch ops). Same captions in float32.")] = True,
     prune_vision: Annotated[float, typer.Option(
         metavar="R",
         help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV "
@@ -383,7 +387,8 @@ def caption(
         max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
         prefix_cache=prefix_cache,
         prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value if prune_method else None,
-        compile_step=compile_step, cuda_graphs=cuda_graphs, dtype=dtype.value, device=device,
+        compile_step=compile_step, cuda_graphs=cuda_graphs, fused_attention=fused_attention,
+        dtype=dtype.value, device=device,
         workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
         max_image_pixels=max_image_pixels, preflight=preflight,
         sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

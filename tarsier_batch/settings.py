@@ -123,6 +123,7 @@ class CaptionSettings:
     prune_method: str | None = None
     compile_step: bool = False         # the layers and the decode attention through torch.compile
     cuda_graphs: bool = True           # on CUDA, decode steps recorded and replayed as CUDA graphs
+    fused_attention: bool = True       # on CUDA with Triton, decode attention in one fused kernel
     sampling: SamplingParams = field(default_factory=SamplingParams)
     dtype: str = "auto"
     device: str = "auto"

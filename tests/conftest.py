@@ -10,6 +10,10 @@ from pathlib import Path
 # PyAV before any test module imports decord: decord's own FFmpeg libraries, loaded first, leave PyAV unable to
 # open some encoders (libvpx-vp9 fails with EINVAL), which the tests use to make their media.
 import av  # noqa: F401  # isort: skip
+
+# No GPU in the tests: Triton's kernels (the fused decode attention) run in its interpreter, on CPU tensors. Triton
+# reads this when it is imported (the engine's imports bring it in), so before anything else.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 

@@ -28,8 +28,8 @@ class StaticDecodeStep(DecodeStep):
 
     steps: list[dict] = []
 
-    def __init__(self, model, pools, kernel=None, graphs: bool = False):
-        super().__init__(model, pools, kernel, graphs, static_shapes=True)
+    def __init__(self, model, pools, attention=None, graphs: bool = False, static_shapes: bool | None = None):
+        super().__init__(model, pools, attention, graphs, static_shapes=True)
 
     def run(self, step):
         StaticDecodeStep.steps.append({"rows": len(step)})

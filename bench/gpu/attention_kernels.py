@@ -1,8 +1,11 @@
 """Decode attention at Tarsier2-7B's shapes: the engine's paged kernel against SDPA and FlexAttention.
 
 R rows, one query each (28 heads over 4 KV heads of 128), contexts drawn between 3/4 of `context` and
-`context` (rows of one batch differ in length, as clips do), in the model's dtype. Four ways:
+`context` (rows of one batch differ in length, as clips do), in the model's dtype. The ways:
 
+- `fused` (CUDA): `engine.fused_decode`, the engine's decode attention on CUDA, a Triton kernel reading each
+  row's pages through its block table; `fused_split_1024`, `fused_split_256`, `fused_block_32`: the same with
+  other positions per split or per loop iteration, to tune its sizes;
 - `paged`: `engine.attention.paged_decode_attention` over the rows' pages in a KV cache laid out as the
   engine's (rows at page-aligned ranges with a free page between neighbours), eager;
 - `paged_compiled`: the same through torch.compile, as `--compile` runs it;
@@ -20,6 +23,7 @@ under 1e-2 in bfloat16, 1e-5 in float32) and timed as the median of `repeats` ca
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 
 from tarsier_batch.engine.attention import attend_decoding, decode_tables, paged_decode_attention
 from tarsier_batch.engine.kv_cache import PAGE_SLOTS, BlockTable, KVCache
+from tarsier_batch.engine.model_runner import fused_attention_available
 from tarsier_batch.families.base import KVGeometry
 
 
@@ -83,6 +88,14 @@ def one_shape(rows: int, context: int, heads: int, kv_heads: int, head_dim: int,
         "sdpa_padded": lambda: F.scaled_dot_product_attention(queries[:, :, None], padded_keys, padded_values,
                                                               attn_mask=mask, scale=scale, enable_gqa=True)[:, :, 0],
     }
+    if fused_attention_available(device):   # the engine's sizes, and a few others to tune them
+        from tarsier_batch.engine.fused_decode import fused_decode_attention, page_tables
+        fused_tables = page_tables(row_tables, np.array(contexts), PAGE_SLOTS, device)
+        layer_keys, layer_values = cache.layer_pages(0)
+        for name, split, block in (("fused", None, None), ("fused_split_1024", 1024, None),
+                                   ("fused_split_256", 256, None), ("fused_block_32", None, 32)):
+            ways[name] = functools.partial(fused_decode_attention, queries, layer_keys, layer_values, fused_tables,
+                                           scale, split, block)
     if compiled:
         kernel = torch.compile(paged_decode_attention, dynamic=True)
         ways["paged_compiled"] = lambda: attend_decoding(cache, 0, queries, tables, scale, kernel)

@@ -82,8 +82,10 @@ def generate(model: CaptionModel, prompts: list[ProcessedPrompt], sampling: Samp
 
 def alone(model: CaptionModel, prompts: list[ProcessedPrompt], sampling: SamplingParams,
           max_new: list[int] | None = None, seeds: list[int] | None = None) -> Generated:
-    """The reference: each prompt in an engine of its own, one row, unchunked, eager (no CUDA graphs)."""
-    config = EngineConfig(max_rows=1, prefill_chunk=0, max_batch_tokens=8192, cuda_graphs=False)
+    """The reference: each prompt in an engine of its own, one row, unchunked, eager (no CUDA graphs), decoding
+    rows attending with the split attention of torch ops (so a fault of the fused kernel shows as a difference)."""
+    config = EngineConfig(max_rows=1, prefill_chunk=0, max_batch_tokens=8192, cuda_graphs=False,
+                          fused_attention=False)
     runs = [generate(model, [prompt], sampling, config,
                      [max_new[index]] if max_new else None, [seeds[index]] if seeds else None)
             for index, prompt in enumerate(prompts)]
@@ -161,7 +163,8 @@ def scenarios(prompts: list[ProcessedPrompt], compiled: bool) -> dict[str, dict]
     }
 
 
-def family_equality(family: str, workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool) -> dict:
+def family_equality(family: str, workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool,
+                    fused_attention: bool) -> dict:
     """Every scenario on the tiny checkpoint of `family`. The references first: compiling works in place, so a
     reference computed after a compiled scenario would run compiled layers."""
     model_dir = make_tiny_model(workdir / f"tiny-{family}", "tiny", seed=0, family=family)
@@ -180,7 +183,7 @@ def family_equality(family: str, workdir: Path, device: torch.device, compiled: 
         key = (sampling.greedy, tuple(max_new or ()), tuple(seeds or ()), len(rows))
         if key not in references:
             references[key] = alone(model, rows, sampling, max_new, seeds)
-        config = replace(spec["config"], cuda_graphs=cuda_graphs)
+        config = replace(spec["config"], cuda_graphs=cuda_graphs, fused_attention=fused_attention)
         planned.append((name, config, sampling, rows, forks, max_new, seeds, references[key]))
     results = {}
     for name, config, sampling, rows, forks, max_new, seeds, reference in planned:
@@ -195,12 +198,14 @@ def family_equality(family: str, workdir: Path, device: torch.device, compiled: 
             "scenarios": results, "passed": all(result["passed"] for result in results.values())}
 
 
-def run_equality(workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool = True) -> dict:
+def run_equality(workdir: Path, device: torch.device, compiled: bool, cuda_graphs: bool = True,
+                 fused_attention: bool = True) -> dict:
     """Both families; float32 with TF32 off everywhere (cuDNN's convolutions use TF32 by default); the scenarios'
-    decode steps as CUDA graphs on CUDA unless not `cuda_graphs` (the references never)."""
+    decode steps as CUDA graphs and with the fused decode attention on CUDA unless not `cuda_graphs` or
+    `fused_attention` (the references never)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    families = {family: family_equality(family, workdir, device, compiled, cuda_graphs)
+    families = {family: family_equality(family, workdir, device, compiled, cuda_graphs, fused_attention)
                 for family in ("tarsier", "tarsier2")}
     gaps = [scenario["largest_relative_logit_gap"] for result in families.values()
             for scenario in result["scenarios"].values()]

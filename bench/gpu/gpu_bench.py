@@ -10,10 +10,10 @@ the output, so that a second call can run it; a stage that fails records its err
 - `env`: versions, the device, and its two ceilings measured: a device-to-device copy (bytes read plus
   written per second) and a large bfloat16 matrix product (FLOP/s);
 - `equality`: float32 equality of batched, chunked, continuous, preempted, offloaded, forked and sampled
-  rows (decode steps as CUDA graphs) with rows alone (eager), on the tiny checkpoints of both families
-  (bench/gpu/equality.py), in a child process first: if it fails, the rest of the run goes without CUDA
-  graphs (a failed recording leaves torch's allocator mid-recording, which a process cannot recover from)
-  and the equality is run again without them;
+  rows (decode steps as CUDA graphs, the fused decode attention) with rows alone (eager, the split attention of
+  torch ops), on the tiny checkpoints of both families (bench/gpu/equality.py), in a child process first: if it
+  fails, the rest of the run goes without CUDA graphs and the fused attention (a failed recording leaves torch's
+  allocator mid-recording, which a process cannot recover from) and the equality is run again without them;
 - `build`: the real-size Tarsier2-7B checkpoint, weights drawn on the device, written to local disk;
 - `engine`: loaded by `Captioner` (the memory preflight first), 64 distinct clips of 16 frames at 1920 x
   800, 256 new tokens with EOS off, through the engine as `tarsier caption` drives it (without --compile:
@@ -23,7 +23,8 @@ the output, so that a second call can run it; a stage that fails records its err
 - `baseline`: transformers' one-at-a-time Qwen2-VL generate on the first clips, same weights: its items/s,
   and how often the engine's bfloat16 ids equal its ids, and where they first part;
 - `decode`: ms per decode step at 1, 8, 32 and 64 rows at the clips' context, against the bandwidth floor:
-  as the engine runs it (CUDA graphs) and eager at exact sizes;
+  as the engine runs it (CUDA graphs, the fused decode attention), eager at exact sizes, and as CUDA graphs
+  with the split attention of torch ops;
 - `compiled`: the same with `--compile` (the layers and the decode attention through torch.compile), in a
   child process stopped at the budget: the 64 clips and the decode steps of the real-size model, then the
   tiny equality scenarios compiled;
@@ -74,6 +75,7 @@ import workload  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.engine import Engine  # noqa: E402
+from tarsier_batch.engine.attention import SplitDecodeAttention  # noqa: E402
 from tarsier_batch.engine.decode_step import DecodeStep  # noqa: E402
 
 
@@ -106,8 +108,8 @@ GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, 
               new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64),
               attention_repeats=50, cli_clips=8,
               cli_new_tokens=32, cli_kv_gb=40, budget_s=480,
-              stage_s={"env": 15, "equality": 60, "build": 90, "engine": 150, "baseline": 120, "decode": 40,
-                       "profile": 40, "attention": 90, "cli": 150, "compiled": 240})
+              stage_s={"env": 15, "equality": 60, "build": 60, "engine": 150, "baseline": 100, "decode": 40,
+                       "profile": 30, "attention": 60, "cli": 150, "compiled": 200})
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
@@ -115,9 +117,9 @@ DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=27
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
               cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-# `compiled` before the stages measured already (profile, attention, cli): with the whole decode step compiled as
-# one graph, the first H100 run spent over 340 s in it unfinished, the H200 run over 375 s; the layers and the
-# decode attention compiled alone take ~1/6 of that on the CPU.
+# `compiled` before the stages measured already (profile, attention, cli). The third run (an H100) took, from
+# run.sh's start: 17 s to start, equality 25, build 18, engine 115, baseline 73, decode 11, compiled 164, profile
+# 14, attention 32, cli 113: every stage but attention and cli fits the first call.
 STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "profile", "attention", "cli"]
 DTYPE = torch.bfloat16
 
@@ -141,6 +143,7 @@ class Bench:
         self.results.setdefault("stages", {})
         # False once the equality stage's child failed with CUDA graphs: the later stages (and calls) go without.
         self.cuda_graphs: bool = self.results.get("cuda_graphs", True)
+        self.fused_attention: bool = self.results.get("fused_attention", True)   # the same, for the fused kernel
         self.captioner: Captioner | None = None
         self.eos_token_ids: frozenset[int] = frozenset()   # the checkpoint's, while the engine runs without
         self.prompts: list | None = None
@@ -178,7 +181,7 @@ class Bench:
             kv_gb = math.ceil(rows * context * kv_bytes_per_position(self.checkpoint) / 2**30) + 1
             settings = CaptionSettings(model=str(self.checkpoint), device=profile.device, dtype="bfloat16",
                                        frames=profile.frames, kv_cache_gb=kv_gb, isolate_decoding=False,
-                                       cuda_graphs=self.cuda_graphs,
+                                       cuda_graphs=self.cuda_graphs, fused_attention=self.fused_attention,
                                        sampling=SamplingParams(max_new_tokens=profile.new_tokens))
             release(self.device)
             if self.device.type == "cuda":
@@ -269,9 +272,11 @@ def run_equality(bench: Bench) -> None:
         if code == 0 and "error" not in info and "passed" in info:
             return
         bench.results["cuda_graphs"] = bench.cuda_graphs = False
+        bench.results["fused_attention"] = bench.fused_attention = False
         bench.results["cuda_graphs_failure"] = info.get("error") or f"the equality child exited with {code}"
     bench.results["stages"]["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=False,
-                                                                cuda_graphs=bench.cuda_graphs)
+                                                                cuda_graphs=bench.cuda_graphs,
+                                                                fused_attention=bench.fused_attention)
 
 
 def run_in_child(bench: Bench, stage: str, timeout_s: float) -> int | str:
@@ -378,16 +383,21 @@ def decode_figures(bench: Bench, engine: Engine) -> dict:
 
 
 def run_decode(bench: Bench) -> None:
-    """The decode step as the engine runs it (on CUDA, replayed as CUDA graphs), and eager at exact sizes."""
+    """The decode step as the engine runs it (on CUDA, replayed as CUDA graphs, the fused decode attention), eager
+    at exact sizes, and replayed with the split decode attention of torch ops instead of the fused one."""
     engine = bench.loaded().engine
     info = bench.stage("decode")
     step = engine.runner.decode_step
+    info["attention"] = type(step.attention).__name__
     if step.graphs is not None:
         info["graphs"] = decode_figures(bench, engine)
         info["graphs"]["recorded"] = len(step.graphs.graphs)
-    engine.runner.decode_step = DecodeStep(engine.model, engine.pools)
     try:
+        engine.runner.decode_step = DecodeStep(engine.model, engine.pools, step.attention)
         info["eager"] = decode_figures(bench, engine)
+        if step.graphs is not None and not isinstance(step.attention, SplitDecodeAttention):
+            engine.runner.decode_step = DecodeStep(engine.model, engine.pools, SplitDecodeAttention(), graphs=True)
+            info["graphs_split_attention"] = decode_figures(bench, engine)
     finally:
         engine.runner.decode_step = step
 
@@ -473,7 +483,7 @@ def compiled_parts(bench: Bench) -> None:
     # eager without a word, so the tiny checkpoints start from a clean slate (drop_model reset it).
     started = time.perf_counter()
     info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True,
-                                             cuda_graphs=bench.cuda_graphs)
+                                             cuda_graphs=bench.cuda_graphs, fused_attention=bench.fused_attention)
     done("equality", started)
 
 
@@ -501,7 +511,8 @@ def run_cli(bench: Bench) -> None:
     # `--device cuda` stopped at "No such option" (the `help` record below looks into that).
     common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens), "--overwrite",
               *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"]),
-              *([] if bench.cuda_graphs else ["--no-cuda-graphs"])]
+              *([] if bench.cuda_graphs else ["--no-cuda-graphs"]),
+              *([] if bench.fused_attention else ["--no-fused-attention"])]
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
@@ -554,6 +565,8 @@ def summary(results: dict) -> dict:
         "decode_ms": decode_source.get("ms"), "decode_floor_ms": decode_source.get("floor_ms"),
         "decode_ms_eager": decode.get("eager", {}).get("ms"),
         "decode_ms_graphs": decode.get("graphs", {}).get("ms"),
+        "decode_ms_graphs_split_attention": decode.get("graphs_split_attention", {}).get("ms"),
+        "decode_attention": decode.get("attention"),
         "cuda_graphs_recorded": decode.get("graphs", {}).get("recorded"),
         "cuda_graphs": results.get("cuda_graphs", True), "cuda_graphs_failure": results.get("cuda_graphs_failure"),
         "decode_from": decode_from,
@@ -572,7 +585,7 @@ def summary(results: dict) -> dict:
 def table(summary_: dict) -> str:
     keys = ["device", "torch", "fp32_equality_passed", "speedup_vs_transformers", "speedup_vs_transformers_eager",
             "items_per_s", "transformers_items_per_s", "prefill_mfu", "decode_from", "decode_ms", "decode_floor_ms",
-            "decode_ms_eager", "cuda_graphs_recorded",
+            "decode_ms_eager", "decode_attention", "decode_ms_graphs_split_attention", "cuda_graphs_recorded",
             "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "stages_failed",
             "stages_skipped"]
     return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)

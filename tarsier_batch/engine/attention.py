@@ -9,7 +9,8 @@ all rows run as one matrix multiply, and so does the rest of a step's work:
   batched computation per layer whatever their number: each page their contexts occupy is paired
   with its row's query, every page's partial attention is one slice of a batched matrix multiply
   over the cache's first pages read where they lie, and each row's pages are then combined by their
-  softmax weights (split-K attention, as flash-decoding does it; see `DecodeTables`);
+  softmax weights (split-K attention, as flash-decoding does it; see `DecodeTables`); on CUDA the
+  same is one fused Triton kernel (`fused_decode`), through the same `DecodeAttention` interface;
 - a prefill chunk (many positions of one row) attends on its own with SDPA, over its own new keys
   for a prompt's first chunk and over its row's context copied out of its pages for a later one:
   a chunk is compute-bound, so that copy is small next to its arithmetic, and there are few
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -156,7 +157,7 @@ def fine_bucket(count: int) -> int:
 
 
 def attend_decoding(kv: KVCache, layer: int, q: torch.Tensor, tables: DecodeTables, scale: float,
-                    kernel: DecodeAttention | None = None) -> torch.Tensor:
+                    kernel: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """(rows, heads, head_dim) queries -> (rows, heads, head_dim) attention over each row's pages."""
     # (window * kv_heads, slots, dim): in place, or copied out
     keys, values = (kv.page_view(layer, tables.owner.shape[0]) if tables.pages is None
@@ -201,7 +202,30 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
-DecodeAttention = Callable[..., torch.Tensor]   # paged_decode_attention, or it compiled
+class DecodeAttention(Protocol):
+    """How a step's one-position rows attend over their pages: tables built once a step on the host (padded to a
+    few sizes where `bucketed_within` is set, for a static step: see `decode_tables`), then a call per layer."""
+
+    def tables(self, tables: list[BlockTable], contexts: np.ndarray, page_slots: int, device: torch.device,
+               bucketed_within: int | None = None) -> Any: ...
+
+    def __call__(self, kv: KVCache, layer: int, q: torch.Tensor, tables: Any, scale: float) -> torch.Tensor: ...
+
+
+class SplitDecodeAttention:
+    """`paged_decode_attention` over a window of pages, eager or compiled (`kernel`): torch ops, any device."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor] = paged_decode_attention):
+        self.kernel = kernel
+
+    def tables(self, tables: list[BlockTable], contexts: np.ndarray, page_slots: int, device: torch.device,
+               bucketed_within: int | None = None) -> DecodeTables:
+        # Compiled, the window is always the view (see `SPARSE_WINDOW`).
+        return decode_tables(tables, contexts, page_slots, device, bucketed_within,
+                             copy_sparse=self.kernel is paged_decode_attention)
+
+    def __call__(self, kv: KVCache, layer: int, q: torch.Tensor, tables: DecodeTables, scale: float) -> torch.Tensor:
+        return attend_decoding(kv, layer, q, tables, scale, self.kernel)
 
 
 def _masked_exp(shifted: torch.Tensor) -> torch.Tensor:
@@ -226,22 +250,22 @@ class StepAttention:
     """The `Attention` callback a model calls once per layer during one engine step."""
 
     def __init__(self, kv: KVCache, rows: list[RowSpan], device: torch.device,
-                 capture: tuple[int, set[int]] | None = None, decode_kernel: DecodeAttention | None = None):
+                 capture: tuple[int, set[int]] | None = None, decode_attention: DecodeAttention | None = None):
         """`capture`: (layer, row indices) whose last token's query to keep at that layer (`captured`);
-        `decode_kernel`: `paged_decode_attention` compiled, with --compile."""
+        `decode_attention`: how decoding rows attend (by default `SplitDecodeAttention`)."""
         self.kv = kv
-        self.decode_kernel = decode_kernel
+        self.decode_attention = decode_attention or SplitDecodeAttention()
         self.rows = rows
         self.capture = capture
         self.captured: dict[int, torch.Tensor] = {}   # row index -> (heads, head_dim) rotated query
         self.scale = 0.0
         decoding = [row for row in rows if row.decodes]
-        self.decode: DecodeTables | None = None
+        self.decode: Any = None   # the decode attention's tables
         if decoding:
             tables = [row.table for row in decoding if row.table is not None]
             assert len(tables) == len(decoding), "a decoding row holds device KV"
-            self.decode = decode_tables(tables, np.array([row.start + 1 for row in decoding]), kv.page_slots, device,
-                                        copy_sparse=decode_kernel is None)
+            self.decode = self.decode_attention.tables(tables, np.array([row.start + 1 for row in decoding]),
+                                                       kv.page_slots, device)
         offsets = [row.offset for row in decoding]
         self.decode_tokens: slice | torch.Tensor = (slice(0, len(offsets)) if offsets == list(range(len(offsets)))
                                                     else to_device(offsets, device))
@@ -277,7 +301,7 @@ class StepAttention:
             device_k, device_v = (k, v) if self.write_tokens is None else (k[self.write_tokens], v[self.write_tokens])
             self.kv.write_at(layer, self.write_pages, self.write_offsets, device_k, device_v)
         if self.decode is not None:
-            decoded = attend_decoding(self.kv, layer, q[self.decode_tokens], self.decode, scale, self.decode_kernel)
+            decoded = self.decode_attention(self.kv, layer, q[self.decode_tokens], self.decode, scale)
             if self.only_decodes:
                 return decoded
         out = torch.empty_like(q)

@@ -9,10 +9,10 @@ CUDA graph and replayed (`cuda_graphs`): one launch for the whole step instead o
 A graph is recorded per distinct set of sizes, so there the sizes are padded to a few: the rows to
 powers of two (`attention.bucket`; padding rows read row 0's pages and write their keys and values to
 each cache's scratch page), the pages per row and the window of pages read to within 12.5 %
-(`attention.fine_bucket`). With --compile the
-layers and the decode attention run through torch.compile, at the same padded sizes, so that their
-few compilations serve every step. Otherwise (the CPU, eager) the step keeps its exact sizes:
-padding would only add arithmetic.
+(`attention.fine_bucket`). On CUDA the rows attend in the fused Triton kernel (`fused_decode`); with
+--compile the layers (and the split attention of torch ops, where it is used) run through torch.compile,
+at the same padded sizes, so that their few compilations serve every step. Otherwise (the CPU, eager)
+the step keeps its exact sizes: padding would only add arithmetic.
 
 Steps with prefill chunks (or rows whose prefill is offloaded) take the general path in
 `model_runner`; their decoding rows still attend in one batched call there.
@@ -21,13 +21,13 @@ Steps with prefill chunks (or rows whose prefill is offloaded) take the general 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..families.base import CaptionModel
-from .attention import DecodeAttention, DecodeTables, attend_decoding, bucket, decode_tables, to_device
+from .attention import DecodeAttention, SplitDecodeAttention, bucket, to_device
 from .cuda_graphs import StepGraphs
 from .kv_cache import KVCache
 from .scheduler import ScheduledRow
@@ -37,7 +37,7 @@ from .sequence import Sequence
 class CacheStep(NamedTuple):
     """One cache's part of a decode step: where rows read their context and write their new keys and values."""
 
-    tables: DecodeTables
+    tables: Any                   # the decode attention's tables
     write_pages: torch.Tensor     # (rows,)
     write_offsets: torch.Tensor   # (rows,)
 
@@ -46,14 +46,14 @@ class DecodeStep:
     """Runs the steps in which every row decodes (`accepts`): eager at their own sizes, or at padded ones
     as CUDA graphs or compiled."""
 
-    def __init__(self, model: CaptionModel, pools: list[KVCache], kernel: DecodeAttention | None = None,
+    def __init__(self, model: CaptionModel, pools: list[KVCache], attention: DecodeAttention | None = None,
                  graphs: bool = False, static_shapes: bool | None = None):
-        """`pools` as the model runner's; `kernel`: the decode attention compiled (--compile); `graphs`:
-        replay CUDA graphs; `static_shapes`: padded to power-of-two sizes (by default with either)."""
+        """`pools` as the model runner's; `attention`: how rows attend (by default `SplitDecodeAttention`);
+        `graphs`: replay CUDA graphs; `static_shapes`: padded to a few sizes (by default with graphs)."""
         self.model = model
         self.pools = pools
-        self.kernel = kernel
-        self.static_shapes = (graphs or kernel is not None) if static_shapes is None else static_shapes
+        self.attention = attention or SplitDecodeAttention()
+        self.static_shapes = graphs if static_shapes is None else static_shapes
         # Which cache each layer uses, as booleans: fixed for the model, whatever the step.
         self.late_layers = tuple(layer not in pools[0].layers for layer in range(model.kv_geometry.num_layers))
         self.graphs = StepGraphs(self.logits, model.device) if graphs else None
@@ -83,7 +83,7 @@ class DecodeStep:
 
     def logits(self, token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> torch.Tensor:
         """The whole step, as a function of tensors: (rows,) ids at (components, rows) positions -> (rows, vocab)."""
-        attention = _PagedDecode(self.pools, parts, self.late_layers, self.kernel)
+        attention = _PagedDecode(self.pools, parts, self.late_layers, self.attention)
         return self.model.logits(self.model.forward(self.model.embed_tokens(token_ids), positions, attention))
 
     def _cache_step(self, pool: KVCache, part: int, rows: list[Sequence], padded: int) -> CacheStep:
@@ -91,9 +91,8 @@ class DecodeStep:
         row_tables = [seq.tables[part] for seq in rows]
         positions = np.array([_kv_position(seq, late=part == 1) for seq in rows])
         page = pool.page_slots
-        tables = decode_tables(row_tables, positions + 1, page, self.model.device,   # the new position included
-                               pool.scratch_page if self.static_shapes else None,
-                               copy_sparse=self.kernel is None)
+        tables = self.attention.tables(row_tables, positions + 1, page, self.model.device,   # the new one included
+                                       pool.scratch_page if self.static_shapes else None)
         write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
         write_offsets = np.zeros(padded, dtype=np.int64)
         write_pages[:len(rows)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
@@ -105,17 +104,17 @@ class _PagedDecode:
     """The `Attention` callback of a decode step: each layer writes its cache and attends over its pages."""
 
     def __init__(self, pools: list[KVCache], parts: tuple[CacheStep, ...], late_layers: tuple[bool, ...],
-                 kernel: DecodeAttention | None):
+                 attention: DecodeAttention):
         self.pools = pools
         self.parts = parts
         self.late_layers = late_layers
-        self.kernel = kernel
+        self.attention = attention
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         part = 1 if self.late_layers[layer] else 0
         pool, inputs = self.pools[part], self.parts[part]
         pool.write_at(layer, inputs.write_pages, inputs.write_offsets, k, v)
-        return attend_decoding(pool, layer, q, inputs.tables, scale, self.kernel)
+        return self.attention(pool, layer, q, inputs.tables, scale)
 
 
 def _generated_index(seq: Sequence) -> int:

@@ -35,6 +35,7 @@ class EngineConfig:
     compile: bool = False              # layers and decode attention through torch.compile (the model's
                                        # layers stay compiled: `CaptionModel.compile` works in place)
     cuda_graphs: bool = True           # on CUDA, decode steps replayed as CUDA graphs (`cuda_graphs`)
+    fused_attention: bool = True       # on CUDA with Triton, decode attention in one kernel (`fused_decode`)
 
 
 class Engine:
@@ -64,7 +65,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_rows, config.max_batch_tokens,
                                                    config.prefill_chunk, config.offload_kv, config.prefix_cache),
                                    self.pools)
-        self.runner = ModelRunner(model, self.pools, config.compile, config.cuda_graphs)
+        self.runner = ModelRunner(model, self.pools, config.compile, config.cuda_graphs, config.fused_attention)
 
     @property
     def has_work(self) -> bool:

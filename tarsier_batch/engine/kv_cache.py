@@ -272,6 +272,11 @@ class KVCache:
         shape = (pages * self.geometry.kv_heads, self.page_slots, self.geometry.head_dim)
         return self.keys[index].narrow(0, 0, pages).view(shape), self.values[index].narrow(0, 0, pages).view(shape)
 
+    def layer_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values whole, (pages + 1, kv_heads, page_slots, head_dim): the scratch page last."""
+        index = layer - self.first_layer
+        return self.keys[index], self.values[index]
+
     def page_copy(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`pages` (on the device) of one layer, copied out as (len(pages) * kv_heads, page_slots, head_dim)."""
         index = layer - self.first_layer

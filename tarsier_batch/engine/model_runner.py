@@ -7,11 +7,13 @@ last vector, then dropped. So a long video never holds all its vision vectors at
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from ..families.base import CaptionModel
 from ..families.decoder import compile_for_any_sizes
-from .attention import DecodeAttention, RowSpan, StepAttention, paged_decode_attention, to_device
+from .attention import DecodeAttention, RowSpan, SplitDecodeAttention, StepAttention, paged_decode_attention, to_device
 from .decode_step import DecodeStep
 from .kv_cache import BlockTable, KVCache
 from .pruning import attention_of_last_query, choose_survivors
@@ -23,17 +25,18 @@ VISION_BLOCKS_PER_CALL = 16  # bounds the vision tower's activations in one call
 
 class ModelRunner:
     def __init__(self, model: CaptionModel, pools: list[KVCache], compile_step: bool = False,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, fused_attention: bool = False):
         """`pools`: one cache of every layer, or (pruning) the layers before K's and the layers from K on's;
-        `compile_step`: run the layers and decode attention through torch.compile; `cuda_graphs`: replay
-        decode steps as CUDA graphs (on CUDA)."""
+        `compile_step`: run the layers (and the split decode attention) through torch.compile; `cuda_graphs`:
+        replay decode steps as CUDA graphs (on CUDA); `fused_attention`: decoding rows attend in the fused Triton
+        kernel (on CUDA, where Triton is installed)."""
         self.model = model
         self.pools = pools
-        self.decode_kernel: DecodeAttention | None = None
         if compile_step:
             model.compile()
-            self.decode_kernel = compile_for_any_sizes(paged_decode_attention)
-        self.decode_step = DecodeStep(model, pools, self.decode_kernel, cuda_graphs and model.device.type == "cuda")
+        self.decode_attention = _decode_attention(model.device, compile_step, fused_attention)
+        graphs = cuda_graphs and model.device.type == "cuda"
+        self.decode_step = DecodeStep(model, pools, self.decode_attention, graphs, static_shapes=graphs or compile_step)
 
     def release_graphs(self) -> None:
         """Give back the CUDA graphs' memory (after running out of memory); they are recorded again as needed."""
@@ -68,7 +71,7 @@ class ModelRunner:
                 sampled.append(seq)
                 sampled_at.append(inputs.tokens - 1)
         device = self.model.device
-        attention = StepAttention(self.pools[0], spans, device, decode_kernel=self.decode_kernel)
+        attention = StepAttention(self.pools[0], spans, device, decode_attention=self.decode_attention)
         hidden = self.model.forward(self._embed(inputs), inputs.position_ids(device), attention)
         return sampled, _rows_at(hidden, sampled_at) if sampled else hidden
 
@@ -118,7 +121,7 @@ class ModelRunner:
         hidden = None
         if early.spans:
             attention = StepAttention(early_pool, early.spans, device, capture=(layer - 1, set(scored)),
-                                      decode_kernel=self.decode_kernel)
+                                      decode_attention=self.decode_attention)
             hidden = self.model.run_layers(self._embed(early.inputs), early.inputs.position_ids(device), attention, 0,
                                            layer)
             for seq, offset, start, end in early_outputs:
@@ -137,7 +140,7 @@ class ModelRunner:
             late_hidden = torch.cat([piece if isinstance(piece, torch.Tensor)
                                      else hidden[piece:piece + late.spans[span].num_tokens]
                                      for span, piece in late_inputs])
-        attention = StepAttention(late_pool, late.spans, device, decode_kernel=self.decode_kernel)
+        attention = StepAttention(late_pool, late.spans, device, decode_attention=self.decode_attention)
         out = self.model.run_layers(late_hidden, late.inputs.position_ids(device), attention, layer,
                                     late_pool.layers.stop)
         if not sampled:
@@ -272,3 +275,15 @@ def _rows_at(hidden: torch.Tensor, indices: list[int]) -> torch.Tensor:
     if indices == list(range(hidden.shape[0])):
         return hidden
     return hidden[to_device(indices, hidden.device)]
+
+
+def fused_attention_available(device: torch.device) -> bool:
+    """Whether the fused decode attention can run here: a CUDA device, and Triton (which torch's CUDA builds bring)."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _decode_attention(device: torch.device, compiled: bool, fused: bool) -> DecodeAttention:
+    if fused and fused_attention_available(device):
+        from .fused_decode import FusedDecodeAttention  # imports Triton
+        return FusedDecodeAttention()
+    return SplitDecodeAttention(compile_for_any_sizes(paged_decode_attention) if compiled else paged_decode_attention)

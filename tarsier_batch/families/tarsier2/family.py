@@ -97,10 +97,12 @@ class Tarsier2CaptionModel(DecoderCaptionModel):
 
     @torch.inference_mode()
     def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
-        """Frames of any sizes through the tower together; each frame fills its temporal patch twice."""
-        patches = torch.cat([with_temporal_copies(frame, self.processor.temporal_patch_size) for frame in pixels])
+        """Frames of any sizes through the tower together; each frame fills its temporal patch twice (on the
+        device: a frame crosses to a GPU once, not twice)."""
+        patches = torch.cat([with_temporal_copies(frame.to(self.device), self.processor.temporal_patch_size)
+                             for frame in pixels])
         grids = torch.tensor([block.grid for block in blocks], dtype=torch.long)
-        vectors = self.model.vision_features(patches.to(self.device), grids.to(self.device))
+        vectors = self.model.vision_features(patches, grids.to(self.device))
         merged = self.processor.merge_size ** 2
         return list(vectors.split([math.prod(block.grid) // merged for block in blocks if block.grid is not None]))
 
