@@ -403,9 +403,9 @@ def caption(
         _settings(settings.check_streamable)
     ray_settings = _check_ray_flags(ray, shard_spec, ray_workers, ray_gpus_per_worker, device) \
         if ray is not None else None
-    if shard_spec and not stream and (target.shard_rows or target.format != "parquet"):
-        _fail("--shard writes one Parquet file per shard for 'tarsier merge': "
-              f"give --out shard-{shard_spec.index}.parquet")
+    if shard_spec and not stream and (target.shard_rows or target.format not in ("parquet", "webdataset")):
+        _fail("--shard writes one Parquet file (or WebDataset folder) per shard for 'tarsier merge': give "
+              f"--out shard-{shard_spec.index}.parquet (or --out-dir shard-{shard_spec.index} --out-format webdataset)")
     if target.webdataset and (settings.long or settings.segments.mode != "whole"):
         _fail(f"--out-format webdataset writes one sample per member: not with "
               f"{'--long' if settings.long else '--segments'}")
@@ -732,21 +732,34 @@ def _members_if_shard(path: str) -> list[str]:
 @app.command("merge", no_args_is_help=True)
 def merge_command(
     folder: Annotated[Path, typer.Argument(metavar="FOLDER", show_default=False)],
-    out: Annotated[str, typer.Option(
+    out: Annotated[Optional[str], typer.Option(
         "--out", "-o", metavar="FILE",
         help="The merged results: .parquet, .jsonl or .csv, a path or an s3://, gs://, az:// URL (replaced atomically "
-             "if it exists).", show_default=False)],
+             "if it exists).", show_default=False)] = None,
+    out_dir: Annotated[Optional[str], typer.Option(
+        metavar="DIR", help="Write the merged results as shards to DIR (a folder or an s3://, gs://, az:// prefix) "
+                            "instead of one --out file, in --out-format.", show_default=False)] = None,
+    out_format: Annotated[Optional[OutFormat], typer.Option(
+        case_sensitive=False, help="What --out-dir holds: Parquet shards (parquet) or a WebDataset shard per input "
+                                   "shard (webdataset).", show_default=False)] = None,
 ) -> None:
-    """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one results file, in input order.
+    """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one output, in input order.
 
-    FOLDER holds one .parquet output per shard (and nothing else ending in .parquet). The
-    shards must be one complete set made the same way: every shard of N once, over the same
-    inputs, with the same settings and columns. The merged file is what one run over all the
-    inputs writes, and a later 'tarsier caption' without --shard can continue it.
+    FOLDER holds one output per shard: .parquet files (and nothing else ending in .parquet), or
+    folders written with --out-format webdataset. The shards must be one complete set made the
+    same way: every shard of N once, over the same inputs, with the same settings and columns.
+    The merged output is what one run over all the inputs writes, and a later 'tarsier caption'
+    without --shard can continue it.
     """
     from . import MergeError, merge_outputs
 
-    output = _output(out)
+    if (out is None) == (out_dir is None):
+        _fail("give --out FILE or --out-dir DIR, one of them" if out is None else "give --out or --out-dir, not both")
+    if out_format is not None and out_dir is None:
+        _fail("--out-format needs --out-dir (the format of an --out file is its suffix)")
+    webdataset = out_format is OutFormat.webdataset
+    output = _output(out_dir, None if webdataset else SHARD_ROWS, webdataset) if out_dir is not None \
+        else _output(str(out))
     try:
         merged = merge_outputs(folder, output)
     except (MergeError, OutputError, OutputLockedError, OutputWriteError, OSError) as error:

@@ -155,7 +155,7 @@ def test_merge_refuses_what_is_not_one_complete_consistent_set(shards: Path, tmp
     (["--shard", "3/3"], "--shard 3/3: I must be 0 to N-1"),
     (["--shard", "1-3"], "--shard '1-3': give I/N"),
     (["--shard", "0/0"], "--shard 0/0: I must be 0 to N-1"),
-    (["--shard", "0/2", "-o", "r.jsonl"], "--shard writes one Parquet file per shard"),
+    (["--shard", "0/2", "-o", "r.jsonl"], "--shard writes one Parquet file (or WebDataset folder) per shard"),
 ])
 def test_a_wrong_shard_flag_stops_at_once(args: list[str], message: str, tmp_path: Path) -> None:
     out = ["-o", str(tmp_path / "r.parquet")] if "-o" not in args else []

@@ -7,6 +7,7 @@ import json
 import tarfile
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import webdataset
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
+from tarsier_batch.outputs.formats import WEBDATASET_SHARDS, OutputTarget
 
 runner = CliRunner()
 SHARDS = {"00000.tar": [("clip-a", "ball.gif"), ("clip-b", "still.png")],
@@ -159,3 +161,61 @@ def test_a_webdataset_output_at_a_url_is_its_shards_and_meta(store_fixture: str,
         fs.get_file(f"{bucket}/captions/{name}", str(local))
         rows += [{column: sample["json"][column] for column in STABLE} for sample in samples(local)]
     assert rows == reference
+
+
+def test_shard_runs_into_webdataset_folders_merge_into_what_one_run_writes(args: list[str], tmp_path: Path,
+                                                                          reference: list[dict]) -> None:
+    """Two `--shard I/2` runs each write a WebDataset folder (a whole input shard lands in one of them); merged into
+    Parquet they give one run's rows in input order, merged into a WebDataset folder one run's shards, which a run
+    without --shard then continues with nothing left to do."""
+    shards = tmp_path / "shards"
+    for index in range(2):
+        done = caption(*args, "--out-dir", str(shards / f"shard-{index}"), "--out-format", "webdataset",
+                       "--shard", f"{index}/2")
+        assert done.exit_code == 0, done.output
+    held = [sorted(entry.name for entry in (shards / f"shard-{index}").iterdir() if entry.suffix == ".tar")
+            for index in range(2)]
+    assert sorted(held[0] + held[1]) == sorted(SHARDS), "each input shard in exactly one shard's folder"
+    merged = tmp_path / "merged.parquet"
+    result = runner.invoke(app, ["merge", str(shards), "-o", str(merged)])
+    assert result.exit_code == 0, result.output
+    assert "merged 2 shards" in result.output and "(4 rows, 0 failed)" in result.output, result.output
+    assert [{name: row[name] for name in STABLE} for row in pq.read_table(merged).to_pylist()] == reference
+    folder = tmp_path / "merged"
+    result = runner.invoke(app, ["merge", str(shards), "--out-dir", str(folder), "--out-format", "webdataset"])
+    assert result.exit_code == 0, result.output
+    assert sorted(entry.name for entry in folder.iterdir()) == ["00000.tar", "00001.tar", "tarsier.meta.json"]
+    read = samples(folder / "00000.tar") + samples(folder / "00001.tar")
+    assert [{column: sample["json"][column] for column in STABLE} for sample in read] == reference
+    meta = json.loads((folder / "tarsier.meta.json").read_text())["tarsier_batch"]
+    assert "shard" not in meta and meta["merged_shards"] == 2
+    again = caption(*args, "--out-dir", str(folder), "--out-format", "webdataset")
+    assert again.exit_code == 0 and "captioned 0" in again.output, again.output
+
+
+def test_a_merge_of_parquet_and_webdataset_shard_outputs_is_refused(args: list[str], tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    assert caption(*args, "--out-dir", str(shards / "shard-0"), "--out-format", "webdataset",
+                   "--shard", "0/2").exit_code == 0
+    assert caption(*args, "-o", str(shards / "shard-1.parquet"), "--shard", "1/2").exit_code == 0
+    result = runner.invoke(app, ["merge", str(shards), "-o", str(tmp_path / "merged.parquet")])
+    assert result.exit_code == 2
+    assert result.output.splitlines() == [f"Error: {shards} holds .parquet files and WebDataset folders: keep one "
+                                          f"run's shard outputs"]
+    assert not (tmp_path / "merged.parquet").exists()
+
+
+def test_a_shard_run_s_row_positions_follow_its_rows_as_they_are_read_back(tmp_path: Path) -> None:
+    """Rows of b.tar before a.tar's (as a manifest may list them): the output holds a.tar first (shards are read
+    back by name), so the positions `tarsier merge` pairs with the rows are reordered with them."""
+    rows = [{"path": "/in/b.tar#x.png", "caption": "b-x"}, {"path": "/in/a.tar#y.png", "caption": "a-y"},
+            {"path": "/in/b.tar#z.png", "caption": "b-z"}]
+    schema = pa.schema([("path", pa.string()), ("caption", pa.string())])
+    target = OutputTarget(tmp_path / "out", webdataset=True)
+    provenance = {"settings": {}, "shard": {"index": 0, "count": 1, "inputs": 3, "positions": [7, 3, 9]}}
+    WEBDATASET_SHARDS.write(target, pa.Table.from_pylist(rows, schema=schema), provenance, {},
+                            lambda path, write: write(path))
+    table, stored, _ = WEBDATASET_SHARDS.read(target, schema)
+    assert table.column("caption").to_pylist() == ["a-y", "b-x", "b-z"]
+    assert stored["shard"]["positions"] == [3, 7, 9]
+    assert provenance["shard"]["positions"] == [7, 3, 9], "the caller's provenance is left as it was"

@@ -29,8 +29,8 @@ the output, so that a second call can run it; a stage that fails records its err
   child process stopped at the budget: the 64 clips and the decode steps of the real-size model, then the
   tiny equality scenarios compiled;
 - `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
-  device and host time, kernel launches per step, device busy time against wall time
-  (bench/gpu/step_profile.py);
+  device and host time, kernel launches per step, device busy time against wall time; and the lines where a
+  prefill of two more clips waits for the device (bench/gpu/step_profile.py);
 - `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
 - `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
   batch too large for the card (a clear refusal or a smaller batch, never lost rows).
@@ -415,6 +415,7 @@ def run_profile(bench: Bench) -> None:
         info[f"decode_{rows}_rows"] = step_profile.decode_steps(engine, rows, context, steps=3)
         engine.scheduler.clear()
     info["prefill_2_clips"] = step_profile.prefill(engine, prompts[:2])
+    info["prefill_sync_sites"] = step_profile.prefill_sync_sites(engine, prompts[2:4])
 
 
 def run_compiled(bench: Bench) -> None:

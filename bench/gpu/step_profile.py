@@ -9,7 +9,11 @@ is busy is bound by the kernels themselves (the top device ops say which).
 
 from __future__ import annotations
 
+import collections
 import time
+import traceback
+import warnings
+from pathlib import Path
 
 import real_size
 import torch
@@ -42,6 +46,34 @@ def prefill(engine: Engine, prompts: list[ProcessedPrompt]) -> dict:
             engine.step()
 
     return _profiled(device, 1, run)
+
+
+def prefill_sync_sites(engine: Engine, prompts: list[ProcessedPrompt]) -> list[dict]:
+    """Where a prefill of `prompts` makes the host wait for the device: each synchronising op's Python callers
+    (torch's sync debug mode), by count. A wait drains the device's queue, which then idles while the host
+    launches again; a GPU prefill's idle time is mostly these."""
+    device = engine.model.device
+    if device.type != "cuda":
+        return []
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            frames = [frame for frame in traceback.extract_stack()[:-1] if "/warnings.py" not in frame.filename]
+            sites[" <- ".join(f"{Path(frame.filename).name}:{frame.lineno}" for frame in frames[-4:][::-1])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for index, prompt in enumerate(prompts):
+                engine.add(prompt, payload=index, max_new_tokens=1)
+            while engine.has_work:
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [{"site": site, "calls": calls} for site, calls in sites.most_common(2 * TOP)]
 
 
 def _profiled(device: torch.device, repeats: int, call) -> dict:

@@ -291,24 +291,33 @@ class WebDatasetShards(OutputFormat):
     def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
               replace: Replace) -> None:
         target.path.mkdir(parents=True, exist_ok=True)
+        rows = table.to_pylist()
+        by_shard: dict[str, list[int]] = {}
+        for number, row in enumerate(rows):
+            by_shard.setdefault(_shard_of(row["path"]), []).append(number)
+        names = shard_names(list(by_shard))
+        # In the order `read` reads them back (by name), so that a `--shard` run's row positions, recorded in
+        # the rows' order, follow the rows as `tarsier merge` reads them.
+        order = sorted(by_shard, key=names.__getitem__)
+        if provenance.get("shard"):
+            positions = provenance["shard"]["positions"]
+            provenance = {**provenance, "shard": {**provenance["shard"], "positions": [
+                positions[number] for shard in order for number in by_shard[shard]]}}
         # The provenance first: a crash between leaves the old shards with the new settings, which the next run
         # refuses to mix (never the other way round).
         replace(target.path / WDS_META, lambda path: path.write_text(meta_text(provenance, summary), encoding="utf-8"))
-        by_shard: dict[str, list[dict[str, Any]]] = {}
-        for row in table.to_pylist():
-            by_shard.setdefault(_shard_of(row["path"]), []).append(row)
-        names = shard_names(list(by_shard))
-        for shard, rows in by_shard.items():
-            replace(target.path / names[shard], lambda path, rows=rows: _write_tar(path, rows))
+        for shard in order:
+            replace(target.path / names[shard],
+                    lambda path, shard=shard: _write_tar(path, [rows[number] for number in by_shard[shard]]))
         for stale in target.shards():
             if stale.name != WDS_META and stale.name not in names.values():
                 stale.unlink(missing_ok=True)
 
-    def read(self, target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
-        meta_path = target.path / WDS_META
-        if not meta_path.exists():
-            raise ValueError(f"{WDS_META} is missing in it")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    def read(self, target: OutputTarget, schema: pa.Schema,
+             other_columns: bool = False) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+        """`other_columns`: keep the rows' values that `schema` does not name too, typed as they read (a
+        manifest's kept columns, for `tarsier merge`, which knows the run's settings but not its manifest)."""
+        provenance, summary = self.meta(target)
         lines = io.BytesIO()
         for shard in target.shards():
             if shard.name == WDS_META:
@@ -319,8 +328,17 @@ class WebDatasetShards(OutputFormat):
                         extracted = tar.extractfile(member)
                         assert extracted is not None   # a regular file
                         lines.write(extracted.read().rstrip(b"\n") + b"\n")
-        table = _parse_jsonl(io.BytesIO(lines.getvalue()), schema) if lines.tell() else schema.empty_table()
-        return table, meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
+        table = _parse_jsonl(io.BytesIO(lines.getvalue()), schema, other_columns) if lines.tell() \
+            else schema.empty_table()
+        return table, provenance, summary
+
+    def meta(self, target: OutputTarget) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The provenance and run summary of the output in `target`."""
+        meta_path = target.path / WDS_META
+        if not meta_path.exists():
+            raise ValueError(f"{WDS_META} is missing in it")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        return meta[PROVENANCE_KEY], meta.get(SUMMARY_KEY, {})
 
     def check_rows(self, paths: list[str]) -> None:
         """Refuse, before any work, inputs whose rows this format cannot place: a row not from a tar member, or
@@ -388,11 +406,12 @@ def _read_jsonl(path: Path, schema: pa.Schema) -> pa.Table:
     return _parse_jsonl(path, schema) if path.stat().st_size else schema.empty_table()
 
 
-def _parse_jsonl(source: Path | BinaryIO, schema: pa.Schema) -> pa.Table:
-    """Rows of JSON, one a line (at least one), typed by `schema`."""
+def _parse_jsonl(source: Path | BinaryIO, schema: pa.Schema, other_columns: bool = False) -> pa.Table:
+    """Rows of JSON, one a line (at least one), typed by `schema` (and fields it lacks inferred, or dropped)."""
     from pyarrow import json as arrow_json
 
-    options = arrow_json.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+    options = arrow_json.ParseOptions(explicit_schema=schema,
+                                      unexpected_field_behavior="infer" if other_columns else "ignore")
     return arrow_json.read_json(source, parse_options=options)
 
 

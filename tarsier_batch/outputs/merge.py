@@ -1,10 +1,10 @@
 """`tarsier merge`: join the outputs of `--shard I/N` runs into the output one run would have written.
 
 `merge_outputs(folder, out)` does all of it (what the command calls); `merge_shards(folder)` only reads and
-merges. Each shard's Parquet output records which shard it is, how many inputs the whole run listed,
-and each row's place among them (`Shard.provenance`). Merging checks that the files are one
-complete set made the same way (every shard once, the same inputs, the same settings and
-columns), then interleaves the rows back into input order.
+merges. Each shard's output (a Parquet file, or a folder of WebDataset shards) records which shard it is, how
+many inputs the whole run listed, and each row's place among them (`Shard.provenance`). Merging checks that the
+outputs are one complete set made the same way (every shard once, the same inputs, the same settings and columns),
+then interleaves the rows back into input order.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from ..errors import one_line
 from ..inputs.sources import row_id_of
-from .formats import OutputTarget, parquet_metadata
+from .formats import WDS_META, WEBDATASET_SHARDS, OutputTarget, parquet_metadata
 from .lock import OutputLock
 from .remote import RemoteOutput, output_at
 from .schema import OutputColumns
@@ -77,9 +77,9 @@ class MergeReport:
 
 
 def merge_outputs(folder: Path, out: str | Path | OutputTarget | RemoteOutput) -> MergeReport:
-    """Merge the shard outputs in `folder` into `out` (a .parquet, .jsonl or .csv path or object store URL),
-    under `out`'s lock, replacing it atomically: the output one run over all the inputs would have written,
-    which a later run without a shard continues.
+    """Merge the shard outputs in `folder` into `out` (a .parquet, .jsonl or .csv path or object store URL, or a
+    folder of Parquet or WebDataset shards), under `out`'s lock, replacing it atomically: the output one run over
+    all the inputs would have written, which a later run without a shard continues.
 
     Raises `MergeError` (not one complete, consistent set), `OutputError` (an output it cannot write),
     `OutputLockedError` (another run writes `out`), `OutputWriteError` or `OSError`; nothing is written then.
@@ -89,8 +89,9 @@ def merge_outputs(folder: Path, out: str | Path | OutputTarget | RemoteOutput) -
     target = remote.target if remote is not None else output
     assert isinstance(target, OutputTarget)
     target.check()
-    if remote is None and target.path.resolve().parent == folder.resolve() and target.path.suffix.lower() == ".parquet":
-        raise MergeError(f"--out {target.shown} is inside {folder}: a later merge would read it as a shard; "
+    if remote is None and target.path.resolve().parent == folder.resolve() and \
+            (target.webdataset or target.path.suffix.lower() == ".parquet"):
+        raise MergeError(f"{target.shown} is inside {folder}: a later merge would read it as a shard; "
                          f"write it elsewhere")
     merged = merge_shards(folder)
     if remote is None:
@@ -104,15 +105,18 @@ def merge_outputs(folder: Path, out: str | Path | OutputTarget | RemoteOutput) -
 
 
 def merge_shards(folder: Path) -> Merged:
-    """Read every `*.parquet` file of `folder` as a shard output and merge them; raises MergeError."""
+    """Read every shard output of `folder` (its `*.parquet` files, or its folders of WebDataset shards) and merge
+    them; raises MergeError."""
     if not folder.is_dir():
-        raise MergeError(f"{folder} is not a folder; give the folder holding the shards' .parquet outputs")
-    files = sorted(path for path in folder.iterdir() if path.suffix.lower() == ".parquet"
-                   and not path.name.startswith(".") and path.is_file())
-    if not files:
-        raise MergeError(f"{folder} holds no .parquet files; write each shard with --shard I/N --out "
-                         f"{folder}/shard-I.parquet")
-    outputs = [_read_shard(path) for path in files]
+        raise MergeError(f"{folder} is not a folder; give the folder holding the shards' outputs")
+    found = sorted(path for path in folder.iterdir() if not path.name.startswith(".") and (
+        path.suffix.lower() == ".parquet" and path.is_file() or (path / WDS_META).is_file()))
+    if not found:
+        raise MergeError(f"{folder} holds no shard outputs; write each shard with --shard I/N --out "
+                         f"{folder}/shard-I.parquet (or --out-dir {folder}/shard-I --out-format webdataset)")
+    if len({path.is_dir() for path in found}) > 1:
+        raise MergeError(f"{folder} holds .parquet files and WebDataset folders: keep one run's shard outputs")
+    outputs = [_read_shard(path) for path in found]
     _check_one_set(outputs)
     first = outputs[0]
     placed: list[tuple[bool, int, int, int, dict[str, Any]]] = []
@@ -140,10 +144,13 @@ def merge_shards(folder: Path) -> Merged:
 
 def _read_shard(path: Path) -> ShardOutput:
     try:
-        table = pq.read_table(path)
-    except (OSError, pa.ArrowException) as error:
+        if path.is_dir():
+            table, provenance, summary = _read_webdataset(path)
+        else:
+            table = pq.read_table(path)
+            provenance, summary = parquet_metadata(table.schema)
+    except (OSError, ValueError, KeyError, pa.ArrowException) as error:
         raise MergeError(f"cannot read {path}: {one_line(error)}") from error
-    provenance, summary = parquet_metadata(table.schema)
     shard = provenance.get("shard")
     if not shard:
         raise MergeError(f"{path.name} is not the output of a tarsier caption --shard run; "
@@ -154,6 +161,16 @@ def _read_shard(path: Path) -> ShardOutput:
         raise MergeError(f"{path.name} was changed after tarsier wrote it ({items} items, "
                          f"{len(shard['positions'])} recorded)")
     return output
+
+
+def _read_webdataset(folder: Path) -> tuple[pa.Table, dict[str, Any], dict[str, Any]]:
+    """A WebDataset output's rows, typed by the columns its settings name (its JSON rows carry no types), and any
+    other columns they hold (a manifest's kept columns) as they read."""
+    target = OutputTarget(folder, webdataset=True)
+    settings = WEBDATASET_SHARDS.meta(target)[0].get("settings") or {}
+    columns = OutputColumns(with_token_ids=bool(settings.get("with_token_ids")), hashed=settings.get("key") == "sha256",
+                            questions=tuple(settings.get("prompt_set") or ()))
+    return WEBDATASET_SHARDS.read(target, columns.schema(), other_columns=True)
 
 
 def _check_one_set(outputs: list[ShardOutput]) -> None:
