@@ -18,6 +18,8 @@ from tarsier_batch.engine.kv_cache import BlockTable, KVCache
 from tarsier_batch.families.base import KVGeometry
 from test_engine import ids, process, run
 
+pytestmark = pytest.mark.triton   # needs the triton extra (see pyproject.toml)
+
 PAGE = 4
 
 

@@ -31,7 +31,6 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from .kv_cache import BlockTable, HostKV, KVCache
 
@@ -364,6 +363,10 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
         if gqa:
             groups = query.shape[1] // keys.shape[1]
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        # Imported here: torch.nn.attention.bias imports torch._dynamo (and Triton where installed), ~1.5 s that
+        # every process on the CPU, which never comes here, would pay at start-up.
+        from torch.nn.attention.bias import causal_lower_right
+
         queries, context = query.shape[2], keys.shape[2]
         lower_right = causal_lower_right(queries, context) if queries > 1 and not causal_square else None
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=lower_right,
