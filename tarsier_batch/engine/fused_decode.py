@@ -11,7 +11,7 @@ A split covers fixed positions ([s * SPLIT_POSITIONS, (s + 1) * SPLIT_POSITIONS)
 not depend on the other rows of the step nor on the padding of a step recorded as a CUDA graph. Scores and the
 softmax are float32; a float32 model's products are IEEE float32 (never TF32).
 
-This module imports Triton: import it only where Triton is installed (`available`).
+This module imports Triton: import it only where Triton is installed (`model_runner.fused_attention_available`).
 """
 
 from __future__ import annotations
