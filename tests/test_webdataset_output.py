@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
-from tarsier_batch.outputs.formats import WEBDATASET_SHARDS, OutputTarget
+from tarsier_batch.outputs.formats import WEBDATASET_SHARDS, OutputError, OutputTarget
 
 runner = CliRunner()
 SHARDS = {"00000.tar": [("clip-a", "ball.gif"), ("clip-b", "still.png")],
@@ -214,3 +214,12 @@ def test_a_shard_run_s_row_positions_follow_its_rows_as_they_are_read_back(tmp_p
     assert table.column("caption").to_pylist() == ["a-y", "b-x", "b-z"]
     assert stored["shard"]["positions"] == [3, 7, 9]
     assert provenance["shard"]["positions"] == [7, 3, 9], "the caller's provenance is left as it was"
+
+
+def test_rows_from_no_shard_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """What a merge of loose files' shard outputs into --out-format webdataset meets: no folder is made."""
+    target = OutputTarget(tmp_path / "out", webdataset=True)
+    table = pa.Table.from_pylist([{"path": "/in/a.tar#y.png"}, {"path": "/in/loose.png"}])
+    with pytest.raises(OutputError, match="the row of /in/loose.png comes from no .tar shard"):
+        WEBDATASET_SHARDS.write(target, table, {"settings": {}}, {}, lambda path, write: write(path))
+    assert not target.path.exists()

@@ -290,11 +290,11 @@ class WebDatasetShards(OutputFormat):
 
     def write(self, target: OutputTarget, table: pa.Table, provenance: dict[str, Any], summary: dict[str, Any],
               replace: Replace) -> None:
-        target.path.mkdir(parents=True, exist_ok=True)
         rows = table.to_pylist()
         by_shard: dict[str, list[int]] = {}
-        for number, row in enumerate(rows):
+        for number, row in enumerate(rows):   # a row from no shard is refused before anything is written
             by_shard.setdefault(_shard_of(row["path"]), []).append(number)
+        target.path.mkdir(parents=True, exist_ok=True)
         names = shard_names(list(by_shard))
         # In the order `read` reads them back (by name), so that a `--shard` run's row positions, recorded in
         # the rows' order, follow the rows as `tarsier merge` reads them.
