@@ -72,11 +72,12 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_summary(tmp_path: Path) -> 
 
 @pytest.mark.compile
 def test_cpu_dry_run_of_the_compiled_stage(tmp_path: Path) -> None:
-    results = dry_run(tmp_path, "--with-compile", "--stages", "build,engine,compiled")
+    results = dry_run(tmp_path, "--with-compile", "--stages", "env,build,engine,compiled")
     compiled = results["stages"]["compiled"]
     assert "error" not in compiled, compiled.get("traceback")
     assert compiled["equality"]["passed"] and compiled["equality"]["scenarios"] == 4
     assert compiled["engine"]["generated_tokens"] == 4 * 8
+    assert compiled["prefill_only"]["items"] == 2 and 0 < results["summary"]["prefill_mfu_compiled"] < 1
     assert set(compiled["decode"]["ms"]) == {"1", "2", "4"}
     assert results["summary"]["decode_from"] == "compiled"
 

@@ -233,6 +233,27 @@ def test_image_positions_agree_with_transformers(model: Tarsier2CaptionModel, pr
     assert int(delta) == image.next_position - image.length
 
 
+def test_frame_batched_tower_equals_transformers_tower(model: Tarsier2CaptionModel,
+                                                       prompts: list[ProcessedPrompt]) -> None:
+    """Frames of two sizes, interleaved (runs of equal lengths batch; a block of two temporal patches counts
+    twice): the vision vectors equal transformers' own tower, which attends frame by frame, bit for bit."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    stock = Qwen2VisionTransformerPretrainedModel(model.config.vision).eval()
+    stock.load_state_dict(model.model.vision_tower.state_dict())
+    assert type(model.model.vision_tower.blocks[0]) is not type(stock.blocks[0])
+    landscape, portrait = prompts[1].vision_blocks[0].grid, prompts[4].vision_blocks[0].grid
+    assert landscape[1:] != portrait[1:]
+    grids = [landscape, landscape, portrait, (2, *landscape[1:]), portrait]
+    generator = torch.Generator().manual_seed(0)
+    patches = torch.randn(sum(t * h * w for t, h, w in grids), stock.patch_embed.proj.weight[0].numel(),
+                          generator=generator)
+    with torch.inference_mode():
+        theirs = stock(patches, grid_thw=torch.tensor(grids)).pooler_output
+        ours = model.model.vision_features(patches, grids)
+    assert torch.equal(ours, theirs)
+
+
 # -- the engine against transformers and against itself -------------------------------------------
 
 def test_greedy_tokens_equal_transformers_qwen2_vl_generate(model: Tarsier2CaptionModel,

@@ -101,10 +101,14 @@ class Tarsier2CaptionModel(DecoderCaptionModel):
         device: a frame crosses to a GPU once, not twice)."""
         patches = torch.cat([with_temporal_copies(frame.to(self.device), self.processor.temporal_patch_size)
                              for frame in pixels])
-        grids = torch.tensor([block.grid for block in blocks], dtype=torch.long)
-        vectors = self.model.vision_features(patches, grids.to(self.device))
+        vectors = self.model.vision_features(patches, [block.grid for block in blocks])
         merged = self.processor.merge_size ** 2
         return list(vectors.split([math.prod(block.grid) // merged for block in blocks if block.grid is not None]))
 
     def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         return positions[:, None, :]  # M-RoPE: (3 axes, batch of 1, tokens)
+
+    def compile(self) -> None:
+        """The language model's layers and the vision blocks through torch.compile from now on (`--compile`)."""
+        super().compile()
+        self.model.compile_vision()

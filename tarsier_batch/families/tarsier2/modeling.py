@@ -18,6 +18,8 @@ from torch import nn
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel
 
+from .vision import FrameBatchedVisionBlock, compiled_block_steps
+
 MODEL_TYPE = "llava"
 TEXT_MODEL_TYPE = "qwen2_vl"
 # Keys of the official sub-configs that only steer the official code's class loading or its
@@ -81,13 +83,24 @@ class Tarsier2Model(nn.Module):
         super().__init__()
         self.config = config
         self.vision_tower = Qwen2VisionTransformerPretrainedModel(config.vision)
+        # The same blocks, run frame-batched (`vision.FrameBatchedVisionBlock` only replaces the forward).
+        for block in self.vision_tower.blocks:
+            block.__class__ = FrameBatchedVisionBlock
         self.language_model = Qwen2VLLanguageModel(config.text)
 
-    def vision_features(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+    def compile_vision(self) -> None:
+        """Run the vision blocks' work around their attention through torch.compile from now on."""
+        steps = compiled_block_steps()
+        for block in self.vision_tower.blocks:
+            block.steps = steps
+
+    def vision_features(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches.
 
-        `grids` is (blocks, 3) of (t, h, w) in patches. Patches of different blocks never attend
+        `grids` holds each block's (t, h, w) in patches. Patches of different blocks never attend
         to each other, and within a block only those of one temporal patch do.
         """
         tower = self.vision_tower
-        return tower(patches.to(tower.get_dtype()), grid_thw=grids).pooler_output
+        frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
+        grid_thw = torch.tensor(grids, dtype=torch.long, device=patches.device)
+        return tower(patches.to(tower.get_dtype()), grid_thw=grid_thw, frame_lengths=frame_lengths).pooler_output
