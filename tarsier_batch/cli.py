@@ -279,7 +279,7 @@ def caption(
              "activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
     compile_step: Annotated[bool, typer.Option(
         "--compile",
-        help="Run the model's layers and the decode attention through torch.compile: fused kernels, after a "
+        help="Run the model's layers, vision blocks and decode attention through torch.compile: fused kernels, after a "
              "start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in "
              "float32.")] = False,
     cuda_graphs: Annotated[bool, typer.Option(
