@@ -78,6 +78,7 @@ def test_cpu_dry_run_of_the_compiled_stage(tmp_path: Path) -> None:
     assert compiled["equality"]["passed"] and compiled["equality"]["scenarios"] == 4
     assert compiled["engine"]["generated_tokens"] == 4 * 8
     assert compiled["prefill_only"]["items"] == 2 and 0 < results["summary"]["prefill_mfu_compiled"] < 1
+    assert compiled["preflight"]["estimated_peak"] > 0   # against the compiled engine's peak on CUDA
     assert set(compiled["decode"]["ms"]) == {"1", "2", "4"}
     assert results["summary"]["decode_from"] == "compiled"
 

@@ -77,6 +77,7 @@ from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E4
 from tarsier_batch.engine import Engine  # noqa: E402
 from tarsier_batch.engine.attention import SplitDecodeAttention  # noqa: E402
 from tarsier_batch.engine.decode_step import DecodeStep  # noqa: E402
+from tarsier_batch.model.preflight import MemoryEstimate  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,10 @@ DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=27
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
               cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-# `compiled` before the stages measured already (profile, attention, cli). The third run (an H100) took, from
-# run.sh's start: 17 s to start, equality 25, build 18, engine 115, baseline 73, decode 11, compiled 164, profile
-# 14, attention 32, cli 113: every stage but attention and cli fits the first call.
+# `compiled` before the stages measured already (profile, attention, cli). The fourth run (an H100) took, from
+# run.sh's start: 20 s to start, equality 32, build 20, engine 89, baseline 71, decode 9, compiled 112 (129 with
+# the compiled vision blocks and their prefill, in the call after), profile 31, attention 27, cli 81: every stage
+# but cli fits the first call.
 STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "profile", "attention", "cli"]
 DTYPE = torch.bfloat16
 
@@ -315,16 +317,21 @@ def run_engine(bench: Bench) -> None:
     (bench.workdir / "engine_ids.json").write_text(json.dumps(run.pop("ids")))
     info["eager"] = run
     info["prefill_only"] = prefill_figures(bench, captioner.engine, prompts)
-    memory = captioner.memory
-    if memory is not None:
-        info["preflight"] = {"weights": memory.weights, "kv_cache": memory.kv_cache,
-                             "activations": memory.activations, "estimated_peak": memory.peak}
-        if bench.device.type == "cuda":
-            allocated = torch.cuda.max_memory_allocated(bench.device)
-            reserved = torch.cuda.max_memory_reserved(bench.device)
-            info["preflight"].update({"max_memory_allocated": allocated, "max_memory_reserved": reserved,
-                                      "estimate_over_allocated": round(memory.peak / allocated, 4),
-                                      "estimate_over_reserved": round(memory.peak / reserved, 4)})
+    if captioner.memory is not None:
+        info["preflight"] = preflight_figures(bench, captioner.memory)
+
+
+def preflight_figures(bench: Bench, memory: MemoryEstimate) -> dict:
+    """The memory check's estimate, and on CUDA against the peak allocated since the last reset."""
+    figures = {"weights": memory.weights, "kv_cache": memory.kv_cache, "activations": memory.activations,
+               "estimated_peak": memory.peak}
+    if bench.device.type == "cuda":
+        allocated = torch.cuda.max_memory_allocated(bench.device)
+        reserved = torch.cuda.max_memory_reserved(bench.device)
+        figures.update({"max_memory_allocated": allocated, "max_memory_reserved": reserved,
+                        "estimate_over_allocated": round(memory.peak / allocated, 4),
+                        "estimate_over_reserved": round(memory.peak / reserved, 4)})
+    return figures
 
 
 def prefill_figures(bench: Bench, engine: Engine, prompts: list) -> dict:
@@ -461,6 +468,8 @@ def compiled_parts(bench: Bench) -> None:
     profile = bench.profile
     captioner.engine = None   # its cache: the compiled engine takes one of the same size
     release(bench.device)
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)   # the compiled engine's peak, against the same estimate
     engine = Engine(captioner.model, replace(captioner.engine_config, compile=True), captioner.settings.sampling)
     started = time.perf_counter()
     real_size.engine_pass(engine, prompts[:2], 4)     # compiles the vision blocks, the layers and the decode step
@@ -472,6 +481,8 @@ def compiled_parts(bench: Bench) -> None:
     run = real_size.engine_pass(engine, prompts, profile.new_tokens)
     ids = run.pop("ids")
     info["engine"] = run
+    if captioner.memory is not None:
+        info["preflight"] = preflight_figures(bench, captioner.memory)
     engine_ids_file = bench.workdir / "engine_ids.json"
     if engine_ids_file.exists():
         info["bf16_compiled_vs_eager"] = real_size.agreement(json.loads(engine_ids_file.read_text()), ids)
@@ -583,6 +594,7 @@ def summary(results: dict) -> dict:
         "bf16_exact_match_rate": agreement.get("exact_match_rate"),
         "bf16_first_divergence": agreement.get("first_divergence"),
         "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
+        "preflight_estimate_over_peak_compiled": compiled.get("preflight", {}).get("estimate_over_allocated"),
         "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
         "stages_done": [name for name in STAGES if name in stages and "error" not in stages[name]
                         and "skipped" not in stages[name]],
