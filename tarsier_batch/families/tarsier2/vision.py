@@ -58,15 +58,17 @@ def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_len
     outputs, start = [], 0
     for length, run in itertools.groupby(frame_lengths):
         frames = len(list(run))
-        end = start + frames * length
-
-        def batch(x: torch.Tensor) -> torch.Tensor:
-            return x[start:end].view(frames, length, *x.shape[1:]).transpose(1, 2)   # (frames, heads, length, d)
-
-        attended = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), scale=scale)
-        outputs.append(attended.transpose(1, 2).reshape(end - start, -1))
-        start = end
+        frames_q, frames_k, frames_v = (_as_frames(x, start, frames, length) for x in (q, k, v))
+        attended = F.scaled_dot_product_attention(frames_q, frames_k, frames_v, scale=scale)
+        outputs.append(attended.transpose(1, 2).reshape(frames * length, -1))
+        start += frames * length
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _as_frames(x: torch.Tensor, start: int, frames: int, length: int) -> torch.Tensor:
+    """`frames` consecutive frames of `length` patches from patch `start` of (patches, heads, d): (frames, heads,
+    length, d), a view."""
+    return x[start:start + frames * length].view(frames, length, *x.shape[1:]).transpose(1, 2)
 
 
 class FrameBatchedVisionBlock(Qwen2VLVisionBlock):
