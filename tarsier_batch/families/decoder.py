@@ -47,10 +47,15 @@ def layer_outputs(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor
 
 
 class LayerSteps(NamedTuple):
-    """The two halves of a layer around its attention, eager or compiled."""
+    """The two halves of a layer around its attention (a decoder layer's by default), eager or compiled."""
 
     attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = attention_inputs
     layer_outputs: Callable[..., torch.Tensor] = layer_outputs
+
+    def compiled(self) -> LayerSteps:
+        """Both halves through torch.compile: every layer runs the same code with its own weights as inputs, so
+        one compilation serves all layers, and every row count (`compile_for_any_sizes`)."""
+        return LayerSteps(*(compile_for_any_sizes(step) for step in self))
 
 
 def compile_for_any_sizes(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -75,12 +80,6 @@ def compile_for_any_sizes(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def compiled_layer_steps() -> LayerSteps:
-    """Both halves through torch.compile: every layer runs the same code with its own weights as inputs, so
-    one compilation serves all layers, and every row count (`compile_for_any_sizes`)."""
-    return LayerSteps(compile_for_any_sizes(attention_inputs), compile_for_any_sizes(layer_outputs))
-
-
 def run_decoder_layers(layers: nn.ModuleList, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        attention: Attention, first: int = 0, steps: LayerSteps = LayerSteps()) -> torch.Tensor:
     """(tokens, hidden) through `layers`, the decoder's layers from number `first` on (the number
@@ -101,7 +100,7 @@ class DecoderCaptionModel:
 
     def compile(self) -> None:
         """Run the language model's layers compiled from now on (`--compile`)."""
-        self.layer_steps = compiled_layer_steps()
+        self.layer_steps = LayerSteps().compiled()
 
     def rotary_position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """The engine's (components, tokens) positions as the decoder's rotary embedding takes them."""

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel
 
-from .vision import FrameBatchedVisionBlock, compiled_block_steps
+from .vision import BLOCK_STEPS, FrameBatchedVisionBlock
 
 MODEL_TYPE = "llava"
 TEXT_MODEL_TYPE = "qwen2_vl"
@@ -90,7 +90,7 @@ class Tarsier2Model(nn.Module):
 
     def compile_vision(self) -> None:
         """Run the vision blocks' work around their attention through torch.compile from now on."""
-        steps = compiled_block_steps()
+        steps = BLOCK_STEPS.compiled()
         for block in self.vision_tower.blocks:
             block.steps = steps
 

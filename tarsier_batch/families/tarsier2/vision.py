@@ -12,15 +12,15 @@ the MLP use transformers' own modules and functions, so the arithmetic is transf
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionBlock, apply_rotary_pos_emb_vision
 
-from ..decoder import compile_for_any_sizes
+from ..decoder import LayerSteps
 
 
 def block_attention_inputs(block: nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
@@ -39,16 +39,9 @@ def block_outputs(block: nn.Module, hidden: torch.Tensor, attended: torch.Tensor
     return hidden + block.mlp(block.norm2(hidden))
 
 
-class BlockSteps(NamedTuple):
-    """The two halves of a vision block around its attention, eager or compiled."""
-
-    attention_inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = block_attention_inputs
-    outputs: Callable[..., torch.Tensor] = block_outputs
-
-
-def compiled_block_steps() -> BlockSteps:
-    """Both halves through torch.compile: one compilation for every block and every number of patches."""
-    return BlockSteps(compile_for_any_sizes(block_attention_inputs), compile_for_any_sizes(block_outputs))
+# A block's two halves around its attention; `BLOCK_STEPS.compiled()` for `--compile`: one compilation for
+# every block and every number of patches.
+BLOCK_STEPS = LayerSteps(block_attention_inputs, block_outputs)
 
 
 def frame_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frame_lengths: Sequence[int],
@@ -78,7 +71,7 @@ class FrameBatchedVisionBlock(Qwen2VLVisionBlock):
     order) comes that way from the caller; without it (transformers' own generate, in the baselines) the
     lengths are read from `cu_seqlens`."""
 
-    steps: BlockSteps = BlockSteps()
+    steps: LayerSteps = BLOCK_STEPS
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -89,5 +82,5 @@ class FrameBatchedVisionBlock(Qwen2VLVisionBlock):
             frame_lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         cos, sin = position_embeddings
         q, k, v = self.steps.attention_inputs(self, hidden_states, cos, sin)
-        return self.steps.outputs(self, hidden_states, frame_attention(q, k, v, frame_lengths, self.attn.scaling))
+        return self.steps.layer_outputs(self, hidden_states, frame_attention(q, k, v, frame_lengths, self.attn.scaling))
 
