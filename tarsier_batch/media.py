@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import statistics
+import struct
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -902,14 +903,18 @@ def _load_gif(path: str, num_frames: int, transform: FrameTransform | None, samp
 
 def _sample_animation(path: str, animation: Image.Image, num_frames: int, transform: FrameTransform | None,
                       sampler: FrameSampler, to_rgb: Callable[[Image.Image], Image.Image]) -> Media:
-    wanted = set(sampler(animation.n_frames, num_frames))
     frames: list[Any] = []
     kept: list[int] = []
     duration_ms = 0
-    for index, frame in enumerate(ImageSequence.Iterator(animation)):
+    with _pillow_damage_undecodable("the animation"):
+        frame_count = animation.n_frames   # counting the frames reads them all
+    wanted = set(sampler(frame_count, num_frames))
+    for index, frame in enumerate(_animation_frames(animation)):
         duration_ms += frame.info.get("duration", 0) or 0
         if index in wanted:
-            frames.append(_finish(to_rgb(frame), transform, len(wanted)))
+            with _pillow_damage_undecodable("the animation"):
+                rgb = to_rgb(frame)
+            frames.append(_finish(rgb, transform, len(wanted)))
             kept.append(index)
             if transform is not None:
                 _return_freed_memory()
@@ -927,7 +932,8 @@ def open_image(path: str, max_pixels: int | None) -> Image.Image:
     with _PILLOW_LIMIT:   # Pillow's limit is a module global: set it aside for this open only
         pillows, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
         try:
-            image = Image.open(path)
+            with _pillow_damage_undecodable("the image"):   # a header cut short ("Truncated File Read")
+                image = Image.open(path)
         except UnidentifiedImageError:
             raise ItemError(UNDECODABLE, "not an image: Pillow recognises no image format in its bytes") from None
         finally:
@@ -938,6 +944,32 @@ def open_image(path: str, max_pixels: int | None) -> Image.Image:
         raise ItemError(TOO_LARGE, f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above the "
                          f"{max_pixels / 1e6:.3g} Mpx limit (--max-image-pixels)")
     return image
+
+
+@contextlib.contextmanager
+def _pillow_damage_undecodable(what: str) -> Iterator[None]:
+    """Pillow's ways of saying the data is cut short or damaged, as an undecodable item. OSError without an
+    errno ("image file is truncated"; one with an errno is the file's reading failing: unreadable, as the
+    caller classes it) and SyntaxError are its own; IndexError, EOFError and struct.error come from reading
+    past the end of a cut GIF while seeking its frames, with words ("index out of range", "unpack_from
+    requires a buffer of at least 2 bytes") that say nothing to whoever reads the row."""
+    try:
+        yield
+    except UnidentifiedImageError:   # an OSError without an errno too: the caller says it its own way
+        raise
+    except (OSError, SyntaxError) as error:
+        if isinstance(error, OSError) and error.errno is not None:
+            raise
+        raise ItemError(UNDECODABLE, f"{what} is damaged or cut short ({plain_message(error)})") from None
+    except (IndexError, EOFError, struct.error):
+        raise ItemError(UNDECODABLE, f"{what} is cut short: its data ends inside a frame") from None
+
+
+def _animation_frames(animation: Image.Image) -> Iterator[Image.Image]:
+    """The frames in order, Pillow's damage as undecodable (only Pillow's seeking is inside: the caller's own
+    work on each frame is not)."""
+    with _pillow_damage_undecodable("the animation"):
+        yield from ImageSequence.Iterator(animation)
 
 
 def _read_reduced_if_huge(image: Image.Image) -> None:
@@ -961,13 +993,11 @@ def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sa
         if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
             return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
         stored = image.size
-        try:
+        with _pillow_damage_undecodable("the image"):
             _read_reduced_if_huge(image)
             swapped = image.getexif().get(_EXIF_ORIENTATION) in _SWAPPING_ORIENTATIONS
             ImageOps.exif_transpose(image, in_place=True)  # in place: a large photo is not held twice
             frame = _to_rgb(image)
-        except (OSError, SyntaxError) as error:   # how Pillow says the data is cut short or damaged
-            raise ItemError(UNDECODABLE, f"the image is damaged or cut short ({plain_message(error)})") from None
     width, height = reversed(stored) if swapped else stored   # as displayed, at full size
     return Media(path, MediaType.IMAGE, [_finish(frame, transform, 1)], [0], width, height, None, "pillow")
 

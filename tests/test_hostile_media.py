@@ -226,6 +226,40 @@ def test_v1_square_stretch_is_bounded(tiny_model_dir: Path, awkward: dict[Path, 
 CLASS_NAME_PREFIX = re.compile(r"^[\w.]*(Error|Exception|Failure)\b")
 
 
+@pytest.mark.parametrize(("fmt", "name"), [("GIF", "cut.gif"), ("PNG", "cut.png"), ("PNG", "cut_animated.png"),
+                                           ("WEBP", "cut.webp"), ("JPEG", "cut.jpg")])
+def test_an_image_or_animation_cut_anywhere_is_undecodable_with_a_reason(tmp_path: Path, fmt: str,
+                                                                         name: str) -> None:
+    # A download cut short: Pillow says so in many ways (OSError "image file is truncated", "Truncated File
+    # Read" while opening, IndexError or struct.error while counting a GIF's frames). Each must become an
+    # undecodable row that says "cut short", never an `internal` failure (a bug of ours) or an `unreadable`.
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)) for _ in range(4)]
+    if fmt == "GIF":
+        pictures = [picture.convert("P") for picture in pictures]
+    whole = tmp_path / f"whole{Path(name).suffix}"
+    if name == "cut.png" or fmt == "JPEG":
+        pictures[0].save(whole, fmt)
+    else:
+        pictures[0].save(whole, fmt, save_all=True, append_images=pictures[1:], duration=80, loop=0)
+    data = whole.read_bytes()
+    cut = tmp_path / name
+    media_type = media_type_of(cut)
+    assert media_type is not None
+    reasons: set[str] = set()
+    for length in range(1, len(data), max(1, len(data) // 150)):
+        cut.write_bytes(data[:length])
+        try:
+            media = load_media(str(cut), media_type, 8)
+        except ItemError as error:
+            assert error.kind == "undecodable", (length, error.kind, str(error))
+            assert re.search("cut short|not an image", str(error)), (length, str(error))
+            reasons.add(str(error))
+        else:   # cut where a frame ends (or only the trailer is missing): the frames before the cut
+            assert 1 <= len(media.frames) <= len(pictures), length
+    assert any("cut short" in reason for reason in reasons), reasons
+
+
 def test_a_truncated_mp4_and_a_text_file_named_mp4_fail_apart(awkward: dict[Path, Ok | Fails]) -> None:
     """Both decoders say "Invalid data found when processing input" for both: the message must not."""
     said = {}
