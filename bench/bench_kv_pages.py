@@ -52,8 +52,11 @@ def side(model_dir: str, long: int, short: int, items: int, new_tokens: int) -> 
         positions = torch.arange(length).expand(3, -1)   # M-RoPE: three components
         return ProcessedPrompt("", ids[:length].clone(), positions, length, [], torch.empty(0))
 
+    # Every prompt starts with the same ids: the prefix cache (which the ranges tree lacks) would hand the rows
+    # each other's pages, and the comparison is of how rows hold their KV, not of skipping prefill.
+    no_prefix_cache = {"prefix_cache": False} if "prefix_cache" in EngineConfig.__dataclass_fields__ else {}
     config = EngineConfig(max_rows=16, max_batch_tokens=1024, prefill_chunk=512,
-                          kv_cache_tokens=4 * (long + new_tokens))
+                          kv_cache_tokens=4 * (long + new_tokens), **no_prefix_cache)
     engine = Engine(model, config, SamplingParams(max_new_tokens=new_tokens))
     rows = [engine.add(prompt(length)) for length in lengths]
     in_flight: list[int] = []

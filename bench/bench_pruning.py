@@ -103,7 +103,8 @@ def engine_for(model, prompt, ratio: float, layer: int | str, rows: int, new_tok
 
     slots = (kv_rows or rows) * (prompt.length + new_tokens + 64)   # a row takes whole pages of 32 slots
     by_attention = ratio and layer != TEMPORAL
-    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots,
+    # No prefix cache: the rows are one prompt, which every row would otherwise take computed from the first.
+    config = EngineConfig(max_rows=rows, kv_cache_tokens=slots, prefix_cache=False,
                           prune=PruneConfig(ratio, layer) if by_attention else None)
     return Engine(model, config, SamplingParams(max_new_tokens=new_tokens, repetition_penalty=1.0))
 

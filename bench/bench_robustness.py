@@ -31,9 +31,9 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_engine import bench_items, without_eos  # noqa: E402
+from bench_engine import bench_items, measured_settings, without_eos  # noqa: E402
 
-from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
+from tarsier_batch import Captioner, SamplingParams  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 from tarsier_batch.inputs.sources import MediaItem, item_key  # noqa: E402
 from tarsier_batch.outputs.formats import OutputTarget  # noqa: E402
@@ -87,9 +87,8 @@ def main() -> None:
                  for index, item in enumerate(bench_items(args.items))]
         captioners = {}
         for name, (isolate, _) in SIDES.items():
-            settings = CaptionSettings(model=str(model_dir), dtype="float32", device="cpu", workers=args.workers,
-                                       isolate_decoding=isolate,
-                                       sampling=SamplingParams(max_new_tokens=args.new_tokens))
+            settings = measured_settings(model_dir, workers=args.workers, isolate_decoding=isolate,
+                                         sampling=SamplingParams(max_new_tokens=args.new_tokens))
             captioners[name] = without_eos(Captioner(settings))
         run_side(captioners["processes"], items[:2], None, workdir)  # warm up: worker start, first allocations
         rates: dict[str, list[float]] = {name: [] for name in SIDES}

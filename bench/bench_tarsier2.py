@@ -28,10 +28,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from bench_engine import interleaved, timed, without_eos  # noqa: E402
+from bench_engine import interleaved, measured_settings, timed, without_eos  # noqa: E402
 from official_baseline import run_baseline  # noqa: E402
 
-from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams, discover  # noqa: E402
+from tarsier_batch import Captioner, MediaItem, SamplingParams, discover  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 from tarsier_batch.media import MediaType  # noqa: E402
 
@@ -63,9 +63,8 @@ def startup_seconds(model_dir: Path) -> float:
 def one_resolution(size: str, workdir: Path, repeats: int, frames: int, video: str | None) -> dict:
     model_dir = make_tiny_model(workdir / size, size, seed=0, family="tarsier2")
     items = videos(video=video)
-    captioner = without_eos(Captioner(CaptionSettings(
-        model=str(model_dir), device="cpu", dtype="float32", frames=frames,
-        sampling=SamplingParams(max_new_tokens=NEW_TOKENS))))
+    captioner = without_eos(Captioner(measured_settings(model_dir, frames=frames,
+                                                        sampling=SamplingParams(max_new_tokens=NEW_TOKENS))))
     prompt_tokens: list[int] = []
 
     def ours() -> float:
