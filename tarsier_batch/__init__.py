@@ -33,6 +33,7 @@ _EXPORTS = {
     "Segmenting": "inputs.segments", "SegmentsError": "inputs.segments",
     "StorageError": "storage",
     "MAX_IMAGE_PIXELS": "media",
+    "install_extra_command": "version",
     # models
     "DEFAULT_MODEL": "families.catalog", "FamilyInfo": "families.catalog", "model_families": "families.catalog",
     "family_named": "families.catalog",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:
         SettingsError,
     )
     from .storage import StorageError
+    from .version import install_extra_command
 
 
 def __getattr__(name: str) -> Any:
@@ -109,12 +111,12 @@ def __getattr__(name: str) -> Any:
 __all__ = ["__version__", "Answer", "Backend", "Captioner", "CaptionResult", "CaptionRun", "CaptionSettings",
            "check_manifest_path", "check_results_path", "DEFAULT_MODEL", "DEMO_ACCURACY", "DEMO_ALIAS", "discover",
            "Discovery", "DTYPES", "evaluate_demo", "family_for", "family_named", "FamilyInfo", "FLUSH_ROWS",
-           "FLUSH_SECONDS", "InputNotFoundError", "inspect_file", "is_shard", "LineLog", "LoadingCrashed",
-           "LoggingReporter", "make_reporters", "make_tiny_model", "Manifest", "ManifestError", "MAX_IMAGE_PIXELS",
-           "MediaItem", "merge_outputs", "MergeError", "MergeReport", "model_families", "model_reference_problem",
-           "ModelNotFoundError", "NotEnoughMemory", "output_at", "OutputError", "OutputLockedError", "OutputTarget",
-           "OutputWriteError", "parse_asks", "plural", "print_summary", "PromptSetError", "PRUNE_METHODS",
-           "Question", "RayBackend", "RaySettings", "read_manifest", "read_prompt_set", "RemoteOutput", "Reporter",
-           "RESERVED_NAMES", "RunOutcome", "RunReporter", "RunSettings", "RunStats", "SamplingParams", "Segmenting",
-           "SegmentsError", "SettingsError", "SettingsMismatchError", "Shard", "ShardError", "sibling_columns",
-           "Status", "StorageError", "Terminated", "write_report"]
+           "FLUSH_SECONDS", "InputNotFoundError", "inspect_file", "install_extra_command", "is_shard", "LineLog",
+           "LoadingCrashed", "LoggingReporter", "make_reporters", "make_tiny_model", "Manifest", "ManifestError",
+           "MAX_IMAGE_PIXELS", "MediaItem", "merge_outputs", "MergeError", "MergeReport", "model_families",
+           "model_reference_problem", "ModelNotFoundError", "NotEnoughMemory", "output_at", "OutputError",
+           "OutputLockedError", "OutputTarget", "OutputWriteError", "parse_asks", "plural", "print_summary",
+           "PromptSetError", "PRUNE_METHODS", "Question", "RayBackend", "RaySettings", "read_manifest",
+           "read_prompt_set", "RemoteOutput", "Reporter", "RESERVED_NAMES", "RunOutcome", "RunReporter", "RunSettings",
+           "RunStats", "SamplingParams", "Segmenting", "SegmentsError", "SettingsError", "SettingsMismatchError",
+           "Shard", "ShardError", "sibling_columns", "Status", "StorageError", "Terminated", "write_report"]

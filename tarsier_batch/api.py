@@ -171,11 +171,11 @@ class Captioner:
                 f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
                 f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}{offload}{pruning}")
 
-    def prompt_reuse(self) -> tuple[int, int]:
-        """(prompt positions of the rows admitted, how many of them came computed from the prefix cache), since
-        loading."""
+    def prompt_reuse(self) -> tuple[int, int, int]:
+        """(prompt positions of the rows admitted, how many of them came computed from the prefix cache, how
+        many from another question of the clip), since loading."""
         counts = self.engine.prefix_counts
-        return counts.prompt_positions, counts.reused_positions
+        return counts.prompt_positions, counts.reused_positions, counts.shared_positions
 
     def resolved_settings(self) -> Resolved:
         """What loading settled that the settings may leave open (see `settings.resume_settings`)."""

@@ -68,6 +68,7 @@ from . import (
     check_manifest_path,
     discover,
     family_named,
+    install_extra_command,
     is_shard,
     make_reporters,
     model_families,
@@ -177,8 +178,8 @@ def caption(
         metavar="INPUTS", hidden=True, show_default=False)] = None,
     out: Annotated[Optional[str], typer.Option(
         "--out", "-o", metavar="FILE",
-        help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path or an s3://, "
-             "gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
+        help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path (missing folders "
+             "are made) or an s3://, gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
     out_dir: Annotated[Optional[str], typer.Option(
         metavar="DIR",
         help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead "
@@ -533,7 +534,7 @@ def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: floa
     if shard is not None:
         _fail("--ray spreads the items over the cluster itself; leave out --shard")
     if importlib.util.find_spec("ray") is None:
-        _fail("--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'")
+        _fail(f"--ray needs Ray, an optional extra: {install_extra_command('ray')}")
     return RaySettings(address, (low, high), gpus if gpus is not None else float(device != "cpu"))
 
 

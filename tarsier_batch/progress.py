@@ -39,9 +39,12 @@ class RunStats:
     failed: int = 0
     generated_tokens: int = 0
     streamed_tokens: int = 0
-    # The prefix cache: prompt positions of the rows admitted, and how many came computed (0, 0: not known).
+    # Prompt positions of the rows admitted (0: not known), how many came computed from the prefix cache (when
+    # it is on), and how many a prompt set's question shared with another question of its clip.
     prompt_positions: int = 0
     reused_positions: int = 0
+    shared_positions: int = 0
+    prefix_cache: bool = False
     started: float = field(default_factory=time.perf_counter)
     # When captioning began, the model loaded: the live display's elapsed time counts from `started` as the
     # summary's wall time does, and the summary tells the two parts apart.
@@ -96,7 +99,8 @@ class RunStats:
                 "already_done": self.already_done, "missing_kept": self.missing_kept,
                 "missing_pruned": self.missing_pruned, "skipped": self.skipped, "left_for_later": self.left_for_later,
                 "generated_tokens": self.generated_tokens, "prompt_positions": self.prompt_positions,
-                "reused_prompt_positions": self.reused_positions, "wall_time_s": round(self.elapsed_s, 3),
+                "reused_prompt_positions": self.reused_positions, "shared_prompt_positions": self.shared_positions,
+                "wall_time_s": round(self.elapsed_s, 3),
                 "items_per_s": round(self.items_per_s, 4), "tokens_per_s": round(self.tokens_per_s, 2)}
 
 
@@ -239,11 +243,25 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
         rows.append(("left for later", f"{stats.left_for_later} (--limit); run again to caption them"))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
              ("wall time", _wall_time(stats)),
-             ("throughput", f"{stats.items_per_s:.3f} items/s, {stats.generated_tokens} tokens")]
-    if stats.prompt_positions:
+             ("throughput", _throughput(stats))]
+    if stats.prompt_positions and stats.shared_positions:
+        rows.append(("shared prefixes", f"{stats.shared_positions:,} of {stats.prompt_positions:,} prompt positions "
+                                        f"shared between a clip's questions "
+                                        f"({stats.shared_positions / stats.prompt_positions:.1%})"))
+    if stats.prompt_positions and stats.prefix_cache:
         rows.append(("prefix cache", f"{stats.reused_positions:,} of {stats.prompt_positions:,} prompt positions "
                                      f"reused ({stats.reused_positions / stats.prompt_positions:.1%})"))
     return rows + [("output", written)]
+
+
+def _throughput(stats: RunStats) -> str:
+    """Rows (captions and errors) a second, over the captioning alone where loading the model came first: a short
+    run's rate over the whole wall time says more about the load than about captioning."""
+    whole = f"{stats.items_per_s:.3f} items/s"
+    captioning = stats.captioning_s
+    if captioning is not None and captioning > 0 and stats.done:
+        whole = f"{stats.done / captioning:.3f} items/s while captioning ({whole} with loading)"
+    return f"{whole}, {stats.generated_tokens} tokens"
 
 
 def _wall_time(stats: RunStats) -> str:

@@ -134,9 +134,9 @@ class Backend(Protocol):
     def resolved_settings(self) -> Resolved:
         """What loading settled that the settings may leave open."""
 
-    def prompt_reuse(self) -> tuple[int, int] | None:
-        """(prompt positions of the rows admitted, how many came computed from the prefix cache) since loading,
-        or None where not known."""
+    def prompt_reuse(self) -> tuple[int, int, int] | None:
+        """(prompt positions of the rows admitted, how many came computed from the prefix cache, how many from
+        another question of the clip) since loading, or None where not known."""
 
     def describe(self) -> str:
         """One line for the user: the model and where it runs."""
@@ -349,9 +349,8 @@ class CaptionRun:
                 self.outcome = yield from self._caption(plan, stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
                 status, reason = _stopped_by(stop)
-                where = self.target.shown if self.target is not None else "the stream"
-                self.outcome = RunOutcome(status, f"{reason}; {where} was not changed; run the same command again "
-                                                  f"to continue")
+                untouched = self._output_untouched() if self.store is not None else "the stream was not changed"
+                self.outcome = RunOutcome(status, f"{reason}; {untouched}; run the same command again to continue")
 
     # --- the steps ------------------------------------------------------------------------
 
@@ -411,7 +410,8 @@ class CaptionRun:
             self.reporter.warning(f"warning: unreadable part file {problem}")
         stats = RunStats(total=plan.items_to_caption, skipped=self.discovery.skipped_count,
                          already_done=len(plan.done), missing_kept=plan.missing_kept,
-                         missing_pruned=plan.missing_pruned, left_for_later=later)
+                         missing_pruned=plan.missing_pruned, left_for_later=later,
+                         prefix_cache=self.settings.caption.prefix_cache)
         sink = self.store or JsonLinesStream(plan.captioned_ids(self.items), self.stream, self.columns)  # type: ignore[arg-type]
         loop = ItemLoop(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
@@ -424,7 +424,8 @@ class CaptionRun:
         stopped = yield from self._run_loop(backend, loop, provenance)
         reuse = backend.prompt_reuse()
         if reuse is not None and reuse_before is not None:   # this run's share, with a captioner shared by runs
-            stats.prompt_positions, stats.reused_positions = (now - then for now, then in zip(reuse, reuse_before))
+            stats.prompt_positions, stats.reused_positions, stats.shared_positions = (
+                now - then for now, then in zip(reuse, reuse_before))
         # Again: a cluster's actors tell how they captioned once they have
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
@@ -495,8 +496,16 @@ class CaptionRun:
             unsent = write_error.rows if isinstance(write_error, UploadError) else 0
         saved = self.store.saved_rows - unsent + stats.already_done
         return RunOutcome(status, f"{reason}{lost}; {plural(saved, 'finished row')} {'is' if saved == 1 else 'are'} "
-                                  f"saved in {self.store.work_shown} and {self.store.out_shown} was not changed; run "
-                                  f"the same command again to resume", stats, error=error)
+                                  f"saved in {self.store.work_shown} and {self._output_untouched()}; run the same "
+                                  f"command again to resume", stats, error=error)
+
+    def _output_untouched(self) -> str:
+        """What a stop left of --out: an earlier run's output unchanged, or none yet (a first run's rows wait in the
+        work directory until every item has one)."""
+        assert self.store is not None
+        if self.store.output_existed is False:
+            return f"{self.store.out_shown} is not written yet"
+        return f"{self.store.out_shown} was not changed"
 
     def _write_output(self, loop: ItemLoop, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:
         """Write the output with every row (unless nothing changed); the outcome carries the summary.

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .version import install_extra_command
+
 T = TypeVar("T")
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -132,7 +134,7 @@ def filesystem(url: str) -> tuple[Any, str]:
         return fsspec.core.url_to_fs(url)
     except ImportError as error:
         extra = EXTRAS.get(scheme(url))
-        hint = f": pip install 'tarsier-batch[{extra}]'" if extra else ""
+        hint = f": {install_extra_command(extra)}" if extra else ""
         raise StorageError(f"{scheme(url)}:// needs a storage backend that is not installed{hint}") from error
     except ValueError as error:
         raise StorageError(f"{redact(url)}: {error}") from error

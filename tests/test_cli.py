@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -189,9 +190,23 @@ def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_m
     result = run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2")
     assert result.exit_code == 130
     assert "interrupted; 2 finished rows are saved in" in result.output
-    assert "run the same command again to resume" in result.output
+    assert "r.parquet is not written yet; run the same command again to resume" in result.output
     assert not out.exists()
     assert saved_rows(out) == 2
+    # Once the output exists, a stop leaves it as it was, and says so.
+    monkeypatch.undo()
+    assert run(str(shared_media), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2"
+               ).exit_code == 0
+    written = out.read_bytes()
+    more = tmp_path / "more"
+    more.mkdir()
+    shutil.copy(shared_media / "demo_test_8frames.gif", more / "new.gif")
+    stop_captioning_at(monkeypatch, 0, interrupt)
+    result = run(str(shared_media), str(more), "--model", str(tiny_model_dir), "--out", str(out),
+                 "--max-new-tokens", "2")
+    assert result.exit_code == 130, result.output
+    assert "r.parquet was not changed; run the same command again to resume" in result.output
+    assert out.read_bytes() == written
 
 
 def test_dash_reads_paths_from_stdin(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:

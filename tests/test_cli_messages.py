@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from conftest import caption_probe
 from tarsier_batch.cli import app
 from tarsier_batch.model.checkpoints import DEMO_ACCURACY, download_problem
 from tarsier_batch.progress import RunStats
+from tarsier_batch.version import extra_command_for, install_extra_command
 
 runner = CliRunner()
 
@@ -131,3 +134,22 @@ def test_the_live_elapsed_time_counts_from_where_the_summarys_wall_time_does() -
     assert "0:00:17" in screen.getvalue() and "0:00:08" not in screen.getvalue(), screen.getvalue()
     assert dict(summary_rows(stats, "out.parquet", ""))["wall time"] == \
         "0:00:17 (0:00:09 loading the model, 0:00:08 captioning)"
+    # The rate is the captioning's; the whole run's, loading included, beside it.
+    stats.done = 2
+    said = re.fullmatch(r"([\d.]+) items/s while captioning \(([\d.]+) items/s with loading\), 0 tokens",
+                        dict(summary_rows(stats, "out.parquet", ""))["throughput"])
+    assert said is not None
+    assert float(said.group(1)) == pytest.approx(2 / 8.1, rel=0.02)
+    assert float(said.group(2)) == pytest.approx(2 / 17.2, rel=0.02)
+
+
+def test_a_missing_extra_is_installed_the_way_the_package_was() -> None:
+    # From an index; from a clone installed editable (`pip install -e .`: the index may not have this package at
+    # all), or from a folder. The development install is editable, so the real call names this checkout.
+    assert extra_command_for(None, "scenes") == "pip install 'tarsier-batch[scenes]'"
+    assert extra_command_for({"url": "https://example.org/t.whl", "archive_info": {}}, "ray") == \
+        "pip install 'tarsier-batch[ray]'"
+    assert extra_command_for({"url": "file:///src/tarsier%20batch", "dir_info": {"editable": True}}, "gcs") == \
+        "pip install -e '/src/tarsier batch[gcs]'"
+    assert extra_command_for({"url": "file:///src/tb", "dir_info": {}}, "gcs") == "pip install '/src/tb[gcs]'"
+    assert install_extra_command("scenes") == f"pip install -e '{Path(__file__).resolve().parents[1]}[scenes]'"

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tarsier_batch"
 # Lowest first. A module imports only from its own unit (a top-level module, or a folder) and from units
 # of lower ranks; units of one rank never import each other.
 LAYERS: list[set[str]] = [
-    {"version", "errors", "storage", "demo"},   # shared by all: item errors and safe text, URLs, the demo's files
+    {"version"},                                # the version, and how to install an extra into this installation
+    {"errors", "storage", "demo"},              # shared by all: item errors and safe text, URLs, the demo's files
     {"media"},                                  # what a media file holds: types, frames as the official code samples
     {"inputs"},                                           # where items come from
     {"families"},                                         # what a model family is (processor, modules, registry)

@@ -126,8 +126,12 @@ def test_output_not_written_by_this_tool_is_refused(tmp_path: Path) -> None:
 
     foreign = tmp_path / "f.parquet"
     pq.write_table(pa.table({"x": [1]}), foreign)
-    with pytest.raises(OutputError, match="not written by this version"):
+    with pytest.raises(OutputError, match="exists and is not the output of a tarsier run"):
         ResultStore(OutputTarget(foreign), OutputColumns()).read()
+    old = tmp_path / "old.parquet"   # an early version's output: provenance without the settings resume compares
+    pq.write_table(pa.table({"path": ["/a"]}).replace_schema_metadata({"tarsier_batch": '{"model": "m"}'}), old)
+    with pytest.raises(OutputError, match="was written by an older version of tarsier-batch"):
+        ResultStore(OutputTarget(old), OutputColumns()).read()
     garbage = tmp_path / "g.parquet"
     garbage.write_text("hello")
     with pytest.raises(OutputError, match="not readable parquet results"):

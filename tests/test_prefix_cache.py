@@ -138,11 +138,12 @@ def test_the_run_summary_tells_how_much_of_the_prompts_came_from_the_cache(tiny_
     assert outcome.stats.prompt_positions == 2 * prompt and 0 < reused < prompt
     rate = reused / (2 * prompt)
     assert summary["prefix cache"] == f"{reused:,} of {2 * prompt:,} prompt positions reused ({rate:.1%})"
+    assert "shared prefixes" not in summary   # one prompt per clip: no question shares another's prefix
     assert table[0]["caption"] == table[1]["caption"]
     # Turned off (--no-prefix-cache): nothing reused, nothing reported, the same captions.
     off = RunSettings(replace(settings.caption, prefix_cache=False))
     outcome = CaptionRun([tmp_path / "a.gif", tmp_path / "b.gif"], tmp_path / "off.parquet", off).execute()
-    assert (outcome.stats.prompt_positions, outcome.stats.reused_positions) == (0, 0)
+    assert (outcome.stats.prompt_positions, outcome.stats.reused_positions) == (2 * prompt, 0)
     assert "prefix cache" not in dict(outcome.summary)
     assert [row["caption"] for row in pq.read_table(tmp_path / "off.parquet").to_pylist()] == \
         [row["caption"] for row in table]

@@ -74,6 +74,15 @@ def test_each_answer_equals_its_question_asked_alone(model_dir: Path, tmp_path: 
         "the questions should get different answers"
     provenance = json.loads(pq.read_schema(tmp_path / "set.parquet").metadata[b"tarsier_batch"])
     assert [question["name"] for question in provenance["prompt_set"]] == ["caption", "objects", "camera"]
+    # The summary says how much of the prompts the questions shared (the clip's frames, most of each prompt):
+    # the second and third question of each clip take at least half their prompt from the first.
+    stats, prompts = outcome.stats, [row[q.name + "_prompt_tokens"] for row in rows.values() for q in QUESTIONS]
+    assert stats.prompt_positions == sum(prompts)
+    later = sum(row[q.name + "_prompt_tokens"] for row in rows.values() for q in QUESTIONS[1:])
+    assert later / 2 <= stats.shared_positions < later, (stats.shared_positions, later)
+    assert dict(outcome.summary)["shared prefixes"] == (
+        f"{stats.shared_positions:,} of {stats.prompt_positions:,} prompt positions shared between a clip's "
+        f"questions ({stats.shared_positions / stats.prompt_positions:.1%})")
 
 
 def test_resume_asks_only_new_and_changed_questions(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -20,6 +20,7 @@ from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
 from tarsier_batch.outputs.formats import OutputTarget, read_results
 from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
+from tarsier_batch.version import install_extra_command
 
 runner = CliRunner()
 FAULT_SUBSTRING = "actor-dies-here"
@@ -160,7 +161,7 @@ def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.Monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "ray" else real(name, *rest))
     done = runner.invoke(app, ["caption", "no-such-input", "--ray", "auto", "--out-dir", str(tmp_path / "d")])
-    assert done.exit_code == 2 and "--ray needs Ray, an optional extra: pip install 'tarsier-batch[ray]'" in done.output
+    assert done.exit_code == 2 and f"--ray needs Ray, an optional extra: {install_extra_command('ray')}" in done.output
 
 
 def _decoded_sample_data(captioner) -> tuple[list, list]:

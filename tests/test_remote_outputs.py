@@ -245,8 +245,8 @@ def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(s3_bucket: Bucket,
     run = started_until_parts([*args, "-o", url], bucket, 1)
     _, stderr = stop(run, signal.SIGTERM)
     assert run.returncode == 143, stderr
-    said = re.search(r"tarsier: terminated; (\d+) finished rows? (?:is|are) saved in (\S+) and (\S+) was not changed",
-                     stderr)
+    said = re.search(r"tarsier: terminated; (\d+) finished rows? (?:is|are) saved in (\S+) and (\S+) is not "
+                     r"written yet", stderr)
     assert said is not None, stderr
     saved = int(said.group(1))
     assert said.group(2, 3) == (bucket.url(".r.parquet.tarsier"), url)

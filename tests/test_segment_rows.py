@@ -17,6 +17,7 @@ from segment_media import write_numbered_video
 from tarsier_batch.cli import app
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import frame_indices
+from tarsier_batch.version import install_extra_command
 
 runner = CliRunner()
 
@@ -287,7 +288,7 @@ def test_scenes_without_pyscenedetect_stop_at_once_with_the_install_line(tmp_pat
                         else real(name, *rest))
     result = caption(str(tmp_path), "--segments", "scenes", "--model", "demo", "-o", str(tmp_path / "o.parquet"))
     assert result.exit_code == 2
-    assert "needs PySceneDetect: pip install 'tarsier-batch[scenes]'" in result.output
+    assert f"needs PySceneDetect: {install_extra_command('scenes')}" in result.output
 
 
 def test_a_fresh_segmented_run_loads_its_model_while_the_videos_are_probed(long_video: Path, tiny_model_dir: Path,

@@ -78,11 +78,20 @@ def test_the_canonical_spec_reads_back_as_the_same_segmenting() -> None:
 
 
 def test_shots_are_the_spans_between_cuts_and_long_ones_split_evenly() -> None:
-    facts = VideoFacts(65.0, (4.0, 30.0, 64.9))
+    facts = VideoFacts(65.0, (4.0, 30.0, 64.0))
     assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(facts)] == \
-        [(0, 4), (4, 30), (30, 64.9), (64.9, 65)]
+        [(0, 4), (4, 30), (30, 64), (64, 65)]
     split = Segmenting.parse("scenes,max=10s").spans(facts)
     assert [(round(span.start_s, 6), round(span.end_s, 6)) for span in split] == \
-        [(0, 4), (4, 12.666667), (12.666667, 21.333333), (21.333333, 30), (30, 38.725), (38.725, 47.45),
-         (47.45, 56.175), (56.175, 64.9), (64.9, 65)]
+        [(0, 4), (4, 12.666667), (12.666667, 21.333333), (21.333333, 30), (30, 38.5), (38.5, 47), (47, 55.5),
+         (55.5, 64), (64, 65)]
     assert Segmenting.parse("scenes").spans(VideoFacts(12.0)) == [Span(0, 12)]   # no cut: one shot
+
+
+def test_a_last_shot_shorter_than_min_joins_the_shot_before() -> None:
+    # The detector keeps `min` between cuts only: a cut 0.1 s before the end would leave a 0.1 s shot.
+    facts = VideoFacts(65.0, (4.0, 30.0, 64.9))
+    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(facts)] == \
+        [(0, 4), (4, 30), (30, 65)]
+    assert Segmenting.parse("scenes,min=0").spans(facts)[-1] == Span(64.9, 65)
+    assert Segmenting.parse("scenes,min=2s").spans(VideoFacts(3.0, (1.5,))) == [Span(0, 3)]

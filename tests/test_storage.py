@@ -16,6 +16,7 @@ from botocore.exceptions import ClientError
 
 from tarsier_batch import storage
 from tarsier_batch.media import MediaType, load_media
+from tarsier_batch.version import install_extra_command
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -56,7 +57,7 @@ def test_a_scheme_without_its_backend_names_the_extra_to_install() -> None:
               "try:\n    storage.filesystem('gs://bucket/a.mp4')\nexcept storage.StorageError as error:\n"
               "    print(error)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert "gs:// needs a storage backend that is not installed: pip install 'tarsier-batch[gcs]'" in done.stdout
+    assert f"gs:// needs a storage backend that is not installed: {install_extra_command('gcs')}" in done.stdout
 
 
 def _client_error(code: str, status: int) -> ClientError:

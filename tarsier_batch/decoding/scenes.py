@@ -21,4 +21,7 @@ def cut_times(path: str, threshold: float, min_s: float) -> list[float]:
                                          min_scene_len=max(1, round(min_s * float(video.frame_rate)))))
     manager.detect_scenes(video)
     starts = frame_starts(path)
-    return [starts[start.frame_num] for start, _ in manager.get_scene_list()[1:] if start.frame_num < len(starts)]
+    # To the microsecond: decord's frame times are float32 (2.5199999809 for 2.52), and a cut is a row's start_s;
+    # a frame within a microsecond of a span's start counts as in it (`media.frames_in_span`).
+    return [round(starts[start.frame_num], 6) for start, _ in manager.get_scene_list()[1:]
+            if start.frame_num < len(starts)]

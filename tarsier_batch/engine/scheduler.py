@@ -38,13 +38,15 @@ MIN_BATCH_TOKENS = 16
 
 @dataclass
 class PrefixCacheCounts:
-    """What the prefix cache saved: of the prompt positions of the rows admitted (again, after a preemption),
-    how many they took computed."""
+    """What shared prompts saved: of the prompt positions of the rows admitted (again, after a preemption),
+    how many they took computed from the prefix cache, and how many a prompt set's question took from
+    another question of its clip (the shared prefix, held with it)."""
 
     rows: int = 0
     rows_hit: int = 0
     prompt_positions: int = 0
     reused_positions: int = 0
+    shared_positions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -296,12 +298,12 @@ class Scheduler:
         return True
 
     def _count_admission(self, seq: Sequence) -> None:
-        if self.prefix_cache:
-            counts = self.prefix_counts
-            counts.rows += 1
-            counts.rows_hit += seq.cached > 0
-            counts.prompt_positions += seq.prompt.length
-            counts.reused_positions += seq.cached
+        counts = self.prefix_counts
+        counts.rows += 1
+        counts.rows_hit += seq.cached > 0
+        counts.prompt_positions += seq.prompt.length
+        counts.reused_positions += seq.cached
+        counts.shared_positions += seq.forked
 
     def _make_room(self, seq: Sequence) -> bool:
         """Ensure `seq` holds device slots for every position it will have computed after this step,

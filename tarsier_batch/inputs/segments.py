@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..media import MediaType, Span
+from ..version import install_extra_command
 from .sources import MediaItem
 
 Mode = Literal["whole", "fixed", "scenes"]
@@ -125,7 +126,7 @@ class Segmenting:
     def check_available(self) -> None:
         """Scenes need PySceneDetect (the `scenes` extra): refuse now, not in every worker."""
         if self.mode == "scenes" and importlib.util.find_spec("scenedetect") is None:
-            raise SegmentsError("--segments scenes needs PySceneDetect: pip install 'tarsier-batch[scenes]'")
+            raise SegmentsError(f"--segments scenes needs PySceneDetect: {install_extra_command('scenes')}")
 
     def spans(self, facts: VideoFacts) -> list[Span]:
         """The spans of a video with these facts."""
@@ -133,6 +134,10 @@ class Segmenting:
             return self.fixed_spans(facts.duration_s)
         assert self.mode == "scenes"
         bounds = [0.0, *(cut for cut in facts.cuts_s if 0 < cut < facts.duration_s), facts.duration_s]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < self.min_s:
+            # The detector keeps `min` between cuts, not from the last cut to the end: a last shot shorter than
+            # `min` joins the one before, as a fixed window does.
+            del bounds[-2]
         shots = [Span(start, end) for start, end in zip(bounds, bounds[1:])]
         if self.max_s is None:
             return shots

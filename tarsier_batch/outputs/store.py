@@ -86,11 +86,13 @@ class ResultStore:
         self._last_save = clock()   # the last part written, or the start: rows wait at most flush_seconds after it
         self._parts_written = 0
         self.saved_rows = 0    # rows of this run that are safely in part files
+        self.output_existed: bool | None = None   # whether `read` found --out (None: not read yet)
 
     def read(self) -> StoredRows:
         """The rows and settings of `--out` and of the parts an unfinished run left."""
         stored = StoredRows()
-        if self.target.exists():
+        self.output_existed = self.target.exists()
+        if self.output_existed:
             table, stored.provenance = _read_output(self.target, self.columns.read_schema())
             stored.settings[self.out_shown] = stored.provenance["settings"]
             stored.long = is_long(stored.provenance)
@@ -223,8 +225,11 @@ def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
     except (OSError, pa.ArrowException, ValueError, KeyError) as error:
         raise OutputError(f"{target.shown} exists but is not readable {target.format} results of tarsier-batch "
                           f"({one_line(error)}); pass --overwrite to replace it") from error
+    if not provenance:   # no provenance at all: another tool's file, or a typo naming one
+        raise OutputError(f"{target.shown} exists and is not the output of a tarsier run (it has no run "
+                          f"provenance), so it cannot be continued; pass --overwrite to replace it")
     if "settings" not in provenance or "key" not in table.column_names:
-        raise OutputError(f"{target.shown} exists but was not written by this version of tarsier-batch, so it cannot "
+        raise OutputError(f"{target.shown} exists but was written by an older version of tarsier-batch, so it cannot "
                           f"be continued; pass --overwrite to replace it")
     return table, provenance
 
