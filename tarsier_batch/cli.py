@@ -444,7 +444,7 @@ def caption(
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
     except LoadingCrashed as error:
         traceback.print_exception(error.__cause__ or error)
-        console.print(f"tarsier: crashed while loading the model ({error}); {target.shown} was not changed",
+        console.print(f"tarsier: crashed while loading the model ({error}); nothing was written to {target.shown}",
                       highlight=False, markup=False)
         raise typer.Exit(EXIT_CRASHED) from None
     finally:

@@ -906,7 +906,7 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
     frames: list[Any] = []
     kept: list[int] = []
     duration_ms = 0
-    with _pillow_damage_undecodable("the animation"):
+    with _pillow_damage_undecodable("the animation", seeking_frames=True):
         frame_count = animation.n_frames   # counting the frames reads them all
     wanted = set(sampler(frame_count, num_frames))
     for index, frame in enumerate(_animation_frames(animation)):
@@ -947,12 +947,14 @@ def open_image(path: str, max_pixels: int | None) -> Image.Image:
 
 
 @contextlib.contextmanager
-def _pillow_damage_undecodable(what: str) -> Iterator[None]:
+def _pillow_damage_undecodable(what: str, seeking_frames: bool = False) -> Iterator[None]:
     """Pillow's ways of saying the data is cut short or damaged, as an undecodable item. OSError without an
     errno ("image file is truncated"; one with an errno is the file's reading failing: unreadable, as the
-    caller classes it) and SyntaxError are its own; IndexError, EOFError and struct.error come from reading
-    past the end of a cut GIF while seeking its frames, with words ("index out of range", "unpack_from
-    requires a buffer of at least 2 bytes") that say nothing to whoever reads the row."""
+    caller classes it) and SyntaxError are its own. With `seeking_frames` (counting or walking an
+    animation's frames, and nothing of ours inside), also IndexError, EOFError and struct.error: reading past
+    the end of a cut GIF while seeking its frames, with words ("index out of range", "unpack_from requires a
+    buffer of at least 2 bytes") that say nothing to whoever reads the row."""
+    cut_while_seeking = (IndexError, EOFError, struct.error) if seeking_frames else ()
     try:
         yield
     except UnidentifiedImageError:   # an OSError without an errno too: the caller says it its own way
@@ -961,14 +963,14 @@ def _pillow_damage_undecodable(what: str) -> Iterator[None]:
         if isinstance(error, OSError) and error.errno is not None:
             raise
         raise ItemError(UNDECODABLE, f"{what} is damaged or cut short ({plain_message(error)})") from None
-    except (IndexError, EOFError, struct.error):
+    except cut_while_seeking:
         raise ItemError(UNDECODABLE, f"{what} is cut short: its data ends inside a frame") from None
 
 
 def _animation_frames(animation: Image.Image) -> Iterator[Image.Image]:
     """The frames in order, Pillow's damage as undecodable (only Pillow's seeking is inside: the caller's own
     work on each frame is not)."""
-    with _pillow_damage_undecodable("the animation"):
+    with _pillow_damage_undecodable("the animation", seeking_frames=True):
         yield from ImageSequence.Iterator(animation)
 
 
@@ -990,7 +992,9 @@ def _load_image(path: str, num_frames: int, transform: FrameTransform | None, sa
                 max_pixels: int | None) -> Media:
     """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
     with open_image(path, max_pixels) as image:
-        if image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1:
+        with _pillow_damage_undecodable("the image", seeking_frames=True):   # a GIF under another name: counted
+            animated = image.format in _ANIMATED_FORMATS and getattr(image, "n_frames", 1) > 1
+        if animated:
             return _sample_animation(path, image, num_frames, transform, sampler, _animation_frame_rgb)
         stored = image.size
         with _pillow_damage_undecodable("the image"):

@@ -227,7 +227,8 @@ CLASS_NAME_PREFIX = re.compile(r"^[\w.]*(Error|Exception|Failure)\b")
 
 
 @pytest.mark.parametrize(("fmt", "name"), [("GIF", "cut.gif"), ("PNG", "cut.png"), ("PNG", "cut_animated.png"),
-                                           ("WEBP", "cut.webp"), ("JPEG", "cut.jpg")])
+                                           ("WEBP", "cut.webp"), ("JPEG", "cut.jpg"),
+                                           ("GIF", "cut_gif_named.png")])   # a GIF under an image's name
 def test_an_image_or_animation_cut_anywhere_is_undecodable_with_a_reason(tmp_path: Path, fmt: str,
                                                                          name: str) -> None:
     # A download cut short: Pillow says so in many ways (OSError "image file is truncated", "Truncated File

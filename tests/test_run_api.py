@@ -297,3 +297,27 @@ def test_rows_are_saved_as_they_finish_and_outputs_keep_input_order(tmp_path: Pa
     CaptionRun(inputs, stream, settings, captioner=Reversed(settings.caption)).execute()  # type: ignore[arg-type]
     assert [Path(json.loads(line)["path"]).name for line in stream.getvalue().splitlines()] == \
         ["still.png", "ball.gif", "portrait.JPG"]   # a stream keeps input order itself
+
+
+class TwoCounts(Reversed):
+    """A backend written before a clip's questions shared prefixes: prompt_reuse gives two counts, not three."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.reuse = (0, 0)
+
+    def caption(self, items, on_tokens=None, in_order=True):
+        self.reuse = (120, 40)   # prompt positions admitted, positions from the prefix cache
+        yield from super().caption(items, on_tokens, in_order)
+
+    def prompt_reuse(self) -> tuple[int, int]:
+        return self.reuse
+
+
+def test_a_backend_counting_two_prompt_figures_still_runs(tmp_path: Path) -> None:
+    settings = RunSettings(CaptionSettings(model="x"))
+    outcome = CaptionRun([SAMPLE_DATA / "still.png"], tmp_path / "r.parquet", settings,
+                         captioner=TwoCounts(settings.caption)).execute()  # type: ignore[arg-type]
+    assert outcome.status is Status.DONE, outcome.message
+    stats = outcome.stats
+    assert (stats.prompt_positions, stats.reused_positions, stats.shared_positions) == (120, 40, 0)

@@ -401,3 +401,17 @@ def test_a_damaged_stretch_fails_its_own_windows_only(long_video: Path, tiny_mod
             first = round(row["start_s"] * 10)
             count = min(100, 650 - first)
             assert row["frame_indices"] == [first + index for index in frame_indices(count, 8)]
+
+
+def test_a_cut_is_a_frame_start_to_the_microsecond(shared_media: Path) -> None:
+    """decord's frame times are float32: the frame at 2.52 s reads 2.5199999809265137, which a row's start_s would
+    show. The cut keeps the frame's start rounded to the microsecond, within which frames_in_span counts a frame
+    at a span's start as in it."""
+    from tarsier_batch.decoding.scenes import cut_times
+    from tarsier_batch.media import Span, frame_starts, frames_in_span
+
+    path = str(shared_media / "portrait_25fps.mp4")
+    [cut] = cut_times(path, 27.0, 0.5)
+    starts = frame_starts(path)
+    assert cut == 2.52 and starts[63] != 2.52 and abs(starts[63] - 2.52) < 1e-6   # frame 63 of 25 frames/s
+    assert frames_in_span(starts, Span(cut, starts[-1] + 0.04))[0] == 63
