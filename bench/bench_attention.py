@@ -38,6 +38,8 @@ import torch.nn.functional as F  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.engine.attention import attend_decoding, decode_tables  # noqa: E402
 from tarsier_batch.engine.kv_cache import PAGE_SLOTS, BlockTable, KVCache  # noqa: E402
 from tarsier_batch.engine.profiling import kernel_ops  # noqa: E402
@@ -144,7 +146,7 @@ def main() -> None:
     torch.set_num_threads(1)
     results = {f"{rows} rows x {context}": one_shape(rows, context, args.repeats)
                for context in args.context for rows in args.rows}
-    print(json.dumps({"benchmark": "decode attention kernels", "heads": HEADS, "kv_heads": KV_HEADS,
+    print(json.dumps({**measured_on(), "benchmark": "decode attention kernels", "heads": HEADS, "kv_heads": KV_HEADS,
                       "head_dim": HEAD_DIM, "page_slots": PAGE_SLOTS, "threads": 1, "shapes": results}, indent=1))
 
 

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measured_on import measured_on
+
 TARGET_S = 1.0
 
 
@@ -53,7 +55,7 @@ def main() -> None:
             f"--dry-run over {args.files} files": ([*tarsier, "caption", str(folder), "-o", out, "--dry-run"], 0),
         }
         seconds = {name: round(best_time(command, args.repeats, code), 3) for name, (command, code) in cases.items()}
-    print(json.dumps({"seconds_best_of": args.repeats, "seconds": seconds, "target_s": TARGET_S,
+    print(json.dumps({**measured_on(), "seconds_best_of": args.repeats, "seconds": seconds, "target_s": TARGET_S,
                       "all_under_target": all(value < TARGET_S for value in seconds.values())}, indent=2))
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.demo.evaluate import evaluate_demo  # noqa: E402
 
 SETTINGS = {
@@ -45,7 +47,8 @@ def main() -> None:
                         "reversed_accuracy": round(result.reversed_accuracy, 3), "clips": 2 * args.n,
                         "seconds": round(seconds, 1)})
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"n": args.n, "seed": args.seed, "model": args.model, "results": results}, indent=2))
+    print(json.dumps({**measured_on(), "n": args.n, "seed": args.seed, "model": args.model, "results": results},
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_MEDIA = REPO.parent / "shared" / "media"
 sys.path.insert(0, str(REPO / "bench"))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams, discover  # noqa: E402
 from tarsier_batch.engine import Engine, EngineConfig  # noqa: E402
 from tarsier_batch.families.base import CaptionModel, ProcessedPrompt  # noqa: E402
@@ -341,7 +343,8 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as scratch:
         result = BENCHMARKS[args.benchmark](args, Path(scratch))
-    print(json.dumps({**result, "torch_threads": torch.get_num_threads(), "repeats": args.repeats}, indent=2))
+    print(json.dumps({**measured_on(), **result, "torch_threads": torch.get_num_threads(), "repeats": args.repeats},
+                     indent=2))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {"defaults (1 s)": [], "old defaults (64 rows, 30 s)": ["--flush-rows", "64", "--flush-seconds", "30"]}
 
@@ -92,7 +94,8 @@ def main() -> None:
                         "same_captions_as_full_run":
                             [row[1:] for row in finished] == [row[1:] for row in rows(full_out)]}
     first, second = report.values()
-    print(json.dumps({"files": args.files, "size": args.size, "new_tokens": args.new_tokens, "kill_at": args.kill_at,
+    print(json.dumps({**measured_on(), "files": args.files, "size": args.size, "new_tokens": args.new_tokens,
+                      "kill_at": args.kill_at,
                       "runs": report,
                       "full_run_ratio_defaults_over_old": round(first["full_run_s"] / second["full_run_s"], 3)},
                      indent=2))

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -112,7 +114,7 @@ def main() -> None:
     result["pages_over_ranges"] = {
         key: round(result["pages"][key] / result["ranges"][key], 3)
         for key in ("items_per_s", "mean_rows_in_flight", "most_rows_in_flight")}
-    print(json.dumps(result, indent=2))
+    print(json.dumps({**measured_on(), **result}, indent=2))
 
 
 if __name__ == "__main__":

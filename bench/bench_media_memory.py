@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_MEDIA = REPO.parent / "shared" / "media"
 PATHS = ("old", "new", "new_stacked")
@@ -109,7 +111,7 @@ def main() -> None:
             results[path] = {"peak_rss_mb": peaks, "peak_over_start_mb": over,
                              "mb_per_added_frame": round(slope(args.frames, list(peaks.values())), 2),
                              "seconds": seconds}
-    print(json.dumps({"video": args.video, "processor_px": size,
+    print(json.dumps({**measured_on(), "video": args.video, "processor_px": size,
                       "pixel_tensor_mb_per_frame": round(3 * size * size * 4 / MB, 3),
                       "frames": args.frames, "paths": results}))
 

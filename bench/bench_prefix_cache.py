@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_engine import interleaved, timed, without_eos  # noqa: E402
 from bench_tarsier2 import videos  # noqa: E402
+from measured_on import measured_on  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.engine import Engine, EngineConfig, Sequence  # noqa: E402
@@ -100,7 +101,7 @@ def main() -> None:
         tight = replace(captioner.engine_config, max_rows=PREEMPTING_ROWS, kv_cache_tokens=held * 85 // 100)
         preempting = workload(captioner, tight, first, PREEMPTING_NEW_TOKENS, args.repeats)
     print(json.dumps({
-        "benchmark": "prefix cache: on against off, same engine, same run",
+        **measured_on(), "benchmark": "prefix cache: on against off, same engine, same run",
         "checkpoint": f"tarsier2 {args.size}", "frames": args.frames, "new_tokens": args.new_tokens,
         "torch_threads": torch.get_num_threads(), "repeats": args.repeats,
         "twice": twice, "preempting": preempting}))

@@ -23,6 +23,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
 
 SAMPLE_DATA = REPO / "sample_data"
@@ -73,7 +75,7 @@ def main() -> None:
             results["real-size bfloat16"] = run_case(workdir, str(args.real), image,
                                                      ["--dtype", "bfloat16", "--max-new-tokens", "4"])
             results["real-size float32 (default)"] = run_case(workdir, str(args.real), image, [])
-    print(json.dumps(results, indent=1))
+    print(json.dumps({**measured_on(), **results}, indent=1))
 
 
 if __name__ == "__main__":

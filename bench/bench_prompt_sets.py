@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from bench_engine import interleaved, timed, without_eos  # noqa: E402
 from bench_tarsier2 import videos  # noqa: E402
+from measured_on import measured_on  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams, discover  # noqa: E402
 from tarsier_batch.engine import Engine, Sequence  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> None:
                 "set_of_3": peak_mb(model_dir, args, 3, True),
                 "3_runs_each": peak_mb(model_dir, args, 1, False)},
         }
-    print(json.dumps(result, indent=1))
+    print(json.dumps({**measured_on(), **result}, indent=1))
 
 
 if __name__ == "__main__":

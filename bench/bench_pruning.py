@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 VIDEO = REPO.parent / "shared" / "media" / "demo_test.mp4"
 sys.path.insert(0, str(REPO))
@@ -340,7 +342,8 @@ def main() -> None:
     selectivity_parser.add_argument("--n", type=int, default=40)
     selectivity_parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    print(json.dumps({"speed": speed, "quality": quality, "selectivity": selectivity}[args.command](args), indent=2))
+    measure = {"speed": speed, "quality": quality, "selectivity": selectivity}[args.command]
+    print(json.dumps({**measured_on(), **measure(args)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.demo import HELD_OUT_SEEDS  # noqa: E402
 from tarsier_batch.demo.clips import make_clip, write_mp4  # noqa: E402
 
@@ -55,7 +57,7 @@ def main() -> None:
             on_ray.append(timed(TARSIER + common + ["--ray", "local", "--out-dir", f"{scratch}/ray-{repeat}"]))
     best_single, best_ray = min(single), min(on_ray)
     print(json.dumps({
-        "items": args.n, "model": args.model,
+        **measured_on(), "items": args.n, "model": args.model,
         "single_process_s": [round(s, 2) for s in single], "ray_local_s": [round(s, 2) for s in on_ray],
         "single_items_per_s": round(args.n / best_single, 3), "ray_items_per_s": round(args.n / best_ray, 3),
         "ray_over_single_time": round(best_ray / best_single, 2),

@@ -34,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 CLIP = REPO.parent / "shared" / "media" / "demo_test.mp4"
@@ -210,7 +212,7 @@ def main() -> None:
             big_tar.unlink()
             report["big_shard"] = {"gb": round(members * big.stat().st_size / 1e9, 2),
                                    **memory_while_streaming(job, "s3://bench/big/big.tar")}
-        print(json.dumps(report, indent=2))
+        print(json.dumps({**measured_on(), **report}, indent=2))
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -29,6 +29,8 @@ import pyarrow.parquet as pq
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.outputs.formats import with_metadata  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.review import write_report  # noqa: E402
@@ -103,7 +105,7 @@ def main() -> None:
         seen = shown(page, folder / "profile-dom")
         html_mb = round(page.stat().st_size / 2**20, 1)
     print(json.dumps({
-        "extraction": {"rows": args.decoded, "workers": args.workers, "seconds": round(extract_s, 2),
+        **measured_on(), "extraction": {"rows": args.decoded, "workers": args.workers, "seconds": round(extract_s, 2),
                        "ms_per_row": round(1000 * extract_s / args.decoded, 1)},
         "page": {"items": args.items, "html_mb": html_mb, "render_s": round(render_s, 2),
                  "chromium_open_blank_page_s": round(blank_s, 2), "chromium_open_report_s": round(big_s, 2),

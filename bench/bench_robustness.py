@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_engine import bench_items, measured_settings, without_eos  # noqa: E402
+from measured_on import measured_on  # noqa: E402
 
 from tarsier_batch import Captioner, SamplingParams  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model  # noqa: E402
@@ -97,7 +98,7 @@ def main() -> None:
                 rates[name].append(run_side(captioners[name], items, flush_rows, workdir))
     medians = {name: statistics.median(values) for name, values in rates.items()}
     print(json.dumps({
-        "bench": "robustness", "size": args.size, "items": args.items, "new_tokens": args.new_tokens,
+        **measured_on(), "bench": "robustness", "size": args.size, "items": args.items, "new_tokens": args.new_tokens,
         "workers": args.workers, "repeats": args.repeats, "torch_threads": 1,
         "items_per_s": {name: round(value, 3) for name, value in medians.items()},
         "ratio_to_threads": {name: round(value / medians["threads"], 3) for name, value in medians.items()},

@@ -41,6 +41,8 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.decoding.scenes import cut_times  # noqa: E402
 from tarsier_batch.families.loading import load_processor  # noqa: E402
 from tarsier_batch.media import MediaType, Span, frame_starts  # noqa: E402
@@ -215,7 +217,7 @@ def main() -> None:
                        "target_speedup_at_least": 1.0},
         "scene_detection": scenes,
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps({**measured_on(), **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from measured_on import measured_on  # noqa: E402
+
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from tarsier_batch.engine.profiling import kernel_ops, non_view_ops  # noqa: E402
 from tarsier_batch.families.base import ProcessedPrompt
@@ -190,7 +192,7 @@ def main() -> None:
                 by_rows[f"ops_{args.rows[-1]}_over_{args.rows[0]}"] = round(last["ops"] / first["ops"], 3)
                 by_mode[mode] = by_rows
             results["families"][family] = {"layers": model.kv_geometry.num_layers, **by_mode}
-    print(json.dumps(results, indent=1))
+    print(json.dumps({**measured_on(), **results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from measured_on import measured_on
+
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = ["still.png", "portrait.JPG", "ball.gif"]
 
@@ -65,7 +67,7 @@ def main() -> None:
                 times[side].append(run(shard, output))
             shutil.rmtree(folder / f"webdataset-{round_}", ignore_errors=True)
         medians = {side: statistics.median(values) for side, values in times.items()}
-        print(json.dumps({"members": args.members, "rounds": args.rounds, "seconds": times,
+        print(json.dumps({**measured_on(), "members": args.members, "rounds": args.rounds, "seconds": times,
                           "median_s": {side: round(value, 2) for side, value in medians.items()},
                           "webdataset_over_parquet": round(medians["webdataset"] / medians["parquet"], 3)},
                          indent=1))

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+from measured_on import measured_on
+
 from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
 from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel
@@ -197,7 +199,7 @@ def main() -> None:
         figures = run_baseline(model_dir, items, args.max_new_tokens, args.disable_eos, args.frames)
     figures.pop("generated_ids")
     model = str(args.model) if args.model else f"random-weight {args.family}, size {args.size}"
-    print(json.dumps({"benchmark": "bench/official_baseline.py", "model": model, **figures}, indent=2))
+    print(json.dumps({**measured_on(), "benchmark": "bench/official_baseline.py", "model": model, **figures}, indent=2))
 
 
 if __name__ == "__main__":
