@@ -36,6 +36,34 @@ def test_every_flag_of_every_command_is_on_the_page() -> None:
                 assert all(f"`{name}`" in page for name in param.opts), (path, param.opts)
 
 
+def test_the_docs_figures_are_what_the_results_say() -> None:
+    """Fails when a results file or a quoted figure changed without `python tools/figures.py`."""
+    import figures
+
+    for page in figures.PAGES:
+        text = page.read_text()
+        assert figures.REGION.search(text), f"{page} quotes no figure from bench/results"
+        assert text == figures.render(text), f"{page}: run python tools/figures.py"
+
+
+def test_a_figure_is_remade_from_its_results_file_and_a_missing_one_is_an_error() -> None:
+    import figures
+
+    quoted = ("speed <!-- figure b1-2026-11-27-uncached.json speedup {:.2f}x -->9.99x<!-- /figure --> and "
+              "<!-- figure tarsier2-2026-11-27-uncached.json by_resolution/bench/prompt_tokens/2 {:,} -->?"
+              "<!-- /figure -->")
+    b1 = figures.result("b1-2026-11-27-uncached.json")
+    tarsier2 = figures.result("tarsier2-2026-11-27-uncached.json")
+    assert figures.render(quoted) == (
+        f"speed <!-- figure b1-2026-11-27-uncached.json speedup {{:.2f}}x -->{b1['speedup']:.2f}x<!-- /figure --> and "
+        f"<!-- figure tarsier2-2026-11-27-uncached.json by_resolution/bench/prompt_tokens/2 {{:,}} -->"
+        f"{tarsier2['by_resolution']['bench']['prompt_tokens'][2]:,}<!-- /figure -->")
+    with pytest.raises(KeyError, match="no 'speedups'"):
+        figures.render("<!-- figure b1-2026-11-27-uncached.json speedups {} --><!-- /figure -->")
+    with pytest.raises(KeyError, match="no table 'cpu'"):
+        figures.render("<!-- figure table cpu --><!-- /figure -->")
+
+
 def test_the_readme_is_made_from_the_docs_home_page() -> None:
     """Fails when README.md or docs/index.md was edited alone (`python tools/readme.py` remakes the README)."""
     import readme
