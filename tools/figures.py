@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import readme  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
-PAGES = [REPO / "docs" / "index.md", REPO / "docs" / "benchmarks.md", REPO / "docs" / "engine.md",
-         REPO / "docs" / "models.md", REPO / "bench" / "README.md"]
+PAGES = [REPO / "docs" / name for name in ("index.md", "benchmarks.md", "engine.md", "models.md", "questions.md",
+                                           "captioning.md", "troubleshooting.md")] + [REPO / "bench" / "README.md"]
 REGION = re.compile(r"<!-- figure (?P<spec>.*?) -->(?P<body>.*?)<!-- /figure -->", re.S)
 
 
