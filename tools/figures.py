@@ -97,8 +97,8 @@ def gpu_runs_table() -> str:
     for label, name, unfair in GPU_RUNS:
         summary, stages = result(name)["summary"], result(name)["stages"]
         lines.append(_cells([label, _equality(stages), unfair or _speedups(summary), "" if unfair else _mfu(summary),
-                             _decode(summary), _or_not_run(summary["preflight_estimate_over_peak"], "{:.3f}"),
-                             _or_not_run(summary["rows_lost"], "{}")]))
+                             _decode(summary), _or(summary["preflight_estimate_over_peak"], "{:.3f}", "not run"),
+                             _or(summary["rows_lost"], "{}", "not run")]))
     return "\n".join(lines)
 
 
@@ -109,19 +109,22 @@ def _equality(stages: dict) -> str:
     return f"{equality['exact_scenarios']} of {equality['scenarios']} scenarios exact"
 
 
+def _with_and_without_compile(summary: dict, without: str, template: str) -> str:
+    """The figure under `without` and under its `_compiled` twin, those the run measured, joined by "; "."""
+    compiled = without.removesuffix("_eager") + "_compiled"
+    return "; ".join(template.format(summary[key]) + label for key, label in
+                     ((without, ""), (compiled, " with `--compile`")) if summary.get(key) is not None)
+
+
 def _speedups(summary: dict) -> str:
-    parts = [f"{summary[key]:.2f}x{label}" for key, label in
-             (("speedup_vs_transformers_eager", ""), ("speedup_vs_transformers_compiled", " with `--compile`"))
-             if summary.get(key) is not None]
-    if not parts:
+    found = _with_and_without_compile(summary, "speedup_vs_transformers_eager", "{:.2f}x")
+    if not found:
         return f"not run (`--compile`: {summary['items_per_s_compiled']:.2f} items/s)"
-    return "; ".join(parts) + f" ({summary['transformers_items_per_s']:.3f} items/s for `generate`)"
+    return found + f" ({summary['transformers_items_per_s']:.3f} items/s for `generate`)"
 
 
 def _mfu(summary: dict) -> str:
-    parts = [f"{summary[key]:.2f}{label}" for key, label in
-             (("prefill_mfu", ""), ("prefill_mfu_compiled", " with `--compile`")) if summary.get(key) is not None]
-    return "; ".join(parts)
+    return _with_and_without_compile(summary, "prefill_mfu", "{:.2f}")
 
 
 def _decode(summary: dict) -> str:
@@ -132,8 +135,9 @@ def _decode(summary: dict) -> str:
     return "; ".join(parts) + f" ({_ms(summary['decode_floor_ms'])})"
 
 
-def _or_not_run(found: Any, template: str) -> str:
-    return "not run" if found is None else template.format(found)
+def _or(found: Any, template: str, missing: str) -> str:
+    """`found` formatted, or `missing` where the run did not measure it (None)."""
+    return missing if found is None else template.format(found)
 
 
 # The CPU runs against one item per `generate()` (bench_engine.py b1 for Tarsier v1, bench_tarsier2.py), newest
@@ -181,12 +185,8 @@ def cpu_speedups_table() -> str:
         lines.append(_cells([
             f"{label} ([json](results/{name}))", f"{ours:.3f} s", f"{theirs:.3f} s",
             f"{run['speedup']:.2f}x" + (f" (target {target:g}x)" if target else ""),
-            _or_blank(run.get("speedup_after_prefill"), "{:.2f}x"), _or_blank(run.get("startup_s"), "{:.2f} s")]))
+            _or(run.get("speedup_after_prefill"), "{:.2f}x", ""), _or(run.get("startup_s"), "{:.2f} s", "")]))
     return "\n".join(lines)
-
-
-def _or_blank(found: Any, template: str) -> str:
-    return "" if found is None else template.format(found)
 
 
 # Vision-token pruning at R = 0.5 against unpruned (bench_pruning.py speed): a label, the results file, the setting.
