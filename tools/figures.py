@@ -208,8 +208,32 @@ def pruning_table() -> str:
     return "\n".join(lines)
 
 
+# Every pruning setting measured for speed, in the order bench/README.md discusses them: a label, the results file,
+# the setting.
+PRUNING_SETTINGS = tuple((f"fastv R={ratio}, K={layer}", "pruning-speed-fastv-2026-11-23.json", f"R={ratio},K={layer}")
+                         for ratio, layer in (("0.25", 2), ("0.5", 2), ("0.75", 2), ("0.5", 8))) + tuple(
+    (f"temporal R={ratio}", "pruning-speed-temporal-2026-11-25.json", f"R={ratio},temporal")
+    for ratio in ("0.25", "0.5", "0.75"))
+PRUNING_HEADERS = ("FLOPs", "time", "KV", "rows", "items/s")
+
+
+def pruning_settings_table() -> str:
+    """Each setting's ratios to unpruned and the rows a KV for 16 unpruned holds, Tarsier v1's then Tarsier2's."""
+    headers = ["setting", *(f"{family} {name}" for family in ("v1", "Tarsier2") for name in PRUNING_HEADERS)]
+    lines = [_cells(headers), _cells(["---"] * len(headers))]
+    for label, name, setting in PRUNING_SETTINGS:
+        cells = [label]
+        for family in ("tarsier", "tarsier2"):
+            measured = result(name)["families"][family]["settings"][setting]
+            ratios = measured["vs_unpruned"]
+            cells += [f"{ratios['prefill_flops']:.3f}", f"{ratios['prefill_time']:.3f}", f"{ratios['kv_bytes']:.3f}",
+                      str(measured["rows_in_kv_of_16_unpruned"]), f"{ratios['items_per_s']:.2f}"]
+        lines.append(_cells(cells))
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Callable[[], str]] = {"gpu-runs": gpu_runs_table, "cpu-speedups": cpu_speedups_table,
-                                        "pruning": pruning_table}
+                                        "pruning": pruning_table, "pruning-settings": pruning_settings_table}
 
 
 def render_region(spec: str, indent: str = "") -> str:
