@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,17 +31,26 @@ def test_a_bench_records_the_checkouts_commit_and_what_it_ran_on() -> None:
     json.dumps(recorded)  # it goes into the bench's JSON as it is
 
 
+def recorded_commits(data: object) -> list[str]:
+    """Every commit a results file records, wherever its bench put it (at the top, or in an environment section)."""
+    if isinstance(data, list):
+        return [commit for item in data for commit in recorded_commits(item)]
+    if not isinstance(data, dict):
+        return []
+    found = [data["commit"]] if isinstance(data.get("commit"), str) else []
+    history = data.get("commit_recorded_from_git_history")
+    if isinstance(history, dict):
+        found += [history["committed_in"], history["parent_of_committed_in"]]
+    return found + [commit for value in data.values() for commit in recorded_commits(value)]
+
+
 def test_every_results_file_records_its_commit() -> None:
-    """A new file from measured_on(); an older one what git history says of it, under a name that says so."""
+    """A new file from its bench (measured_on()); an older one what git history says of it, under its own name."""
     files = sorted(RESULTS.glob("*.json"))
     assert files
     for path in files:
-        data = json.loads(path.read_text())
-        if "commit" in data:
-            assert len(data["commit"]) == 40, path.name
-        else:
-            history = data["commit_recorded_from_git_history"]
-            assert len(history["committed_in"]) == 40 and len(history["parent_of_committed_in"]) == 40, path.name
+        commits = recorded_commits(json.loads(path.read_text()))
+        assert commits and all(re.fullmatch(r"[0-9a-f]{40}", commit) for commit in commits), path.name
 
 
 def test_no_results_file_holds_a_figure_that_was_not_measured_here() -> None:
