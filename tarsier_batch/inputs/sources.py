@@ -69,7 +69,7 @@ class MediaItem:
     shard: str | None = None           # the member's shard (its path or URL)
     shard_version: str | None = None   # of the member's shard when it was listed (a changed shard fails its reads)
     # Where the member's bytes can be opened: an unnamed in-memory file of the decoding pool's process, which its
-    # shard reader filled ahead (`decoding.member_lane`); a worker opens it by this path, nothing is pickled.
+    # shard reader filled ahead (`workers.member_lane`); a worker opens it by this path, nothing is pickled.
     local_copy: str | None = field(default=None, repr=False, compare=False)
     # A segment: the stretch of the video its row captions, and its number among the file's segments.
     span: Span | None = None

@@ -113,4 +113,4 @@ def decoding_preload() -> list[str]:
                 if family.processor_loader.startswith(package + ".")]
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
-    return ["decord", "av", f"{package}.decoding.workers", *families, *storage, *ours]
+    return ["decord", "av", f"{package}.workers.pool", *families, *storage, *ours]

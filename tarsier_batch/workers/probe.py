@@ -29,8 +29,8 @@ from ..inputs.segments import Segmenting, VideoFacts
 from ..inputs.sources import MediaItem, readable_copy
 from ..media import Timeline, video_timeline
 from .fork_server import start_decoding_server
+from .pool import quiet_worker
 from .scenes import cut_times
-from .workers import quiet_worker
 
 DETECTION_S_PER_VIDEO_S = 2.0   # scene detection's time limit, on top of the decoding timeout
 T = TypeVar("T")
