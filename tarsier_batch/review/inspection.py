@@ -204,7 +204,7 @@ def _probe_video(path: str) -> dict[str, Any]:
 
 def _probe_image(path: str) -> dict[str, Any]:
     with open_image(path, None) as image:   # facts only: no pixel is decoded, no size limit applies
-        # A colour key or transparent palette entry is composited over white like an alpha band (media._to_rgb)
+        # A colour key or transparent palette entry is composited over white like an alpha band (media.images._to_rgb)
         transparency = " with transparency" if "transparency" in image.info else ""
         return {"container": image.format, "image_mode": image.mode + transparency,
                 "stored_size": f"{image.width}x{image.height}"}
