@@ -21,7 +21,8 @@ from .. import storage
 from ..errors import one_line, printable
 from ..families.catalog import TARSIER, FamilyInfo, family_of_config, model_families
 from ..inputs import tars
-from ..inputs.sources import item_of_path, readable_copy
+from ..inputs.copies import readable_copy
+from ..inputs.sources import item_of_path
 from ..media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
 from ..workers.fork_server import quiet_fork_server
 

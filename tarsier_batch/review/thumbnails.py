@@ -19,7 +19,8 @@ from typing import Any
 from PIL import Image
 
 from ..errors import one_line
-from ..inputs.sources import MediaItem, item_of_path, readable_copy
+from ..inputs.copies import readable_copy
+from ..inputs.sources import MediaItem, item_of_path
 from ..inputs.tars import split_member_path
 from ..media import MediaType, load_media
 from ..storage import environment, is_url, redact_text

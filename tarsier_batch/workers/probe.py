@@ -25,8 +25,9 @@ from typing import TypeVar
 from pebble import ProcessPool
 
 from .. import storage
+from ..inputs.copies import readable_copy
 from ..inputs.segments import Segmenting, VideoFacts
-from ..inputs.sources import MediaItem, readable_copy
+from ..inputs.sources import MediaItem
 from ..media import Timeline, video_timeline
 from .fork_server import start_decoding_server
 from .pool import quiet_worker
