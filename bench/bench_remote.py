@@ -64,7 +64,7 @@ def write_tar(path: Path, files: list[Path]) -> None:
 
 
 def decode_rate(job, items: list) -> float:
-    from tarsier_batch.decoding.workers import DecodePool, default_workers
+    from tarsier_batch.workers.pool import DecodePool, default_workers
 
     with DecodePool(job, default_workers()) as pool:
         pool.submit(0, items[0]).result()   # workers started and warm: what is timed is the stream of items
@@ -96,8 +96,8 @@ def noisy_clip(path: Path, megabytes: int) -> None:
 
 
 def memory_while_streaming(job, url: str) -> dict[str, float]:
-    from tarsier_batch.decoding.workers import DecodePool
     from tarsier_batch.inputs.sources import discover
+    from tarsier_batch.workers.pool import DecodePool
 
     items = discover([url]).items
     samples: list[float] = []
@@ -143,10 +143,10 @@ def main() -> None:
         import azure_server
         import gcs_server
         from http_server import web_server
-        from tarsier_batch.decoding.workers import DecodeJob
         from tarsier_batch.families.loading import load_processor
         from tarsier_batch.families.tiny import make_tiny_model
         from tarsier_batch.inputs.sources import discover
+        from tarsier_batch.workers.pool import DecodeJob
 
         model = make_tiny_model(work / "model", "tiny", seed=0, family="tarsier2")
         job = DecodeJob(load_processor(model), 16, None)

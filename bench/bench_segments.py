@@ -43,10 +43,10 @@ sys.path.insert(0, str(REPO))
 
 from measured_on import measured_on  # noqa: E402
 
-from tarsier_batch.decoding.scenes import cut_times  # noqa: E402
 from tarsier_batch.families.loading import load_processor  # noqa: E402
 from tarsier_batch.media import MediaType, Span, frame_starts  # noqa: E402
 from tarsier_batch.model.checkpoints import resolve_model  # noqa: E402
+from tarsier_batch.workers.scenes import cut_times  # noqa: E402
 
 
 def write_video(path: Path, seconds: float, height: int, fps: int) -> Path:

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from .decoding.fork_server import start_decoding_server
-from .decoding.workers import Decoded, DecodeJob, DecodePool, default_workers
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .engine.model_runner import fused_attention_available
 from .errors import INTERNAL
@@ -43,6 +41,8 @@ from .outputs.results import Answer, CaptionResult
 from .progress import plural
 from .settings import CaptionSettings, Resolved, SettingsError
 from .version import __version__
+from .workers.fork_server import start_decoding_server
+from .workers.pool import Decoded, DecodeJob, DecodePool, default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30

@@ -25,7 +25,6 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from .decoding.fork_server import check_main_is_guarded, start_decoding_server
 from .errors import one_line
 from .inputs.manifest import Manifest
 from .inputs.prompt_sets import PromptSetError, check_prompt_set
@@ -45,6 +44,7 @@ from .outputs.writer import RowWriter
 from .progress import LogReporter, Reporter, RunStats, plural, summary_line, summary_rows
 from .settings import CaptionSettings, Resolved, RunSettings, SettingsError, resume_settings, shown
 from .storage import redact, redact_text
+from .workers.fork_server import check_main_is_guarded, start_decoding_server
 
 if TYPE_CHECKING:
     from .api import Captioner
@@ -377,8 +377,8 @@ class CaptionRun:
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
-        from .decoding.probe import video_facts  # here: the decoding modules import torch
-        from .decoding.workers import default_workers
+        from .workers.pool import default_workers
+        from .workers.probe import video_facts  # here: the decoding modules import torch
 
         videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
         caption = self.settings.caption

@@ -13,7 +13,8 @@ import pytest
 import s3fs
 
 from flaky_proxy import Fault, flaky_proxy
-from tarsier_batch.inputs.sources import discover, readable_copy
+from tarsier_batch.inputs.copies import readable_copy
+from tarsier_batch.inputs.sources import discover
 from tarsier_batch.inputs.tars import ShardReader, TarMember
 from tarsier_batch.media import MediaType, load_media
 

@@ -104,7 +104,7 @@ def test_results_come_in_input_order_though_rows_finish_out_of_order(settings: C
     import threading
 
     from conftest import SAMPLE_DATA
-    from tarsier_batch.decoding import workers
+    from tarsier_batch.workers import pool as workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)
     # Every item is decoded before the first can join the batch, so which rows finish first
@@ -163,7 +163,7 @@ def test_the_caller_hears_ticks_while_the_model_waits_for_a_decode(settings: Cap
     import threading
 
     from conftest import SAMPLE_DATA
-    from tarsier_batch.decoding import workers
+    from tarsier_batch.workers import pool as workers
 
     items = mixed_items(shared_media, SAMPLE_DATA)[:2]
     captioner = Captioner(replace(settings, batch_size=1, workers=1, isolate_decoding=False))

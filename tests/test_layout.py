@@ -23,9 +23,9 @@ LAYERS: list[set[str]] = [
     {"families"},                                         # what a model family is (processor, modules, registry)
     {"settings"},                                         # every setting of a run, checked once
     {"model"},                                            # what to load and whether it fits
-    {"engine", "decoding", "outputs"},                    # batched generation; bytes -> model inputs; rows saved
+    {"engine", "workers", "outputs"},                     # batched generation; media decoded in workers; rows saved
     {"progress"},                                         # a run's statistics and displays
-    {"api"},                                              # Captioner: the model loaded once, fed by decoding
+    {"api"},                                              # Captioner: the model loaded once, fed by the workers
     {"run"},                                              # CaptionRun: one run over an output
     {"runners", "review", "config"},                      # Ray; reports and inspection; the CLI's config file
     {""},                                                 # the public names (the package's __init__)

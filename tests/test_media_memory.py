@@ -21,7 +21,8 @@ from PIL import Image, ImageSequence
 
 from tarsier_batch.families.tarsier.processing import TarsierProcessor
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.media import MediaType, _decoder_runs, frame_indices, load_media
+from tarsier_batch.media import MediaType, frame_indices, load_media
+from tarsier_batch.media.decord_video import _decoder_runs
 
 Facts = tuple[list[int], int, int, float | None]  # frame indices, width, height, duration
 

@@ -161,9 +161,9 @@ def test_stopping_early_cancels_queued_decodes(tiny_model_dir: Path, shared_medi
     """Synchronised by events only: no step of the model or the decoders is timed."""
     import threading
 
-    from tarsier_batch.decoding import workers
     from tarsier_batch.inputs.sources import MediaItem
     from tarsier_batch.media import MediaType
+    from tarsier_batch.workers import pool as workers
 
     settings = CaptionSettings(model=str(tiny_model_dir), batch_size=1, workers=1, isolate_decoding=False,
                                sampling=SamplingParams(max_new_tokens=1), dtype="float32", device="cpu")

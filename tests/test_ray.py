@@ -166,8 +166,8 @@ def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.Monkey
 
 
 def _decoded_sample_data(captioner) -> tuple[list, list]:
-    from tarsier_batch.decoding.workers import DecodeJob, decode_item
     from tarsier_batch.inputs.sources import discover
+    from tarsier_batch.workers.pool import DecodeJob, decode_item
 
     items = discover([str(SAMPLE_DATA)]).items
     job = DecodeJob(captioner.model.processor, captioner.frames, None)

@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 from azure_server import ACCOUNT_KEY
 from tarsier_batch.cli import app
-from tarsier_batch.inputs.sources import discover, readable_copy
+from tarsier_batch.inputs.copies import readable_copy
+from tarsier_batch.inputs.sources import discover
 from tarsier_batch.inputs.tars import ShardError
 from tarsier_batch.review.thumbnails import StripJob, make_strip
 

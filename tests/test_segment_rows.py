@@ -324,10 +324,10 @@ def test_a_fresh_segmented_run_loads_its_model_while_the_videos_are_probed(long_
 def test_scene_cuts_are_kept_by_file_key_and_detector_settings(long_video: Path, own_cache: Path) -> None:
     from dataclasses import replace
 
-    from tarsier_batch.decoding.probe import video_facts
     from tarsier_batch.inputs.segments import Segmenting, VideoFacts
     from tarsier_batch.inputs.sources import MediaItem
     from tarsier_batch.media import MediaType
+    from tarsier_batch.workers.probe import video_facts
 
     item = MediaItem(str(long_video), MediaType.VIDEO, key="long.mp4:v1")
     scenes = Segmenting.parse("scenes")
@@ -407,8 +407,8 @@ def test_a_cut_is_a_frame_start_to_the_microsecond(shared_media: Path) -> None:
     """decord's frame times are float32: the frame at 2.52 s reads 2.5199999809265137, which a row's start_s would
     show. The cut keeps the frame's start rounded to the microsecond, within which frames_in_span counts a frame
     at a span's start as in it."""
-    from tarsier_batch.decoding.scenes import cut_times
     from tarsier_batch.media import Span, frame_starts, frames_in_span
+    from tarsier_batch.workers.scenes import cut_times
 
     path = str(shared_media / "portrait_25fps.mp4")
     [cut] = cut_times(path, 27.0, 0.5)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tarsier_batch.decoding.workers import DecodeJob, DecodePool
 from tarsier_batch.families.loading import load_processor
 from tarsier_batch.inputs.sharding import Shard
 from tarsier_batch.inputs.sources import discover
+from tarsier_batch.workers.pool import DecodeJob, DecodePool
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 MEDIA = ["ball_h264.mp4", "still.png", "ball.gif", "ball_short.mkv"]
@@ -111,7 +111,7 @@ def test_members_reach_workers_as_unnamed_files_closed_once_decoded(tmp_path: Pa
     worker opens): the bytes are never an object of the parent to pickle. Releasing the item closes the file."""
     import threading
 
-    from tarsier_batch.decoding.member_lane import MemberLane
+    from tarsier_batch.workers.member_lane import MemberLane
 
     shard = write_tar(tmp_path / "a.tar", MEDIA)
     items = discover([str(shard)]).items

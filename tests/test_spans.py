@@ -15,13 +15,13 @@ from tarsier_batch.errors import UNDECODABLE, ItemError
 from tarsier_batch.media import (
     MediaType,
     Span,
-    _load_video_decord,
-    _load_video_pyav,
     frame_indices,
     frame_indices_without_repeats,
     load_media,
     video_timeline,
 )
+from tarsier_batch.media.decord_video import load_video_decord
+from tarsier_batch.media.pyav_video import load_video_pyav
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def decoded(path: Path, decoder: str, span: Span | None, frames: int = 8, sampler=frame_indices):
-    load = _load_video_decord if decoder == "decord" else _load_video_pyav
+    load = load_video_decord if decoder == "decord" else load_video_pyav
     media = load(str(path), os.path.abspath(path), frames, None, sampler, span)
     assert media.decoder == decoder
     return media
@@ -70,7 +70,7 @@ def test_a_span_after_the_end_is_an_error_of_its_own(video: Path, decoder: str) 
         if decoder == "decord":
             load_media(str(video), MediaType.VIDEO, 8, span=Span(70, 80))
         else:   # PyAV's failure is the decoder's own (load_media would then say both)
-            _load_video_pyav(str(video), os.path.abspath(video), 8, None, frame_indices, Span(70, 80))
+            load_video_pyav(str(video), os.path.abspath(video), 8, None, frame_indices, Span(70, 80))
     assert error.value.kind == UNDECODABLE
 
 
@@ -91,13 +91,13 @@ def test_a_span_must_run_forwards_from_zero() -> None:
 def test_windows_decoded_one_after_another_from_one_open_video_equal_each_decoded_fresh(video: Path) -> None:
     """A thread keeps the video it decodes spans of open (opening reads the whole index): what it gives for a
     window does not depend on which window it decoded before."""
-    from tarsier_batch import media
+    from tarsier_batch.media import span_cache
 
     windows = [Span(start, start + 10) for start in (0, 10, 30, 20, 50)]
     in_order = [load_media(str(video), MediaType.VIDEO, 8, span=window).frames for window in windows]
-    assert media._spans_video.kept[0][0] == os.path.abspath(video)   # kept open between them
+    assert span_cache.spans_video.kept[0][0] == os.path.abspath(video)   # kept open between them
     for window, frames in zip(windows, in_order):
-        media._spans_video.kept = media._spans_packets.kept = media._spans_reading.kept = None
+        span_cache.spans_video.kept = span_cache.spans_packets.kept = span_cache.spans_reading.kept = None
         fresh = load_media(str(video), MediaType.VIDEO, 8, span=window).frames
         assert all(np.array_equal(np.asarray(one), np.asarray(other)) for one, other in zip(frames, fresh))
 
@@ -140,17 +140,17 @@ def test_a_video_whose_pixels_pyav_converts_otherwise_keeps_decord_for_its_spans
 def test_pyav_decodes_a_late_window_from_the_keyframe_before_it(video: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A long video's windows each cost about their own length: a window near the end is not decoded from the
     # file's start (which made a file's windows together cost its length squared).
-    from tarsier_batch import media
+    from tarsier_batch.media import pyav_video
 
     counted = []
-    real = media._decoded_frames
+    real = pyav_video.decoded_frames
 
     def counting(container, stream):
         for frame in real(container, stream):
             counted.append(frame.pts)
             yield frame
 
-    monkeypatch.setattr(media, "_decoded_frames", counting)
+    monkeypatch.setattr(pyav_video, "decoded_frames", counting)
     late = decoded(video, "pyav", Span(60, 64))
     assert [frame_number(frame) for frame in late.frames] == late.frame_indices == \
         [600 + index for index in frame_indices(40, 8)]

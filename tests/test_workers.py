@@ -22,19 +22,19 @@ import pytest
 import torch
 
 from conftest import SAMPLE_DATA
-from tarsier_batch.decoding import workers
-from tarsier_batch.decoding.faults import WORKER_FAULTS as FAULT_VARIABLE
-from tarsier_batch.decoding.workers import (
+from tarsier_batch.families.loading import load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.inputs.sources import MediaItem
+from tarsier_batch.media import MediaType, Span
+from tarsier_batch.workers import pool as workers
+from tarsier_batch.workers.faults import WORKER_FAULTS as FAULT_VARIABLE
+from tarsier_batch.workers.pool import (
     Decoded,
     DecodeJob,
     DecodePool,
     decode_item,
     default_workers,
 )
-from tarsier_batch.families.loading import load_caption_model
-from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.inputs.sources import MediaItem
-from tarsier_batch.media import MediaType, Span
 
 GiB = 2**30
 T = TypeVar("T")

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..decoding.fork_server import quiet_fork_server
 from ..errors import one_line, printable
 from ..families.catalog import TARSIER, FamilyInfo, family_of_config, model_families
 from ..inputs import tars
-from ..inputs.sources import item_of_path, readable_copy
+from ..inputs.copies import readable_copy
+from ..inputs.sources import item_of_path
 from ..media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
+from ..workers.fork_server import quiet_fork_server
 
 DECODE_TIMEOUT_S = 120.0
 
@@ -204,7 +205,7 @@ def _probe_video(path: str) -> dict[str, Any]:
 
 def _probe_image(path: str) -> dict[str, Any]:
     with open_image(path, None) as image:   # facts only: no pixel is decoded, no size limit applies
-        # A colour key or transparent palette entry is composited over white like an alpha band (media._to_rgb)
+        # A colour key or transparent palette entry is composited over white like an alpha band (media.images._to_rgb)
         transparency = " with transparency" if "transparency" in image.info else ""
         return {"container": image.format, "image_mode": image.mode + transparency,
                 "stored_size": f"{image.width}x{image.height}"}

@@ -18,12 +18,13 @@ from typing import Any
 
 from PIL import Image
 
-from ..decoding.fork_server import quiet_fork_server
 from ..errors import one_line
-from ..inputs.sources import MediaItem, item_of_path, readable_copy
+from ..inputs.copies import readable_copy
+from ..inputs.sources import MediaItem, item_of_path
 from ..inputs.tars import split_member_path
 from ..media import MediaType, load_media
 from ..storage import environment, is_url, redact_text
+from ..workers.fork_server import quiet_fork_server
 
 JPEG_QUALITY = 70
 CHUNK = 8   # items per task: few round trips, little lost to a crashed worker

@@ -33,8 +33,6 @@ import numpy as np
 
 from .. import storage
 from ..api import Captioner, decode_pool
-from ..decoding.faults import maybe_kill_ray_actor
-from ..decoding.workers import Decoded, DecodePool
 from ..families.generation_config import read_repetition_penalty
 from ..families.loading import load_processor
 from ..inputs.sources import MediaItem
@@ -44,6 +42,8 @@ from ..progress import plural
 from ..run import RunReporter
 from ..settings import CaptionSettings, RaySettings, Resolved
 from ..version import __version__
+from ..workers.faults import maybe_kill_ray_actor
+from ..workers.pool import Decoded, DecodePool
 
 CALLS_PER_ACTOR = 2
 

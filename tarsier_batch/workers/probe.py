@@ -25,12 +25,13 @@ from typing import TypeVar
 from pebble import ProcessPool
 
 from .. import storage
+from ..inputs.copies import readable_copy
 from ..inputs.segments import Segmenting, VideoFacts
-from ..inputs.sources import MediaItem, readable_copy
+from ..inputs.sources import MediaItem
 from ..media import Timeline, video_timeline
 from .fork_server import start_decoding_server
+from .pool import quiet_worker
 from .scenes import cut_times
-from .workers import quiet_worker
 
 DETECTION_S_PER_VIDEO_S = 2.0   # scene detection's time limit, on top of the decoding timeout
 T = TypeVar("T")

@@ -52,8 +52,9 @@ from .. import storage
 from ..errors import CRASHED, INTERNAL, NOT_FOUND, OUT_OF_MEMORY, TIMEOUT, UNREADABLE, ItemError, plain_message
 from ..families.base import ProcessedPrompt, Processor
 from ..families.temporal import drop_static_vision
+from ..inputs.copies import readable_copy
 from ..inputs.prompt_sets import Question
-from ..inputs.sources import MediaItem, readable_copy
+from ..inputs.sources import MediaItem
 from ..media import MAX_IMAGE_PIXELS, Media
 from .faults import misbehave, worker_faults
 from .fork_server import start_decoding_server

@@ -97,7 +97,7 @@ def start_decoding_server() -> None:
 def decoding_preload() -> list[str]:
     """What the decoding fork server imports once, so that a new worker only has to fork.
 
-    The decoders (imported lazily by media.py: about 70 ms per worker otherwise), the decoding
+    The decoders (imported lazily by the media package: about 70 ms per worker otherwise), the decoding
     workers' module, the built-in families' processors, the storage backends (the fsspec
     modules this process has loaded), and every module of this package the parent has
     imported: a worker also imports the parent's main script again (the `tarsier` console script
@@ -113,4 +113,4 @@ def decoding_preload() -> list[str]:
                 if family.processor_loader.startswith(package + ".")]
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
-    return ["decord", "av", f"{package}.decoding.workers", *families, *storage, *ours]
+    return ["decord", "av", f"{package}.workers.pool", *families, *storage, *ours]

@@ -23,7 +23,8 @@ from typing import Any
 from .. import storage
 from ..errors import plain_message
 from ..inputs import tars
-from ..inputs.sources import MediaItem, member_copy
+from ..inputs.copies import member_copy
+from ..inputs.sources import MediaItem
 
 READ_AHEAD_BYTES = 256 * 2**20   # member bytes read but not yet decoded (one bigger member still passes alone)
 _JOIN_TIMEOUT_S = 30
