@@ -26,6 +26,7 @@ from tarsier_batch.settings import (
     SettingsError,
     declared,
     from_values,
+    provenance,
     resume_settings,
 )
 
@@ -135,3 +136,13 @@ def test_the_fingerprint_holds_exactly_the_declared_fields() -> None:
     """A setting that decides a caption is recorded by declaring it so, nowhere else."""
     recorded = {found.setting.recorded_as or found.name for found in declared(RunSettings) if found.setting.fingerprint}
     assert set(resume_settings(RunSettings(), Resolved(None, 8, None))) == recorded | {"model_revision"}
+
+
+def test_the_provenance_records_the_declared_fields_as_loading_settled_them() -> None:
+    settings = CaptionSettings(prune_vision=0.5, compile_step=True, decode_timeout_s=9.0, kv_cache_gb=2.0)
+    recorded = provenance(settings, {"frames": 8, "workers": 3, "kv_cache_gb": 4096})
+    assert recorded["frames"] == 8 and recorded["decode_workers"] == 3 and recorded["kv_cache_tokens"] == 4096
+    assert recorded["prune"] == {"vision": 0.5, "method": "temporal"} and recorded["compile"] is True
+    assert recorded["decode_timeout_s"] == 9.0 and recorded["model"] == settings.model
+    assert list(recorded) == [found.setting.provenance for found in declared(CaptionSettings)
+                              if found.setting.provenance is not None]

@@ -9,12 +9,23 @@ keys, the words of errors and the resume fingerprint are generated from those de
 
 from .caption import DEVICE_NAMES, DTYPES, PRUNE_METHODS, CaptionSettings, SamplingParams
 from .command import OUT_FORMATS, SHARD_ROWS, CommandOptions, check_output_choice
-from .declaring import GROUPS, Declared, Setting, SettingsError, declared, from_values, setting, shown, words
+from .declaring import (
+    GROUPS,
+    Declared,
+    Setting,
+    SettingsError,
+    declared,
+    from_values,
+    provenance,
+    setting,
+    shown,
+    words,
+)
 from .run import FLUSH_ROWS, FLUSH_SECONDS, KEY_MODES, RaySettings, Resolved, RunSettings, resume_settings
 
 __all__ = [
     "DEVICE_NAMES", "DTYPES", "FLUSH_ROWS", "FLUSH_SECONDS", "GROUPS", "KEY_MODES", "OUT_FORMATS", "PRUNE_METHODS",
     "SHARD_ROWS", "CaptionSettings", "CommandOptions", "Declared", "RaySettings", "Resolved", "RunSettings",
-    "SamplingParams", "Setting", "SettingsError", "check_output_choice", "declared", "from_values", "resume_settings",
-    "setting", "shown", "words",
+    "SamplingParams", "Setting", "SettingsError", "check_output_choice", "declared", "from_values", "provenance",
+    "resume_settings", "setting", "shown", "words",
 ]

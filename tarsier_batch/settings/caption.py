@@ -73,42 +73,44 @@ class CaptionSettings:
     """Everything that decides what a loaded model produces and how it runs."""
 
     model: str = setting(
-        DEFAULT_MODEL, group="model", metavar="NAME|DIR", env="TARSIER_MODEL", fingerprint=True,
+        DEFAULT_MODEL, group="model", provenance="model", metavar="NAME|DIR", env="TARSIER_MODEL", fingerprint=True,
         help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of "
              "moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see "
              "'tarsier models'.")
     prompt: str | None = setting(
-        None, group="prompt", metavar="TEXT", show_default=False, fingerprint=True,
+        None, group="prompt", provenance="prompt", metavar="TEXT", show_default=False, fingerprint=True,
         help="Instruction replacing the model's default ('Describe the video in detail.').")
     # Several named questions per item, each answer in its own columns. The command makes it from two flags.
-    # Recorded by names and token limits, not texts: a later run may add questions or change their texts
-    # (outputs.resume asks only those), not drop one or change its limit.
+    # In the fingerprint by names and token limits, not texts: a later run may add questions or change their texts
+    # (outputs.resume asks only those), not drop one or change its limit. The provenance keeps them whole.
     prompt_set: tuple[Question, ...] = setting(
-        (), group="prompt", flags=None, worded="--ask/--prompts", fingerprint=True,
+        (), group="prompt", provenance="prompt_set", flags=None, worded="--ask/--prompts", fingerprint=True,
         record=lambda settings: {question.name: question.max_new_tokens for question in settings.prompt_set} or None)
     frames: int | None = setting(
-        None, group="rows", metavar="N", at_least=1, show_default=False, fingerprint=True,
+        None, group="rows", provenance="frames", metavar="N", at_least=1, show_default=False, fingerprint=True,
         help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].")
     sampling: SamplingParams = field(default_factory=SamplingParams)
     batch_size: int | None = setting(   # rows running at once
-        None, group="engine", metavar="N", at_least=1, env="TARSIER_BATCH_SIZE", show_default=False,
+        None, group="engine", provenance="batch_size", metavar="N", at_least=1, env="TARSIER_BATCH_SIZE",
+        show_default=False,
         help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, "
              "32 on CUDA].")
     max_batch_tokens: int = setting(
-        4096, group="engine", metavar="N", at_least=1,
+        4096, group="engine", provenance="max_batch_tokens", metavar="N", at_least=1,
         help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")
     prefill_chunk: int = setting(
-        2048, group="engine", metavar="N", at_least=0,
+        2048, group="engine", provenance="prefill_chunk", metavar="N", at_least=0,
         help="Prefill long prompts in chunks of at most this many positions (0: whole).")
     kv_cache_gb: float | None = setting(
-        None, group="engine", metavar="GIB", at_least=0.001, env="TARSIER_KV_CACHE_GB", show_default=False,
+        None, group="engine", provenance="kv_cache_tokens", metavar="GIB", at_least=0.001, env="TARSIER_KV_CACHE_GB",
+        show_default=False,
         help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].")
     offload_kv: bool = setting(
-        False, group="engine",
+        False, group="engine", provenance="offload_kv",
         help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect "
              "on CPU).")
     prefix_cache: bool = setting(
-        True, group="engine", flags=("--prefix-cache/--no-prefix-cache",),
+        True, group="engine", provenance="prefix_cache", flags=("--prefix-cache/--no-prefix-cache",),
         help="Keep the computed KV of prompts' full pages, and let an item whose prompt starts the same way (the same "
              "clip and prompt under a second path, an item preempted and coming back) take them instead of computing "
              "them. Same captions either way.")
@@ -117,21 +119,21 @@ class CaptionSettings:
         help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, "
              "activations) and stop at once with the numbers and a fix if they do not fit.")
     compile_step: bool = setting(
-        False, group="engine", flags=("--compile",),
+        False, group="engine", provenance="compile", flags=("--compile",),
         help="Run the model's layers, vision blocks and decode attention through torch.compile: fused kernels, after a "
              "start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in "
              "float32.")
     cuda_graphs: bool = setting(
-        True, group="engine", flags=("--cuda-graphs/--no-cuda-graphs",),
+        True, group="engine", provenance="cuda_graphs", flags=("--cuda-graphs/--no-cuda-graphs",),
         help="On CUDA, record each decode step as a CUDA graph (once per power-of-two size) and replay it: one "
              "launch instead of ~1,900 kernel launches a step. Same captions in float32.")
     fused_attention: bool = setting(
-        True, group="engine", flags=("--fused-attention/--no-fused-attention",),
+        True, group="engine", provenance="fused_attention", flags=("--fused-attention/--no-fused-attention",),
         help="On CUDA, decoding rows attend in one fused Triton kernel that reads each row's KV pages where they "
              "lie (otherwise a split attention of torch ops). Same captions in float32.")
     # Vision-token pruning decides a caption; its three fields are recorded as one value (`pruning`).
     prune_vision: float = setting(
-        0.0, group="engine", metavar="R", fingerprint=True, recorded_as="prune",
+        0.0, group="engine", provenance="prune", metavar="R", fingerprint=True, recorded_as="prune",
         record=lambda settings: settings.pruning,
         help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV "
              "cache, but not the official output (0: off).")
@@ -148,18 +150,20 @@ class CaptionSettings:
              "least, after --prune-layer [default: temporal, which keeps captions closer to unpruned; fastv with "
              "--prune-layer].")
     dtype: str = setting(
-        "auto", group="media", choices=DTYPES, env="TARSIER_DTYPE",
+        "auto", group="media", provenance="dtype", choices=DTYPES, env="TARSIER_DTYPE",
         help="Weights and compute dtype [auto: float32 on CPU, bfloat16 on CUDA].")
-    device: str = setting("auto", group="media", metavar="DEVICE", env="TARSIER_DEVICE",
+    device: str = setting("auto", group="media", provenance="device", metavar="DEVICE", env="TARSIER_DEVICE",
                           help="auto, cpu, cuda or cuda:N.")
     workers: int | None = setting(   # processes decoding and preprocessing media; None: default_workers()
-        None, group="media", metavar="N", at_least=1, env="TARSIER_WORKERS", show_default=False,
+        None, group="media", provenance="decode_workers", metavar="N", at_least=1, env="TARSIER_WORKERS",
+        show_default=False,
         help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].")
     decode_timeout_s: float | None = setting(
-        120.0, group="media", flags=("--decode-timeout",), key="decode_timeout", metavar="SECONDS", at_least=0.1,
+        120.0, group="media", provenance="decode_timeout_s", flags=("--decode-timeout",), key="decode_timeout",
+        metavar="SECONDS", at_least=0.1,
         help="Seconds one item may take to decode before its worker is killed and the item fails.")
     decode_memory_gb: float | None = setting(
-        8.0, group="media", metavar="GIB", at_least=0.5,
+        8.0, group="media", provenance="decode_memory_gb", metavar="GIB", at_least=0.5,
         help="Memory one decoding worker may use (GiB); an item above it fails.")
     max_image_pixels: int | None = setting(   # None: no limit
         MAX_IMAGE_PIXELS, group="media", metavar="N", at_least=1,

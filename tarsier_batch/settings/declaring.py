@@ -83,6 +83,9 @@ class Setting:
     fingerprint: bool = False
     recorded_as: str | None = None
     record: Callable[[Any], Any] | None = None
+    # The key the provenance records it under (None: not recorded), as loading settled it, else as given (or as
+    # `record` gives it).
+    provenance: str | None = None
 
     def __post_init__(self) -> None:
         assert self.group in GROUPS, self.group
@@ -193,4 +196,20 @@ def fingerprint(settings: Any) -> dict[str, Any]:
             record = declaration.record
             recorded[declaration.recorded_as or field.name] = \
                 record(settings) if record is not None else getattr(settings, field.name)
+    return recorded
+
+
+def provenance(settings: Any, settled: Mapping[str, Any]) -> dict[str, Any]:
+    """The declared fields of `settings` (and of the settings it holds) that the provenance records, under their
+    provenance keys: as loading settled them (`settled`, by field name), else as given, in field order."""
+    inner = dict(nested(type(settings)))
+    recorded: dict[str, Any] = {}
+    for field in dataclasses.fields(settings):
+        declaration = field.metadata.get("setting")
+        if field.name in inner:
+            recorded.update(provenance(getattr(settings, field.name), settled))
+        elif declaration is not None and declaration.provenance is not None:
+            record = declaration.record
+            recorded[declaration.provenance] = settled[field.name] if field.name in settled \
+                else record(settings) if record is not None else getattr(settings, field.name)
     return recorded
