@@ -59,7 +59,7 @@ def _typer_info(found: Declared, extra: dict[str, Any]) -> Any:
         keywords.update(envvar=declaration.env, show_envvar=True)
     if declaration.choices:
         keywords["case_sensitive"] = False
-    return typer.Option(*found.flags, help=declaration.help, min=declaration.at_least, max=declaration.at_most,
+    return typer.Option(*found.flags, help=declaration.help, min=declaration.at_least,
                         **keywords)
 
 

@@ -109,8 +109,8 @@ class OutputTarget:
             raise OutputError(f"--out {self.shown}: unknown format {self.path.suffix or '(no suffix)'!r}; "
                               f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
 
-    def check_run(self, settings: RunSettings, paths: list[str]) -> None:
-        """Refuse, before any work, settings this output cannot honour and inputs whose rows it cannot place."""
+    def check_settings(self, settings: RunSettings) -> None:
+        """Refuse, before any work, settings this output cannot honour."""
         shard = settings.shard
         if shard is not None and (self.shard_rows or self.format not in ("parquet", "webdataset")):
             raise SettingsError(f"{{shard}} writes one Parquet file (or WebDataset folder) per shard for 'tarsier "
@@ -119,7 +119,6 @@ class OutputTarget:
         if self.webdataset and (settings.long or settings.segments.mode != "whole"):
             raise SettingsError("{out_format} webdataset writes one sample per member: not with "
                                 + ("{long}" if settings.long else "{segments}"))
-        self.kind.check_rows(paths)
 
     def exists(self) -> bool:
         return bool(self.shards()) if self.is_folder else self.path.exists()

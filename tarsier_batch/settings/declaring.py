@@ -70,8 +70,7 @@ class Setting:
     key: str | None = None
     worded: str | None = None            # how messages name it, when not by its flags
     choices: tuple[str, ...] = ()
-    at_least: float | None = None        # bounds checked as the flag is parsed (the settings check their own rules)
-    at_most: float | None = None
+    at_least: float | None = None        # a bound checked as the flag is parsed (the settings check their own rules)
     show_default: bool = True            # False: the help text says what the default does
     flag_default: Any = FIELD_DEFAULT   # the flag's default, where it is not the field's
     parse: Callable[[str], Any] | None = None   # the flag's text -> the field's value
