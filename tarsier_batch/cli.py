@@ -159,12 +159,14 @@ def caption(**given: Any) -> None:
     line (-0: NUL-separated).
     """
     options = _settings(from_values, CommandOptions, given)
+    output = _output_of(options)
     settings = _settings(from_values, RunSettings,
                          {**given, "prompt_set": _prompt_set(options.prompts, options.ask or [])})
     if (problem := model_reference_problem(settings.caption.model)) is not None:   # before torch is imported
         _fail(problem)
     ray_settings = _ray_settings(given, settings)
-    output = _output_of(options, settings)
+    if not options.streams:   # checked again by the run, for its other callers
+        _settings((output.target if isinstance(output, RemoteOutput) else output).check_settings, settings)
     found = _find_items(options, settings.key)
     console = Console(stderr=True, soft_wrap=True)
     log_handle = _open_log(options.log_file)
@@ -217,9 +219,9 @@ def _open_log(path: Path | None) -> TextIO | None:
         _fail(f"--log-file {path}: {error.strerror or error}")
 
 
-def _output_of(options: CommandOptions, settings: RunSettings) -> OutputTarget | RemoteOutput:
-    """The output the options name, checked (with the settings it must honour, and the manifest's path) before
-    anything is read, loaded or imported; the run checks the settings again for its other callers."""
+def _output_of(options: CommandOptions) -> OutputTarget | RemoteOutput:
+    """The output the options name, checked before anything is read, loaded or imported (with the manifest's
+    path)."""
     webdataset = options.out_format == "webdataset"
     output = _output(options.out_dir, None if webdataset else options.shard_rows or SHARD_ROWS, webdataset) \
         if options.out_dir is not None else _output(options.out or "-")
@@ -227,13 +229,9 @@ def _output_of(options: CommandOptions, settings: RunSettings) -> OutputTarget |
         if options.manifest is not None:
             check_manifest_path(options.manifest)
         if not options.streams:
-            target = output.target if isinstance(output, RemoteOutput) else output
-            target.check()
-            target.check_settings(settings)
+            (output.target if isinstance(output, RemoteOutput) else output).check()
     except (ManifestError, OutputError) as error:
         _fail(str(error))
-    except SettingsError as error:
-        _fail(error.worded(FLAGS))
     return output
 
 
