@@ -40,6 +40,7 @@ from .model.preflight import MemoryEstimate
 from .outputs.results import Answer, CaptionResult
 from .progress import plural
 from .settings import CaptionSettings, Resolved, SettingsError
+from .settings import provenance as recorded_settings
 from .version import __version__
 from .workers.fork_server import start_decoding_server
 from .workers.pool import Decoded, DecodeJob, DecodePool, default_workers
@@ -98,6 +99,7 @@ class Captioner:
                                 f"{{kv_cache_gb}}")
         # Created once: the KV cache is allocated here, not per run.
         self.engine = Engine(self.model, self.engine_config, settings.sampling)
+        self.settled = self._settled()
 
     def _check_memory(self, items: int | None) -> MemoryEstimate | None:
         """Refuse (`NotEnoughMemory`) a model and settings that will not fit, before a weight is read. None when the
@@ -124,27 +126,28 @@ class Captioner:
                              path, rows)
         return needed
 
+    def _settled(self) -> dict[str, Any]:
+        """The settings as loading settled them, by field name: what the device, the model and the engine made of
+        what the settings left open or cannot do here (the provenance records these)."""
+        config = self.engine_config
+        return {
+            "frames": self.frames, "batch_size": self.batch_size, "kv_cache_gb": config.kv_cache_tokens,
+            "offload_kv": config.offload_kv,
+            "prompt_set": [asdict(question) for question in self.settings.prompt_set] or None,
+            "cuda_graphs": config.cuda_graphs and self.device.type == "cuda",
+            "fused_attention": config.fused_attention and fused_attention_available(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device), "workers": self.workers,
+        }
+
     def provenance(self) -> dict[str, Any]:
-        """How this run's captions were made, stored with the output."""
-        config = self.engine.config
+        """How this run's captions were made, stored with the output: the checkpoint, the settings the
+        provenance records (as loading settled them, `settings.provenance`), the sampler and the decoders."""
         generation = {**asdict(self.engine.sampling), "eos_token_ids": sorted(self.model.eos_token_ids)}
         return {
-            "tool": "tarsier-batch", "tool_version": __version__,
-            "model": self.settings.model, "model_path": str(self.resolved.path),
+            "tool": "tarsier-batch", "tool_version": __version__, "model_path": str(self.resolved.path),
             "model_revision": self.resolved.revision, "model_family": self.model.family.name,
-            "prompt": self.settings.prompt, "frames": self.frames,
-            "prompt_set": [asdict(question) for question in self.settings.prompt_set] or None,
-            "generation": generation, "batch_size": self.batch_size,
-            "max_batch_tokens": config.max_batch_tokens, "prefill_chunk": config.prefill_chunk,
-            "kv_cache_tokens": config.kv_cache_tokens, "offload_kv": config.offload_kv,
-            "prefix_cache": config.prefix_cache,
-            "prune": self.settings.pruning,
-            "compile": config.compile, "cuda_graphs": config.cuda_graphs and self.device.type == "cuda",
-            "fused_attention": config.fused_attention and fused_attention_available(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+            **recorded_settings(self.settings, self.settled), "generation": generation,
             "frame_decoders": decoder_versions(), "torch_version": torch.__version__,
-            "decode_workers": self.workers, "decode_timeout_s": self.settings.decode_timeout_s,
-            "decode_memory_gb": self.settings.decode_memory_gb,
         }
 
     def describe(self) -> str:
@@ -162,9 +165,8 @@ class Captioner:
             pruning += (f", the {settings.temporal_pruning:g} of the vision tokens that change least from frame to "
                         f"frame dropped (not the official output)")
         pruning += ", compiled layers (the first steps compile)" if config.compile else ""
-        pruning += ", decode steps as CUDA graphs" if config.cuda_graphs and self.device.type == "cuda" else ""
-        fused = config.fused_attention and fused_attention_available(self.device)
-        pruning += ", fused decode attention" if fused else ""
+        pruning += ", decode steps as CUDA graphs" if self.settled["cuda_graphs"] else ""
+        pruning += ", fused decode attention" if self.settled["fused_attention"] else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
         return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import os
-import re
 import signal
 import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, Optional, TextIO, TypeVar
 
 import click
 import typer
@@ -25,11 +24,6 @@ from . import (
     DEFAULT_MODEL,
     DEMO_ACCURACY,
     DEMO_ALIAS,
-    DTYPES,
-    FLUSH_ROWS,
-    FLUSH_SECONDS,
-    MAX_IMAGE_PIXELS,
-    PRUNE_METHODS,
     RESERVED_NAMES,
     Backend,
     CaptionRun,
@@ -54,13 +48,8 @@ from . import (
     RunReporter,
     RunSettings,
     RunStats,
-    SamplingParams,
-    Segmenting,
-    SegmentsError,
     SettingsError,
     SettingsMismatchError,
-    Shard,
-    ShardError,
     Status,
     StorageError,
     Terminated,
@@ -81,6 +70,16 @@ from . import (
     read_prompt_set,
     sibling_columns,
 )
+from .cli_options import (
+    FLAGS,
+    OUT_FORMATS,
+    PATH_SETTINGS,
+    SHARD_ROWS,
+    CommandOptions,
+    caption_parameters,
+    check_output_choice,
+    from_values,
+)
 from .config import ConfigError, config_defaults
 
 T = TypeVar("T")
@@ -99,10 +98,6 @@ app = typer.Typer(
     rich_markup_mode=None, pretty_exceptions_enable=False, no_args_is_help=True, context_settings=CONTEXT)
 dev_app = typer.Typer(help="Developer tools.", rich_markup_mode=None, no_args_is_help=True, context_settings=CONTEXT)
 app.add_typer(dev_app, name="dev")
-
-
-DType = Enum("DType", {name: name for name in DTYPES}, type=str)   # typer shows the choices
-PruneMethod = Enum("PruneMethod", {name: name for name in PRUNE_METHODS}, type=str)
 
 
 def _version(value: bool) -> None:
@@ -145,21 +140,6 @@ Exit codes:
 """
 
 
-class KeyMode(str, Enum):
-    path = "path"
-    sha256 = "sha256"
-
-
-class OutFormat(str, Enum):
-    parquet = "parquet"
-    webdataset = "webdataset"
-
-
-SHARD_ROWS = 10_000
-# Options whose relative paths in a --config file are relative to that file's folder.
-PATH_SETTINGS = frozenset({"inputs", "out", "out_dir", "manifest", "log_file", "prompts"})
-
-
 def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Path]) -> Optional[Path]:
     """Eager: a --config file's values become the defaults of the other flags (flags and env vars win)."""
     if value is not None and not ctx.resilient_parsing:
@@ -171,270 +151,38 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
     return value
 
 
-@app.command(epilog=EXAMPLES, no_args_is_help=True)
-def caption(
-    # described in the docstring: help would show a Python type
-    inputs: Annotated[Optional[list[str]], typer.Argument(
-        metavar="INPUTS", hidden=True, show_default=False)] = None,
-    out: Annotated[Optional[str], typer.Option(
-        "--out", "-o", metavar="FILE",
-        help="Results file to write, or to continue if it exists: .parquet, .jsonl or .csv, a path (missing folders "
-             "are made) or an s3://, gs://, az:// URL; '-' streams JSON Lines to stdout.", show_default=False)] = None,
-    out_dir: Annotated[Optional[str], typer.Option(
-        metavar="DIR",
-        help="Write Parquet shards part-00000.parquet, ... to DIR (a folder or an s3://, gs://, az:// prefix) instead "
-             "of one --out file (continued like --out).", show_default=False)] = None,
-    shard_rows: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N", help=f"Rows per shard with --out-dir [default: {SHARD_ROWS}].", show_default=False)] = None,
-    out_format: Annotated[Optional[OutFormat], typer.Option(
-        case_sensitive=False,
-        help="What --out-dir holds: Parquet shards (parquet), or for inputs in WebDataset shards a tar per input "
-             "shard, named like it, with each member's row as KEY.json and caption as KEY.txt (webdataset).",
-        show_default=False)] = None,
-    manifest: Annotated[Optional[str], typer.Option(
-        metavar="FILE",
-        help="Caption the files listed in a .csv, .tsv, .jsonl or .parquet table, a path or a URL (relative paths: "
-             "from its folder); a 'prompt' column gives rows their own prompt, a 'prompts' column (JSON: name -> "
-             "question) their own questions.", show_default=False)] = None,
-    path_column: Annotated[Optional[str], typer.Option(
-        metavar="NAME",
-        help="The manifest's column of file paths [default: the first of path, file_name, video, image].",
-        show_default=False)] = None,
-    keep_columns: Annotated[Optional[str], typer.Option(
-        metavar="A,B|all",
-        help="Manifest columns to carry into the output; with WebDataset shards, their members' sibling files by "
-             "extension (json,txt). A name taken by an output column gets the prefix input_.",
-        show_default=False)] = None,
-    null_separated: Annotated[bool, typer.Option(
-        "-0", "--null", help="Paths on stdin are separated by NUL bytes (find -print0).")] = False,
-    dry_run: Annotated[bool, typer.Option(
-        "--dry-run",
-        help="List what would be captioned and what skipped, and why; load no model, write nothing.")] = False,
-    limit: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N",
-        help="Caption at most N items this run (the first that need it); a later run does the rest.",
-        show_default=False)] = None,
-    shard: Annotated[Optional[str], typer.Option(
-        metavar="I/N",
-        help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per "
-             "GPU); join the outputs with 'tarsier merge'.", show_default=False)] = None,
-    config: Annotated[Optional[Path], typer.Option(
-        metavar="FILE", envvar="TARSIER_CONFIG", show_envvar=True, is_eager=True, callback=_apply_config,
-        help="TOML file of flag values (keys are flag names: model, batch-size, ...); flags and environment variables "
-             "win over it.", show_default=False)] = None,
-    model: Annotated[str, typer.Option(
-        metavar="NAME|DIR", envvar="TARSIER_MODEL", show_envvar=True,
-        help="Checkpoint directory, Hugging Face id, the shipped demo model ('demo': captions synthetic clips of "
-             "moving shapes, nothing else) or a built-in random model ('tiny-random-tarsier2', 'tiny-random'); see "
-             "'tarsier models'.")] = DEFAULT_MODEL,
-    prompt: Annotated[Optional[str], typer.Option(
-        metavar="TEXT", help="Instruction replacing the model's default ('Describe the video in detail.').",
-        show_default=False)] = None,
-    ask: Annotated[Optional[list[str]], typer.Option(
-        metavar="NAME=TEXT",
-        help="Ask each item this question too, its answer in column NAME (repeat for several: the frames are "
-             "prefilled once for all of them).", show_default=False)] = None,
-    prompts: Annotated[Optional[Path], typer.Option(
-        metavar="FILE",
-        help="Questions to ask each item, from a TOML or JSON file of name = \"text\" (or name = {text = ..., "
-             "max_new_tokens = N}); with --ask, these come first.", show_default=False)] = None,
-    long: Annotated[bool, typer.Option(
-        "--long",
-        help="With --ask/--prompts: one row per file and question (a 'question' column and the single prompt's "
-             "columns) instead of one row per file with each question's columns.")] = False,
-    segments: Annotated[str, typer.Option(
-        metavar="SPEC",
-        help="Rows per video, each sampled like a file of its own: 'whole' (one per file); 'fixed:10s', a row per "
-             "10 s window (',overlap=2s': windows repeat 2 s; ',min=2s': a shorter last window joins the one "
-             "before); 'scenes', a row per shot (the scenes extra; ',threshold=27': higher finds fewer cuts, "
-             "',min=0.5s': the shortest shot, ',max=30s': longer shots split evenly).")] = "whole",
-    frames: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N",
-        help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].",
-        show_default=False)] = None,
-    batch_size: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N", envvar="TARSIER_BATCH_SIZE", show_envvar=True,
-        help="Most items generating at once; a finished item's place is taken at the next step [default: 16 on CPU, "
-             "32 on CUDA].", show_default=False)] = None,
-    max_batch_tokens: Annotated[int, typer.Option(
-        min=1, metavar="N",
-        help="Positions computed per model step: one per decoding item, the rest for prefill chunks.")] = 4096,
-    prefill_chunk: Annotated[int, typer.Option(
-        min=0, metavar="N", help="Prefill long prompts in chunks of at most this many positions (0: whole).")] = 2048,
-    kv_cache_gb: Annotated[Optional[float], typer.Option(
-        min=0.001, metavar="GIB", envvar="TARSIER_KV_CACHE_GB", show_envvar=True,
-        help="KV cache size in GiB [default: what CUDA can spare after loading; on CPU min(4, RAM/4)].",
-        show_default=False)] = None,
-    offload_kv: Annotated[bool, typer.Option(
-        "--offload-kv",
-        help="Keep a prefilling item's KV cache in host memory until it decodes (long videos on small GPUs; no effect "
-             "on CPU).")] = False,
-    prefix_cache: Annotated[bool, typer.Option(
-        "--prefix-cache/--no-prefix-cache",
-        help="Keep the computed KV of prompts' full pages, and let an item whose prompt starts the same way (the same "
-             "clip and prompt under a second path, an item preempted and coming back) take them instead of computing "
-             "them. Same captions either way.")] = True,
-    preflight: Annotated[bool, typer.Option(
-        "--preflight/--no-preflight",
-        help="Before loading, estimate the memory the model and this run need (weights at --dtype, KV cache, "
-             "activations) and stop at once with the numbers and a fix if they do not fit.")] = True,
-    compile_step: Annotated[bool, typer.Option(
-        "--compile",
-        help="Run the model's layers, vision blocks and decode attention through torch.compile: fused kernels, after a "
-             "start-up compile (tens of seconds; needs a C++ compiler on CPU, Triton on CUDA). Same captions in "
-             "float32.")] = False,
-    cuda_graphs: Annotated[bool, typer.Option(
-        "--cuda-graphs/--no-cuda-graphs",
-        help="On CUDA, record each decode step as a CUDA graph (once per power-of-two size) and replay it: one "
-             "launch instead of ~1,900 kernel launches a step. Same captions in float32.")] = True,
-    fused_attention: Annotated[bool, typer.Option(
-        "--fused-attention/--no-fused-attention",
-        help="On CUDA, decoding rows attend in one fused Triton kernel that reads each row's KV pages where they "
-             "lie (otherwise a split attention of torch ops). Same captions in float32.")] = True,
-    prune_vision: Annotated[float, typer.Option(
-        metavar="R",
-        help="Drop this share of each item's vision tokens (by --prune-method): a faster prefill and a smaller KV "
-             "cache, but not the official output (0: off).")] = 0.0,
-    prune_layer: Annotated[Optional[int], typer.Option(
-        metavar="K",
-        help="With --prune-method fastv: the first language-model layer that sees only the kept vision tokens, 1 <= K "
-             "< layers [default: 2].", show_default=False)] = None,
-    prune_method: Annotated[Optional[PruneMethod], typer.Option(
-        case_sensitive=False,
-        help="temporal: before the language model, drop the vision tokens that changed least since the previous "
-             "frame (the first frame stays whole); fastv: drop the vision tokens the last prompt token attends to "
-             "least, after --prune-layer [default: temporal, which keeps captions closer to unpruned; fastv with "
-             "--prune-layer].", show_default=False)] = None,
-    max_new_tokens: Annotated[int, typer.Option(min=1, metavar="N", help="Most tokens generated per caption.")] = 512,
-    temperature: Annotated[float, typer.Option(
-        min=0.0, metavar="T", help="0 is greedy decoding; above 0 samples.")] = 0.0,
-    top_p: Annotated[float, typer.Option(
-        metavar="P", help="Nucleus sampling mass in (0, 1] (with --temperature > 0).")] = 1.0,
-    repetition_penalty: Annotated[Optional[float], typer.Option(
-        min=0.01, metavar="X",
-        help="Penalty on tokens already in the prompt or caption (1: none) [default: the checkpoint's "
-             "generation_config.json].", show_default=False)] = None,
-    seed: Annotated[int, typer.Option(
-        min=0, metavar="N", help="Seed for sampling; each file gets its own stream, derived from its key.")] = 0,
-    dtype: Annotated[DType, typer.Option(
-        envvar="TARSIER_DTYPE", show_envvar=True,
-        help="Weights and compute dtype [auto: float32 on CPU, "
-             "bfloat16 on CUDA].")] = DType.auto,  # type: ignore[attr-defined]
-    device: Annotated[str, typer.Option(
-        metavar="DEVICE", envvar="TARSIER_DEVICE", show_envvar=True, help="auto, cpu, cuda or cuda:N.")] = "auto",
-    workers: Annotated[Optional[int], typer.Option(
-        min=1, metavar="N", envvar="TARSIER_WORKERS", show_envvar=True,
-        help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].",
-        show_default=False)] = None,
-    decode_timeout: Annotated[float, typer.Option(
-        min=0.1, metavar="SECONDS",
-        help="Seconds one item may take to decode before its worker is killed and the item fails.")] = 120.0,
-    decode_memory_gb: Annotated[float, typer.Option(
-        min=0.5, metavar="GIB", help="Memory one decoding worker may use (GiB); an item above it fails.")] = 8.0,
-    max_image_pixels: Annotated[int, typer.Option(
-        min=1, metavar="N",
-        help="Images (and GIFs) of more pixels fail undecoded: decompression bombs. A JPEG above 89 Mpx is read "
-             "reduced as it decodes.")] = MAX_IMAGE_PIXELS,
-    recursive: Annotated[bool, typer.Option("--recursive/--no-recursive", help="Descend into subdirectories.")] = True,
-    with_token_ids: Annotated[bool, typer.Option("--with-token-ids", help="Add a generated_ids column.")] = False,
-    key: Annotated[KeyMode, typer.Option(
-        help="What identifies a finished item on later runs: 'path' (resolved path, size and mtime) or 'sha256' "
-             "(content; reads each file; adds a sha256 column).")] = KeyMode.path,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Start from scratch: caption everything again and replace --out.")] = False,
-    retry_errors: Annotated[bool, typer.Option(
-        "--retry-errors", help="Caption again the items whose stored rows are errors.")] = False,
-    prune_missing: Annotated[bool, typer.Option(
-        "--prune-missing", help="Drop stored rows of files that no longer exist (kept by default).")] = False,
-    fail_on_empty: Annotated[bool, typer.Option(
-        "--fail-on-empty", help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")] = False,
-    flush_rows: Annotated[int, typer.Option(
-        min=1, metavar="N", help="Save finished rows to disk every this many rows...")] = FLUSH_ROWS,
-    flush_seconds: Annotated[float, typer.Option(
-        min=0.0, metavar="SECONDS",
-        help="...or once this many seconds passed since the last save (a row finishing later than that is saved at "
-             "once).")] = FLUSH_SECONDS,
-    log_file: Annotated[Optional[Path], typer.Option(
-        metavar="FILE", help="Append timestamped plain lines (start, progress, failures, summary) to this file.",
-        show_default=False)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display or summary (errors only).")] = False,
-    ray: Annotated[Optional[str], typer.Option(
-        "--ray", metavar="ADDRESS",
-        help="Caption on a Ray cluster: 'auto' (the cluster this machine belongs to), ray://HOST:10001, or 'local' "
-             "(start one here). Needs pip install 'tarsier-batch[ray]'.", show_default=False)] = None,
-    ray_workers: Annotated[str, typer.Option(
-        metavar="N|MIN-MAX",
-        help="Captioning actors on the Ray cluster, each loading the model once: N, or MIN-MAX to let Ray scale "
-             "between them.")] = "1",
-    ray_gpus_per_worker: Annotated[Optional[float], typer.Option(
-        min=0.0, metavar="G", help="GPUs per captioning actor [default: 1, or 0 with --device cpu].",
-        show_default=False)] = None,
-) -> None:
+def caption(**given: Any) -> None:
     """Caption every video, GIF and image in INPUTS (or a --manifest) into one row per file, resuming --out if
     it exists.
 
     INPUTS are media files, directories or glob patterns; '-' reads paths from stdin, one per
     line (-0: NUL-separated).
     """
-    console = Console(stderr=True, soft_wrap=True)
-    stream = out == "-"
-    output = _check_flags(inputs or [], out, out_dir, shard_rows, out_format, manifest, path_column, keep_columns,
-                          null_separated, stream)
-    target = output.target if isinstance(output, RemoteOutput) else output
-    shard_spec = _parse_shard(shard)
-    settings = _settings(
-        CaptionSettings, model=model, prompt=prompt, prompt_set=_prompt_set(prompts, ask or []), frames=frames,
-        batch_size=batch_size,
-        max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, kv_cache_gb=kv_cache_gb, offload_kv=offload_kv,
-        prefix_cache=prefix_cache,
-        prune_vision=prune_vision, prune_layer=prune_layer, prune_method=prune_method.value if prune_method else None,
-        compile_step=compile_step, cuda_graphs=cuda_graphs, fused_attention=fused_attention,
-        dtype=dtype.value, device=device,
-        workers=workers, decode_timeout_s=decode_timeout, decode_memory_gb=decode_memory_gb,
-        max_image_pixels=max_image_pixels, preflight=preflight,
-        sampling=_settings(SamplingParams, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                           seed=seed, repetition_penalty=repetition_penalty))
-    if (problem := model_reference_problem(model)) is not None:   # a typo is answered before torch is imported
+    options = _settings(from_values, CommandOptions, given)
+    output = _output_of(options)
+    settings = _settings(from_values, RunSettings,
+                         {**given, "prompt_set": _prompt_set(options.prompts, options.ask or [])})
+    if (problem := model_reference_problem(settings.caption.model)) is not None:   # before torch is imported
         _fail(problem)
-    settings = _settings(RunSettings, caption=settings, with_token_ids=with_token_ids, long=long, key=key.value,
-                         shard=shard_spec, overwrite=overwrite, retry_errors=retry_errors, prune_missing=prune_missing,
-                         limit=limit, fail_on_empty=fail_on_empty, flush_rows=flush_rows, flush_seconds=flush_seconds,
-                         segments=_segmenting(segments))
-    if stream:
-        _settings(settings.check_streamable)
-    ray_settings = _check_ray_flags(ray, shard_spec, ray_workers, ray_gpus_per_worker, device) \
-        if ray is not None else None
-    if shard_spec and not stream and (target.shard_rows or target.format not in ("parquet", "webdataset")):
-        _fail("--shard writes one Parquet file (or WebDataset folder) per shard for 'tarsier merge': give "
-              f"--out shard-{shard_spec.index}.parquet (or --out-dir shard-{shard_spec.index} --out-format webdataset)")
-    if target.webdataset and (settings.long or settings.segments.mode != "whole"):
-        _fail(f"--out-format webdataset writes one sample per member: not with "
-              f"{'--long' if settings.long else '--segments'}")
-    found = _find_items(inputs or [], manifest, path_column, keep_columns, null_separated, recursive, key.value)
-    if target.webdataset:   # the one output that cannot place every input's row
-        try:
-            target.kind.check_rows([item.path for item in
-                                    (found.discovery if isinstance(found, Manifest) else found).items])
-        except OutputError as error:
-            _fail(str(error))
-    try:
-        if log_file:   # its folder is made, as --out's is (shards/shard-0.log beside shards/shard-0.parquet)
-            log_file.parent.mkdir(parents=True, exist_ok=True)
-        log_handle = open(log_file, "a", encoding="utf-8") if log_file else None
-    except OSError as error:
-        _fail(f"--log-file {log_file}: {error.strerror or error}")
+    ray_settings = _ray_settings(given, settings)
+    if not options.streams:   # checked again by the run, for its other callers
+        _settings((output.target if isinstance(output, RemoteOutput) else output).check_settings, settings)
+    found = _find_items(options, settings.key)
+    console = Console(stderr=True, soft_wrap=True)
+    log_handle = _open_log(options.log_file)
     log = LineLog(file=log_handle)
-    reporter = _CliReporter(console, quiet, log)
+    reporter = _CliReporter(console, options.quiet, log)
     try:
-        run = CaptionRun(found, sys.stdout if stream else output, settings, reporter,
+        run = CaptionRun(found, sys.stdout if options.streams else output, settings, reporter,
                          load=_on_ray(ray_settings, reporter) if ray_settings else None,
-                         source=f"--manifest {manifest}" if manifest else " ".join(inputs or []))
+                         source=f"--manifest {options.manifest}" if options.manifest
+                         else " ".join(options.inputs or []))
         nothing = run.no_media()
-        if dry_run:
-            raise typer.Exit(_dry_run(run) if nothing is None else _present(nothing, console, quiet, log))
+        if options.dry_run:
+            raise typer.Exit(_dry_run(run) if nothing is None else _present(nothing, console, options.quiet, log))
         with _stop_signals():
             outcome = run.execute()
-        code = _present(outcome, console, quiet, log)
+        code = _present(outcome, console, options.quiet, log)
     except SettingsError as error:
         _fail(error.worded(FLAGS))
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
@@ -444,7 +192,8 @@ def caption(
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
     except LoadingCrashed as error:
         traceback.print_exception(error.__cause__ or error)
-        console.print(f"tarsier: crashed while loading the model ({error}); nothing was written to {target.shown}",
+        shown = output.target.shown if isinstance(output, RemoteOutput) else output.shown
+        console.print(f"tarsier: crashed while loading the model ({error}); nothing was written to {shown}",
                       highlight=False, markup=False)
         raise typer.Exit(EXIT_CRASHED) from None
     finally:
@@ -453,49 +202,37 @@ def caption(
     raise typer.Exit(code)
 
 
-def _check_flags(inputs: list[str], out: str | None, out_dir: str | None, shard_rows: int | None,
-                 out_format: OutFormat | None, manifest: str | None, path_column: str | None,
-                 keep_columns: str | None, null_separated: bool, stream: bool) -> OutputTarget | RemoteOutput:
-    """Answer a wrong combination of inputs and outputs at once, before anything is read, loaded or imported
-    (the settings check their own rules: `settings.py`)."""
-    if (out is None) == (out_dir is None):
-        _fail("give --out FILE (.parquet, .jsonl, .csv; '-' for stdout) or --out-dir DIR, one of them"
-              if out is None else "give --out or --out-dir, not both")
-    if shard_rows is not None and out_dir is None:
-        _fail("--shard-rows needs --out-dir")
-    if out_format is not None and out_dir is None:
-        _fail("--out-format needs --out-dir (the format of an --out file is its suffix)")
-    webdataset = out_format is OutFormat.webdataset
-    if webdataset and shard_rows is not None:
-        _fail("--shard-rows does not apply to --out-format webdataset: it writes one tar per input shard")
-    if manifest is None:
-        if not inputs:
-            _fail("give INPUTS (files, folders, globs, '-' for stdin) or --manifest FILE")
-        if path_column is not None:
-            _fail("--path-column needs --manifest")
-    elif inputs:
-        _fail("give INPUTS or --manifest, not both")
-    if null_separated and "-" not in inputs:
-        _fail("-0 reads NUL-separated paths from stdin; add '-' to INPUTS")
-    output = _output(out_dir, None if webdataset else shard_rows or SHARD_ROWS, webdataset) if out_dir is not None \
-        else _output(out or "-")
+caption.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    list(caption_parameters(config={"is_eager": True, "callback": _apply_config})))
+app.command(epilog=EXAMPLES, no_args_is_help=True)(caption)
+
+
+def _open_log(path: Path | None) -> TextIO | None:
+    """The --log-file, opened to append; its folder is made, as --out's is (shards/shard-0.log beside
+    shards/shard-0.parquet)."""
+    if path is None:
+        return None
     try:
-        if manifest is not None:
-            check_manifest_path(manifest)
-        if not stream:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a", encoding="utf-8")
+    except OSError as error:
+        _fail(f"--log-file {path}: {error.strerror or error}")
+
+
+def _output_of(options: CommandOptions) -> OutputTarget | RemoteOutput:
+    """The output the options name, checked before anything is read, loaded or imported (with the manifest's
+    path)."""
+    webdataset = options.out_format == "webdataset"
+    output = _output(options.out_dir, None if webdataset else options.shard_rows or SHARD_ROWS, webdataset) \
+        if options.out_dir is not None else _output(options.out or "-")
+    try:
+        if options.manifest is not None:
+            check_manifest_path(options.manifest)
+        if not options.streams:
             (output.target if isinstance(output, RemoteOutput) else output).check()
     except (ManifestError, OutputError) as error:
         _fail(str(error))
     return output
-
-
-def _segmenting(spec: str) -> Segmenting:
-    try:
-        segmenting = Segmenting.parse(spec)
-        segmenting.check_available()
-    except SegmentsError as error:
-        _fail(str(error))
-    return segmenting
 
 
 def _output(location: str, shard_rows: int | None = None, webdataset: bool = False) -> OutputTarget | RemoteOutput:
@@ -507,35 +244,26 @@ def _output(location: str, shard_rows: int | None = None, webdataset: bool = Fal
         _fail(str(error))
 
 
-# The settings' fields as the CLI names them (a field not listed is its flag with dashes).
-FLAGS = {field: "--" + field.replace("_", "-")
-         for settings in (CaptionSettings, SamplingParams, RunSettings) for field in settings.__dataclass_fields__}
-FLAGS.update(compile_step="--compile", decode_timeout_s="--decode-timeout", preflight="--no-preflight",
-             prompt_set="--ask/--prompts")
-
-
-def _settings(make: Callable[..., T], **values: Any) -> T:
-    """`make(**values)`; a setting it refuses stops the command, the message naming flags."""
+def _settings(make: Callable[..., T], *args: Any, **values: Any) -> T:
+    """`make(*args, **values)`; a setting it refuses stops the command, the message naming flags."""
     try:
-        return make(**values)
+        return make(*args, **values)
     except SettingsError as error:
         _fail(error.worded(FLAGS))
 
 
-def _check_ray_flags(address: str, shard: Shard | None, workers: str, gpus: float | None,
-                     device: str) -> RaySettings:
-    """Answer wrong --ray flags at once."""
+def _ray_settings(given: dict[str, Any], settings: RunSettings) -> RaySettings | None:
+    """The Ray settings --ray and its flags give (None without --ray), checked at once."""
     import importlib.util
 
-    bounds = re.fullmatch(r"(\d+)(?:-(\d+))?", workers.strip())
-    low, high = (int(bounds.group(1)), int(bounds.group(2) or bounds.group(1))) if bounds else (0, 0)
-    if not 1 <= low <= high:
-        _fail(f"--ray-workers {workers!r}: give a number of actors N >= 1, or MIN-MAX with 1 <= MIN <= MAX")
-    if shard is not None:
-        _fail("--ray spreads the items over the cluster itself; leave out --shard")
-    if importlib.util.find_spec("ray") is None:
-        _fail(f"--ray needs Ray, an optional extra: {install_extra_command('ray')}")
-    return RaySettings(address, (low, high), gpus if gpus is not None else float(device != "cpu"))
+    if given["ray_gpus_per_worker"] is None:   # a GPU per actor, unless the run is on the CPU
+        given = {**given, "ray_gpus_per_worker": float(settings.caption.device != "cpu")}
+    ray = _settings(from_values, RaySettings, given) if given["ray"] is not None else None
+    if ray is not None:
+        _settings(ray.check_run, settings)
+        if importlib.util.find_spec("ray") is None:
+            _fail(f"--ray needs Ray, an optional extra: {install_extra_command('ray')}")
+    return ray
 
 
 def _on_ray(ray: RaySettings, reporter: RunReporter) -> Callable[[CaptionSettings], Backend]:
@@ -559,22 +287,16 @@ def _prompt_set(path: Path | None, asks: list[str]) -> tuple[Question, ...]:
         _fail(f"--ask {error}")
 
 
-def _parse_shard(text: str | None) -> Shard | None:
-    try:
-        return Shard.parse(text) if text is not None else None
-    except ShardError as error:
-        _fail(str(error))
-
-
-def _find_items(inputs: list[str], manifest: str | None, path_column: str | None, keep_columns: str | None,
-                null_separated: bool, recursive: bool, key: str) -> Manifest | Discovery:
+def _find_items(options: CommandOptions, key: str) -> Manifest | Discovery:
     """The items of this run, from INPUTS or the manifest."""
+    inputs = options.inputs or []
     try:
-        if manifest is not None:
-            return read_manifest(manifest, key, RESERVED_NAMES, path_column, keep_columns)
-        found = discover(inputs, recursive, _stdin_paths(inputs, null_separated), key)
+        if options.manifest is not None:
+            return read_manifest(options.manifest, key, RESERVED_NAMES, options.path_column, options.keep_columns)
+        found = discover(inputs, options.recursive, _stdin_paths(inputs, options.null_separated), key)
         # Without a manifest, the kept columns are the shards' sibling files (`key.json` beside `key.mp4`).
-        return sibling_columns(found, keep_columns, RESERVED_NAMES) if keep_columns is not None else found
+        return sibling_columns(found, options.keep_columns, RESERVED_NAMES) if options.keep_columns is not None \
+            else found
     except (InputNotFoundError, ManifestError, OSError) as error:
         _fail(str(error))
 
@@ -740,9 +462,10 @@ def merge_command(
     out_dir: Annotated[Optional[str], typer.Option(
         metavar="DIR", help="Write the merged results as shards to DIR (a folder or an s3://, gs://, az:// prefix) "
                             "instead of one --out file, in --out-format.", show_default=False)] = None,
-    out_format: Annotated[Optional[OutFormat], typer.Option(
-        case_sensitive=False, help="What --out-dir holds: Parquet shards (parquet) or a WebDataset shard per input "
-                                   "shard (webdataset).", show_default=False)] = None,
+    out_format: Annotated[Optional[Literal[OUT_FORMATS]], typer.Option(  # type: ignore[valid-type]
+        case_sensitive=False, show_default=False,
+        help="What --out-dir holds: Parquet shards (parquet) or a WebDataset shard per input shard "
+             "(webdataset).")] = None,
 ) -> None:
     """Join the outputs of 'tarsier caption --shard I/N' runs in FOLDER into one output, in input order.
 
@@ -754,11 +477,8 @@ def merge_command(
     """
     from . import MergeError, merge_outputs
 
-    if (out is None) == (out_dir is None):
-        _fail("give --out FILE or --out-dir DIR, one of them" if out is None else "give --out or --out-dir, not both")
-    if out_format is not None and out_dir is None:
-        _fail("--out-format needs --out-dir (the format of an --out file is its suffix)")
-    webdataset = out_format is OutFormat.webdataset
+    _settings(check_output_choice, out, out_dir, out_format, stdout=False)
+    webdataset = out_format == "webdataset"
     output = _output(out_dir, None if webdataset else SHARD_ROWS, webdataset) if out_dir is not None \
         else _output(str(out))
     try:

@@ -248,6 +248,9 @@ class CaptionRun:
             source = source or " ".join(listed)
             inputs = discover(listed, key_mode=settings.key)
         self.source = redact_text(source) if source else "the inputs"   # named in messages: no signature in them
+        if self.target is not None:
+            self.target.check_settings(settings)
+            self.target.kind.check_rows([item.path for item in inputs.items])
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read {problem}")
         if settings.caption.prompt_set and any(item.prompt is not None for item in inputs.items):

@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"progress"},                                         # a run's statistics and displays
     {"api"},                                              # Captioner: the model loaded once, fed by the workers
     {"run"},                                              # CaptionRun: one run over an output
-    {"runners", "review", "config"},                      # Ray; reports and inspection; the CLI's config file
+    {"runners", "review", "config", "cli_options"},       # Ray; reports and inspection; the CLI's config and options
     {""},                                                 # the public names (the package's __init__)
     {"cli"},                                              # the command line: a client of the public names
     {"__main__"},                                         # python -m tarsier_batch
@@ -139,7 +139,8 @@ def test_no_module_imports_itself_through_others() -> None:
 
 def test_the_command_line_uses_only_the_public_names() -> None:
     """cli.py is a client of the library: it imports from `tarsier_batch` itself (the names `__all__` lists)
-    and from its own config file module, nothing from inside the package."""
+    and from its own modules (the config file, the options made from the settings' declarations), nothing from
+    inside the package."""
     import tarsier_batch
 
     tree = ast.parse((PACKAGE / "cli.py").read_text())
@@ -148,7 +149,7 @@ def test_the_command_line_uses_only_the_public_names() -> None:
         if isinstance(node, ast.ImportFrom) and node.level:
             if node.module is None:
                 private += [alias.name for alias in node.names if alias.name not in tarsier_batch.__all__]
-            elif node.module != "config":
+            elif node.module not in ("config", "cli_options"):
                 private.append(node.module)
         elif isinstance(node, ast.Import):
             private += [alias.name for alias in node.names if alias.name.startswith("tarsier_batch")]

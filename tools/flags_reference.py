@@ -4,7 +4,8 @@
     python tools/flags_reference.py --check   # exit 1 if the page differs from what the CLI says
 
 Every command and option of `tarsier` with its help text, default and environment variable, as click
-knows them: the page cannot drift from the flags, and tests/test_docs.py fails when it is stale.
+knows them (the options of `tarsier caption` are made from the settings' declarations, tarsier_batch/settings/):
+the page cannot drift from the flags, and tests/test_docs.py fails when it is stale.
 """
 
 from __future__ import annotations

@@ -20,13 +20,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, ClassVar, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, TextIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..inputs.tars import split_member_path, wds_key
+from ..settings import SettingsError
 from .schema import PROVENANCE_KEY, SUMMARY_KEY
+
+if TYPE_CHECKING:
+    from ..settings import RunSettings
 
 ROWS_PER_GROUP = 4096          # a few MB per row group: big enough to scan fast, small enough for viewers
 PARQUET_COMPRESSION = "zstd"
@@ -104,6 +108,17 @@ class OutputTarget:
         if self.path.suffix.lower() not in FORMATS:
             raise OutputError(f"--out {self.shown}: unknown format {self.path.suffix or '(no suffix)'!r}; "
                               f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
+
+    def check_settings(self, settings: RunSettings) -> None:
+        """Refuse, before any work, settings this output cannot honour."""
+        shard = settings.shard
+        if shard is not None and (self.shard_rows or self.format not in ("parquet", "webdataset")):
+            raise SettingsError(f"{{shard}} writes one Parquet file (or WebDataset folder) per shard for 'tarsier "
+                                f"merge': give {{out}} shard-{shard.index}.parquet (or {{out_dir}} shard-{shard.index} "
+                                f"{{out_format}} webdataset)")
+        if self.webdataset and (settings.long or settings.segments.mode != "whole"):
+            raise SettingsError("{out_format} webdataset writes one sample per member: not with "
+                                + ("{long}" if settings.long else "{segments}"))
 
     def exists(self) -> bool:
         return bool(self.shards()) if self.is_folder else self.path.exists()
