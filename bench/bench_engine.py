@@ -279,7 +279,7 @@ def b4(args: argparse.Namespace, workdir: Path) -> dict:
             for _ in range(steps):
                 step = engine.scheduler.schedule()
                 assert [row.num_tokens for row in step] == [1] * rows
-                sampled, logits = engine.runner.run(step)
+                engine.runner.run(step)
                 for row in step:
                     row.seq.num_computed += 1
                     row.seq.output_ids.append(0)

@@ -156,13 +156,13 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
     while any(row.num_computed < row.prompt.length for row in rows):
         engine.step()
     row = rows[1]
-    assert row.tables and row.num_computed == video.length
+    assert engine.kv.block_tables(row) and row.num_computed == video.length
     embeds = embed_whole_prompt(tiny_model, video)
     language_model = tiny_model.model.language_model
     with torch.inference_mode():
         output = language_model(inputs_embeds=embeds[None], use_cache=True)
     for layer, cached in enumerate(output.past_key_values.layers):
-        keys, values = engine.pools[0].read(row.tables[0], layer, video.length)
+        keys, values = engine.pools[0].read(engine.kv.block_tables(row)[0], layer, video.length)
         torch.testing.assert_close(keys, cached.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 

@@ -121,11 +121,12 @@ def test_a_prefix_shared_by_three_questions_outlives_one_finishing_and_one_preem
         engine.step()
     pool = engine.pools[0]
     whole = min(row.prefix_length for row in rows[1:]) // pool.page_slots
-    shared = first.tables[0].pages[:whole]
-    assert whole > 0 and all((row.tables[0].pages[:whole] == shared).all() for row in rows[1:])
+    shared = engine.kv.block_tables(first)[0].pages[:whole]
+    assert whole > 0 and all((engine.kv.block_tables(row)[0].pages[:whole] == shared).all() for row in rows[1:])
     assert (pool.pool.holders[shared] == 3).all()
     held = pool.capacity_tokens - pool.free_slots
-    apart = sum(row.tables[0].capacity for row in rows)   # each question's pages, as if it held its own copy
+    # Each question's pages, as if it held its own copy.
+    apart = sum(engine.kv.block_tables(row)[0].capacity for row in rows)
     assert held == apart - 2 * whole * pool.page_slots, "the prefix's whole pages are held once, not three times"
     engine.scheduler.preempt(rows[1])
     assert (pool.pool.holders[shared] == 2).all()

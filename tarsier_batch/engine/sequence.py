@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import count
 from typing import Any
 
 import torch
 
 from ..families.base import ProcessedPrompt
-from .kv_cache import BlockTable, HostKV
 from .pruning import RowPruning
+
+_row_ids = count()
 
 
 class Status(Enum):
@@ -40,9 +42,6 @@ class Sequence:
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
     error_kind: str | None = None            # with `error`: one of `errors.KINDS`
-    tables: list[BlockTable] = field(default_factory=list)   # device KV pages while running, one per cache
-    host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
-    encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
     pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
@@ -56,6 +55,9 @@ class Sequence:
     # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
     # finish.
     fork_points: set[int] = field(default_factory=set)
+    # What the KV manager and the model runner key their state of this row by: unique in the process (an
+    # object's id may be reused once it is gone).
+    row_id: int = field(default_factory=lambda: next(_row_ids))
     _prompt_vocabulary: torch.Tensor | None = None
     _page_digests: list[bytes] | None = None
 
@@ -148,7 +150,3 @@ class Sequence:
     def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         self.status, self.finish_reason, self.error, self.error_kind = Status.FINISHED, reason, error, error_kind
         self.prefix_source = None   # would keep a finished source's prompt and pixels alive
-        self.encoded.clear()
-        self.host_kv = None
-        if self.pruning is not None:
-            self.pruning.layer_inputs = None
