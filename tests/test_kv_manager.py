@@ -27,7 +27,7 @@ def row(ids: list[int], max_new_tokens: int = 4) -> Sequence:
 def computed(kv: KVManager, seq: Sequence) -> None:
     """`seq` admitted and its whole prompt computed (its full blocks remembered)."""
     assert kv.allocate(seq, kv.computed_prefix(seq, None), keep_free=False)
-    seq.num_computed = seq.prompt.length
+    seq.num_computed_tokens = seq.prompt.length
     kv.cache_blocks(seq, 0)
 
 
@@ -90,7 +90,7 @@ def test_a_running_row_gets_slots_for_its_next_step_while_blocks_are_free() -> N
     growing, filler = row([1, 2, 3, 4], max_new_tokens=40), row(list(range(40)), max_new_tokens=4)
     assert kv.allocate(growing, ComputedPrefix(), keep_free=False)   # prompt + 16 first tokens: 5 blocks
     assert kv.allocate(filler, ComputedPrefix(), keep_free=False)    # 44 slots: 11 blocks, the rest
-    growing.num_computed, growing.output_ids = 20, [0] * 16
+    growing.num_computed_tokens, growing.output_ids = 20, [0] * 16
     assert kv.allocate_slots(growing), "its 20 slots are held already"
     growing.output_ids.append(0)
     assert not kv.allocate_slots(growing), "a 21st slot needs a block, and none is free"
@@ -106,7 +106,7 @@ def test_an_offloaded_prefill_holds_host_memory_until_its_kv_comes_to_the_device
     keys, values = torch.randn(10, 1, 4), torch.randn(10, 1, 4)
     for layer in range(2):
         kv.row_kv(seq).host.write(layer, 0, keys * (layer + 1), values)
-    seq.num_computed, seq.output_ids = 10, [3]
+    seq.num_computed_tokens, seq.output_ids = 10, [3]
     assert kv.allocate_slots(seq)
     assert not kv.is_offloaded(seq) and kv.on_device(seq)
     for layer in range(2):

@@ -202,11 +202,11 @@ def test_a_fork_waits_for_its_prefix_only_while_it_is_on_the_way() -> None:
         scheduler.add(seq)
     first = scheduler.schedule()   # the source's first chunk; the fork waits, the other row passes it
     assert [(row.seq, row.num_tokens) for row in first] == [(source, 16), (other, 10)]
-    source.num_computed, other.num_computed = 16, 10
+    source.num_computed_tokens, other.num_computed_tokens = 16, 10
     assert not any(row.seq is fork for row in scheduler.schedule())
-    source.num_computed = 35
+    source.num_computed_tokens = 35
     admitted = [row for row in scheduler.schedule() if row.seq is fork]
-    assert [(row.num_tokens, fork.forked, fork.num_computed) for row in admitted] == [(1, 35, 35)]
+    assert [(row.num_tokens, fork.forked, fork.num_computed_tokens) for row in admitted] == [(1, 35, 35)]
 
     # A source to be run alone, queued behind its fork, with nothing running.
     scheduler = _scheduler(max_rows=3)

@@ -188,7 +188,7 @@ def admit_decoding(engine: Engine, rows: int, context: int, new_tokens: int) -> 
         scheduler.waiting.remove(seq)
         if not scheduler._admit(seq, force=True):
             raise RuntimeError(f"no room for {rows} rows of {context} positions")
-        seq.num_computed, seq.output_ids = context, [11]
+        seq.num_computed_tokens, seq.output_ids = context, [11]
     return sequences
 
 

@@ -127,7 +127,7 @@ def _kv_position(seq: Sequence, late: bool = False) -> int:
     the row computes next. A pruned row's survivors count as positions but hold early slots of their own
     only in the late cache (see `engine.pruning`)."""
     if seq.pruning is None:
-        return seq.num_computed
+        return seq.num_computed_tokens
     if late:
-        return seq.num_computed - seq.prompt.length
-    return seq.num_computed - seq.pruning.num_survivors
+        return seq.num_computed_tokens - seq.prompt.length
+    return seq.num_computed_tokens - seq.pruning.num_survivors

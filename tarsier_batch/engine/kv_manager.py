@@ -166,7 +166,7 @@ class KVManager:
         if not self.prefix_cache or row is None or not row.tables:
             return
         page = self.caches[0].page_slots
-        first, stop = computed_before // page, min(seq.num_computed, seq.prompt.length) // page
+        first, stop = computed_before // page, min(seq.num_computed_tokens, seq.prompt.length) // page
         if stop > first:
             self.caches[0].pool.remember(seq.page_digests(page)[first:stop], row.tables[0].pages[first:stop])
 

@@ -114,7 +114,7 @@ class ModelRunner:
         """Every row's new positions through every layer; the final hidden states of the rows that sample."""
         inputs, spans, sampled_at, sampled = StepInputs(), [], [], []
         for row in step:
-            seq, start = row.seq, row.seq.num_computed
+            seq, start = row.seq, row.seq.num_computed_tokens
             end = start + row.num_tokens
             spans.append(RowSpan(inputs.tokens, row.num_tokens, start, row.kv.tables[0] if row.kv.tables else None,
                                  row.kv.host))
@@ -164,7 +164,7 @@ class ModelRunner:
         parts = _TwoParts()
         early, late = parts.early, parts.late
         for row in step:
-            seq, start = row.seq, row.seq.num_computed
+            seq, start = row.seq, row.seq.num_computed_tokens
             end = start + row.num_tokens
             pruning, prompt = seq.pruning, seq.prompt.length
             if pruning is not None and end <= prompt:              # the prompt through the early layers
@@ -236,7 +236,7 @@ class ModelRunner:
     def _drop_consumed_vision(self, step: list[ScheduledRow]) -> None:
         """Free the vectors of blocks whose last vector the step consumed (only once it succeeded)."""
         for row in step:
-            end = row.seq.num_computed + row.num_tokens
+            end = row.seq.num_computed_tokens + row.num_tokens
             encoded = self._rows[row.seq.row_id].encoded
             for index, block in enumerate(row.seq.prompt.vision_blocks):
                 if block.end <= end:
@@ -246,7 +246,7 @@ class ModelRunner:
         """Encode every vision block the step's chunks reach that is not encoded yet."""
         wanted: list[tuple[Sequence, int]] = []
         for row in step:
-            seq, start = row.seq, row.seq.num_computed
+            seq, start = row.seq, row.seq.num_computed_tokens
             end = start + row.num_tokens
             encoded = self._rows[seq.row_id].encoded
             wanted += [(seq, index) for index, block in enumerate(seq.prompt.vision_blocks)

@@ -51,7 +51,7 @@ class PrefixCacheCounts:
 @dataclass(frozen=True)
 class ScheduledRow:
     seq: Sequence
-    num_tokens: int   # positions computed this step, from seq.num_computed on
+    num_tokens: int   # positions computed this step, from seq.num_computed_tokens on
     kv: RowKV         # where the row's keys and values are (the KV manager's answer, for the model runner)
 
 
@@ -125,10 +125,10 @@ class Scheduler:
             if seq is None:
                 break
             prefix = self.kv.computed_prefix(seq, self._prefix_holder(seq))
-            seq.num_computed = prefix.num_tokens   # it starts after its computed prefix
+            seq.num_computed_tokens = prefix.num_tokens   # it starts after its computed prefix
             tokens = self._chunk(seq, budget, prefilled_whole)
             if not tokens or not self._admit(seq, prefix=prefix):
-                seq.num_computed = 0
+                seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
             step.append(ScheduledRow(seq, tokens, self.kv.row_kv(seq)))
@@ -145,7 +145,8 @@ class Scheduler:
         """The step succeeded: its positions are computed, and the prompt blocks it filled are remembered for
         rows to come (the prefix cache)."""
         for row in step:
-            before, row.seq.num_computed = row.seq.num_computed, row.seq.num_computed + row.num_tokens
+            before = row.seq.num_computed_tokens
+            row.seq.num_computed_tokens += row.num_tokens
             self.kv.cache_blocks(row.seq, before)
 
     def finish(self, seq: Sequence) -> None:
@@ -162,7 +163,7 @@ class Scheduler:
         """Free a running row's KV and queue it first, to be recomputed from its tokens so far."""
         self._release(seq)
         self.running.remove(seq)
-        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 

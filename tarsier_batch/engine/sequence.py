@@ -25,7 +25,7 @@ class Status(Enum):
 class Sequence:
     """A prompt and its generated tokens; the engine computes it position by position.
 
-    There are no prefill and decode phases, only `num_computed` (positions whose keys and
+    There are no prefill and decode phases, only `num_computed_tokens` (positions whose keys and
     values are cached) against `length` (prompt plus generated tokens): a prefill chunk is a
     step that computes many positions, a decode step computes one. When a step computes the
     last position the row samples its next token. A row whose vision tokens are pruned counts
@@ -37,7 +37,7 @@ class Sequence:
     seed: int | None = None                  # its sampling stream (SamplingParams.row_seed); None: greedy
     payload: Any = None                      # the caller's handle, returned untouched
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
@@ -102,16 +102,16 @@ class Sequence:
     def slots_used(self, late: bool = False) -> int:
         """KV slots holding computed keys and values, in the early (or only) layers or in the late ones."""
         if self.pruning is None:
-            return self.num_computed
+            return self.num_computed_tokens
         prompt, survivors = self.prompt.length, self.pruning.num_survivors
         if late:
-            return max(0, self.num_computed - prompt)
-        return min(self.num_computed, prompt) + max(0, self.num_computed - prompt - survivors)
+            return max(0, self.num_computed_tokens - prompt)
+        return min(self.num_computed_tokens, prompt) + max(0, self.num_computed_tokens - prompt - survivors)
 
     @property
     def remaining(self) -> int:
         """Positions still to compute before the next token can be sampled."""
-        return self.length - self.num_computed
+        return self.length - self.num_computed_tokens
 
     @property
     def chunk_limit(self) -> int:
@@ -121,8 +121,8 @@ class Sequence:
         if self.pruning is not None:
             stage_ends += [self.prompt.length, self.prompt.length + self.pruning.num_survivors]
         for stage_end in stage_ends:
-            if self.num_computed < stage_end:
-                return stage_end - self.num_computed
+            if self.num_computed_tokens < stage_end:
+                return stage_end - self.num_computed_tokens
         return self.remaining
 
     @property
