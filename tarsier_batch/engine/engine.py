@@ -120,12 +120,22 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every row and free its KV (the caller stopped early)."""
         self.scheduler.clear()
-        self.runner.forget(self.scheduler.take_released())
+        self._forget_released()
 
     def step(self, on_tokens: Callable[[int], None] | None = None) -> list[Sequence]:
         """Run one step; returns the rows that finished in it (in no particular order)."""
-        step = self.scheduler.schedule()
+        try:
+            return self._step(on_tokens)
+        finally:   # rows finished or preempted in the step
+            self._forget_released()
+
+    def _forget_released(self) -> None:
+        """What the runner keeps of rows that let go of their KV goes with it (a preempted row starts again)."""
         self.runner.forget(self.scheduler.take_released())
+
+    def _step(self, on_tokens: Callable[[int], None] | None) -> list[Sequence]:
+        step = self.scheduler.schedule()
+        self._forget_released()   # rows preempted to make room, some perhaps admitted again at once
         if not step:
             if self.scheduler.has_work:
                 raise RuntimeError("the scheduler made no progress with rows waiting (a bug)")
