@@ -276,14 +276,14 @@ def b4(args: argparse.Namespace, workdir: Path) -> dict:
             for seq in sequences:  # fill the cache as if prefilled, then time decode steps only
                 engine.scheduler.waiting.remove(seq)
                 assert engine.scheduler._admit(seq, force=True)
-                seq.num_computed, seq.output_ids = context, [0]
+                seq.num_computed_tokens, seq.output_ids = context, [0]
             start = time.perf_counter()
             for _ in range(steps):
                 step = engine.scheduler.schedule()
                 assert [row.num_tokens for row in step] == [1] * rows
-                sampled, logits = engine.runner.run(step)
+                engine.runner.run(step)
                 for row in step:
-                    row.seq.num_computed += 1
+                    row.seq.num_computed_tokens += 1
                     row.seq.output_ids.append(0)
             elapsed = (time.perf_counter() - start) / steps * 1000
             engine.scheduler.clear()

@@ -144,7 +144,8 @@ def measure_mixed(model, rows: int, chunks: int, context: int, later: bool, step
             counts.append(len(kernel_ops(profile.events())))
         step = scheduled[-1]
         assert sum(row.num_tokens == context for row in step) == chunks and len(step) == rows + chunks
-        assert all(row.seq.num_computed == context * (2 if later else 1) for row in step if row.num_tokens == context)
+        assert all(row.seq.num_computed_tokens == context * (2 if later else 1)
+                   for row in step if row.num_tokens == context)
     return {"ops": int(statistics.median(counts)), "ms": round(statistics.median(times) * 1000, 2)}
 
 

@@ -57,10 +57,10 @@ def no_room_to_grow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows are admitted with no slot to spare: every row that grows past its prompt's pages takes a page no
     row holds, or preempts another. Pages come from anywhere, so with the usual room left at admission a small
     cache rarely preempts; tests of preemption need it to, whatever the sizes of their rows."""
-    from tarsier_batch.engine import scheduler
+    from tarsier_batch.engine import kv_manager
 
-    monkeypatch.setattr(scheduler, "FIRST_DECODE_RESERVE", 0)
-    monkeypatch.setattr(scheduler, "ADMISSION_WATERMARK", 0)
+    monkeypatch.setattr(kv_manager, "FIRST_DECODE_RESERVE", 0)
+    monkeypatch.setattr(kv_manager, "ADMISSION_WATERMARK", 0)
 
 
 # `tarsier caption` in a fresh interpreter of this checkout, telling after it exits whether torch or transformers were

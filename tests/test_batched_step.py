@@ -205,7 +205,7 @@ def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows:
     def recording(scheduler: Scheduler) -> list:
         nonlocal mixed
         step = schedule(scheduler)
-        chunks = [row for row in step if row.num_tokens > 1 and (row.seq.host_kv is not None or not host_rows)]
+        chunks = [row for row in step if row.num_tokens > 1 and (row.kv.host is not None or not host_rows)]
         mixed += bool(chunks) and any(not row.seq.in_prefill for row in step)
         return step
 

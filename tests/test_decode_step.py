@@ -104,8 +104,8 @@ def test_padding_rows_write_only_the_scratch_page(tiny_model, prompts) -> None:
     pool = engine.pools[0]
     pool.keys[:, pool.scratch_page] = float("nan")
     before = pool.keys[:, :pool.scratch_page].clone()
-    slots = [int(seq.tables[0].pages[seq.num_computed // pool.page_slots]) * pool.page_slots
-             + seq.num_computed % pool.page_slots for seq in engine.scheduler.running]
+    slots = [int(engine.kv.block_tables(seq)[0].pages[seq.num_computed_tokens // pool.page_slots]) * pool.page_slots
+             + seq.num_computed_tokens % pool.page_slots for seq in engine.scheduler.running]
     engine.step()
     after = pool.keys[:, :pool.scratch_page]
     written = (after != before) & ~(after.isnan() & before.isnan())   # never-written memory may hold NaN

@@ -153,16 +153,16 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
     engine = Engine(tiny_model, EngineConfig(max_rows=2, prefill_chunk=13, max_batch_tokens=20),
                     SamplingParams(max_new_tokens=2))
     rows = [engine.add(image), engine.add(video)]
-    while any(row.num_computed < row.prompt.length for row in rows):
+    while any(row.num_computed_tokens < row.prompt.length for row in rows):
         engine.step()
     row = rows[1]
-    assert row.tables and row.num_computed == video.length
+    assert engine.kv.block_tables(row) and row.num_computed_tokens == video.length
     embeds = embed_whole_prompt(tiny_model, video)
     language_model = tiny_model.model.language_model
     with torch.inference_mode():
         output = language_model(inputs_embeds=embeds[None], use_cache=True)
     for layer, cached in enumerate(output.past_key_values.layers):
-        keys, values = engine.pools[0].read(row.tables[0], layer, video.length)
+        keys, values = engine.pools[0].read(engine.kv.block_tables(row)[0], layer, video.length)
         torch.testing.assert_close(keys, cached.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 
@@ -206,7 +206,7 @@ def test_step_budget_puts_decodes_first_and_caps_rows(tiny_model: TarsierCaption
     assert [(row.seq, row.num_tokens) for row in first] == [(image, 47), (gif, 73)]
     engine.runner.run(first)
     for row in first:
-        row.seq.num_computed += row.num_tokens
+        row.seq.num_computed_tokens += row.num_tokens
     image.output_ids.append(1)
     second = engine.scheduler.schedule()
     assert [(row.seq, row.num_tokens) for row in second] == [(image, 1), (gif, 58)]

@@ -101,8 +101,9 @@ def test_rows_running_together_share_the_pages_the_first_computed(model, shared_
     shared_seen = 0
     while engine.has_work:
         engine.step()
-        if first.tables and second.tables:
-            shared_seen = max(shared_seen, len(set(first.tables[0].pages) & set(second.tables[0].pages)))
+        first_tables, second_tables = engine.kv.block_tables(first), engine.kv.block_tables(second)
+        if first_tables and second_tables:
+            shared_seen = max(shared_seen, len(set(first_tables[0].pages) & set(second_tables[0].pages)))
     assert second.cached >= 2 * PAGE and shared_seen >= 2
     assert first.output_ids == second.output_ids == alone(model, clip, GREEDY, None)
     assert all_pages_free(engine)

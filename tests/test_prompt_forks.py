@@ -121,11 +121,12 @@ def test_a_prefix_shared_by_three_questions_outlives_one_finishing_and_one_preem
         engine.step()
     pool = engine.pools[0]
     whole = min(row.prefix_length for row in rows[1:]) // pool.page_slots
-    shared = first.tables[0].pages[:whole]
-    assert whole > 0 and all((row.tables[0].pages[:whole] == shared).all() for row in rows[1:])
+    shared = engine.kv.block_tables(first)[0].pages[:whole]
+    assert whole > 0 and all((engine.kv.block_tables(row)[0].pages[:whole] == shared).all() for row in rows[1:])
     assert (pool.pool.holders[shared] == 3).all()
     held = pool.capacity_tokens - pool.free_slots
-    apart = sum(row.tables[0].capacity for row in rows)   # each question's pages, as if it held its own copy
+    # Each question's pages, as if it held its own copy.
+    apart = sum(engine.kv.block_tables(row)[0].capacity for row in rows)
     assert held == apart - 2 * whole * pool.page_slots, "the prefix's whole pages are held once, not three times"
     engine.scheduler.preempt(rows[1])
     assert (pool.pool.holders[shared] == 2).all()
@@ -201,11 +202,11 @@ def test_a_fork_waits_for_its_prefix_only_while_it_is_on_the_way() -> None:
         scheduler.add(seq)
     first = scheduler.schedule()   # the source's first chunk; the fork waits, the other row passes it
     assert [(row.seq, row.num_tokens) for row in first] == [(source, 16), (other, 10)]
-    source.num_computed, other.num_computed = 16, 10
+    source.num_computed_tokens, other.num_computed_tokens = 16, 10
     assert not any(row.seq is fork for row in scheduler.schedule())
-    source.num_computed = 35
+    source.num_computed_tokens = 35
     admitted = [row for row in scheduler.schedule() if row.seq is fork]
-    assert [(row.num_tokens, fork.forked, fork.num_computed) for row in admitted] == [(1, 35, 35)]
+    assert [(row.num_tokens, fork.forked, fork.num_computed_tokens) for row in admitted] == [(1, 35, 35)]
 
     # A source to be run alone, queued behind its fork, with nothing running.
     scheduler = _scheduler(max_rows=3)

@@ -137,8 +137,9 @@ def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_
     survivors, generated = row.pruning.num_survivors, len(row.output_ids) - 1   # the last one is not computed yet
     assert survivors < prompt.length
     assert (row.slots_used(), row.slots_used(late=True)) == (prompt.length + generated, survivors + generated)
-    for pool, table, layer, length in ((early, row.tables[0], 0, prompt.length + generated),
-                                       (late, row.tables[1], 1, survivors + generated)):
+    tables = engine.kv.block_tables(row)
+    for pool, table, layer, length in ((early, tables[0], 0, prompt.length + generated),
+                                       (late, tables[1], 1, survivors + generated)):
         keys, values = pool.read(table, layer, length)
         torch.testing.assert_close(keys[0].transpose(0, 1), attention.keys[layer][:length], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(values[0].transpose(0, 1), attention.values[layer][:length], rtol=1e-4, atol=1e-5)
@@ -147,8 +148,8 @@ def test_the_late_layers_cache_only_the_survivors_and_the_generated_tokens(tiny_
     whole = unpruned.add(prompt)
     unpruned.step()
     assert engine.kv_bytes <= unpruned.kv_bytes and late.capacity_tokens < early.capacity_tokens
-    reserved = sum(table.capacity * pool.bytes_per_slot for table, pool in zip(row.tables, engine.pools))
-    assert reserved < whole.tables[0].capacity * unpruned.pools[0].bytes_per_slot * 0.8
+    reserved = sum(table.capacity * pool.bytes_per_slot for table, pool in zip(tables, engine.pools))
+    assert reserved < unpruned.kv.block_tables(whole)[0].capacity * unpruned.pools[0].bytes_per_slot * 0.8
 
 
 def test_pruned_rows_fit_more_rows_in_the_same_memory(tiny_model, shared_media) -> None:
@@ -237,7 +238,7 @@ def test_the_score_equals_eager_attention_weights(tiny_model, prompts) -> None:
     real_choose = engine.runner._choose_survivors
 
     def choose(seq, query, scale):
-        keys, _ = engine.pools[0].read(seq.tables[0], layer, seq.prompt.length)
+        keys, _ = engine.pools[0].read(engine.kv.block_tables(seq)[0], layer, seq.prompt.length)
         captured["score"] = attention_of_last_query(query, keys[0], scale)
         real_choose(seq, query, scale)
 
@@ -301,8 +302,8 @@ def test_a_pruned_row_drops_its_layer_inputs_whenever_it_samples(tiny_model, pro
     seq = engine.add(prompts[1])
     while not seq.output_ids:
         engine.step()
-    assert seq.pruning is not None and seq.pruning.layer_inputs is None
+    assert seq.pruning is not None and engine.runner.layer_inputs(seq) is None
     engine.scheduler.preempt(seq)
     while len(seq.output_ids) < 2:
         engine.step()
-    assert seq.pruning.layer_inputs is None
+    assert engine.runner.layer_inputs(seq) is None

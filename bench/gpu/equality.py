@@ -59,11 +59,11 @@ def generate(model: CaptionModel, prompts: list[ProcessedPrompt], sampling: Samp
     run = engine.runner.run
 
     def recording(step):
-        sampled, logits = run(step)
-        if logits is not None:   # copied now: a CUDA graph's output is overwritten by its next replay
-            for seq, row in zip(sampled, logits.float().cpu()):
+        output = run(step)
+        if output.logits is not None:   # copied now: a CUDA graph's output is overwritten by its next replay
+            for seq, row in zip(output.sampled, output.logits.float().cpu()):
                 captured[seq.payload][len(seq.output_ids)] = (row, seq.seen_ids())
-        return sampled, logits
+        return output
 
     engine.runner.run = recording
     rows = []

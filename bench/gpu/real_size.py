@@ -72,12 +72,12 @@ def engine_pass(engine: Engine, prompts: list[ProcessedPrompt], new_tokens: int)
 def prefill_pass(engine: Engine, prompts: list[ProcessedPrompt]) -> dict:
     """`prompts` prefilled (one token each) with the prefix cache off: each prompt computed whole, even where
     an earlier pass left its pages computed."""
-    scheduler = engine.scheduler
-    kept, scheduler.prefix_cache = scheduler.prefix_cache, False
+    kv = engine.kv
+    kept, kv.prefix_cache = kv.prefix_cache, False
     try:
         run = engine_pass(engine, prompts, 1)
     finally:
-        scheduler.prefix_cache = kept
+        kv.prefix_cache = kept
     run.pop("ids")
     run.pop("prefix_cache_hit_rate")
     return run
@@ -150,7 +150,7 @@ def fill_with_noise(engine: Engine) -> None:
     """Random keys and values in every slot of the engine's cache: the decode timings then read real numbers
     (a slot never written may hold NaN or inf, which changes what the kernels do). The prefix cache is off from
     then on: the pages it kept hold noise now."""
-    engine.scheduler.prefix_cache = False
+    engine.kv.prefix_cache = False
     for pool in engine.pools:
         pool.keys.normal_()
         pool.values.normal_()
@@ -188,7 +188,7 @@ def admit_decoding(engine: Engine, rows: int, context: int, new_tokens: int) -> 
         scheduler.waiting.remove(seq)
         if not scheduler._admit(seq, force=True):
             raise RuntimeError(f"no room for {rows} rows of {context} positions")
-        seq.num_computed, seq.output_ids = context, [11]
+        seq.num_computed_tokens, seq.output_ids = context, [11]
     return sequences
 
 

@@ -62,7 +62,7 @@ class DecodeStep:
     @staticmethod
     def accepts(step: list[ScheduledRow]) -> bool:
         """Every row computes one generated token against device KV (and then samples)."""
-        return all(row.num_tokens == 1 and row.seq.host_kv is None and row.seq.remaining == 1
+        return all(row.num_tokens == 1 and row.kv.host is None and row.seq.remaining == 1
                    and _generated_index(row.seq) >= 0 for row in step)
 
     def run(self, step: list[ScheduledRow]) -> tuple[list[Sequence], torch.Tensor]:
@@ -77,7 +77,7 @@ class DecodeStep:
             token_ids[index] = seq.output_ids[generated]
             positions[index] = seq.prompt.next_position + generated
         components = rows[0].prompt.positions.shape[0]
-        parts = tuple(self._cache_step(pool, part, rows, padded) for part, pool in enumerate(self.pools))
+        parts = tuple(self._cache_step(pool, part, step, padded) for part, pool in enumerate(self.pools))
         return rows, self._logits(to_device(token_ids, device), to_device(positions, device).expand(components, -1),
                                   parts)[:len(rows)]
 
@@ -86,17 +86,17 @@ class DecodeStep:
         attention = _PagedDecode(self.pools, parts, self.late_layers, self.attention)
         return self.model.logits(self.model.forward(self.model.embed_tokens(token_ids), positions, attention))
 
-    def _cache_step(self, pool: KVCache, part: int, rows: list[Sequence], padded: int) -> CacheStep:
+    def _cache_step(self, pool: KVCache, part: int, step: list[ScheduledRow], padded: int) -> CacheStep:
         """Each row's slot for its new token in `pool` (the `part`-th cache), and the pages it reads."""
-        row_tables = [seq.tables[part] for seq in rows]
-        positions = np.array([_kv_position(seq, late=part == 1) for seq in rows])
+        row_tables = [row.kv.tables[part] for row in step]
+        positions = np.array([_kv_position(row.seq, late=part == 1) for row in step])
         page = pool.page_slots
         tables = self.attention.tables(row_tables, positions + 1, page, self.model.device,   # the new one included
                                        pool.scratch_page if self.static_shapes else None)
         write_pages = np.full(padded, pool.scratch_page, dtype=np.int64)
         write_offsets = np.zeros(padded, dtype=np.int64)
-        write_pages[:len(rows)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
-        write_offsets[:len(rows)] = positions % page
+        write_pages[:len(step)] = [table.pages[position // page] for table, position in zip(row_tables, positions)]
+        write_offsets[:len(step)] = positions % page
         return CacheStep(tables, to_device(write_pages, self.model.device), to_device(write_offsets, self.model.device))
 
 
@@ -127,7 +127,7 @@ def _kv_position(seq: Sequence, late: bool = False) -> int:
     the row computes next. A pruned row's survivors count as positions but hold early slots of their own
     only in the late cache (see `engine.pruning`)."""
     if seq.pruning is None:
-        return seq.num_computed
+        return seq.num_computed_tokens
     if late:
-        return seq.num_computed - seq.prompt.length
-    return seq.num_computed - seq.pruning.num_survivors
+        return seq.num_computed_tokens - seq.prompt.length
+    return seq.num_computed_tokens - seq.pruning.num_survivors

@@ -6,14 +6,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
 from ..errors import MODEL_ERROR, OUT_OF_MEMORY, TOO_LARGE, plain_message
 from ..families.base import CaptionModel, ProcessedPrompt
 from ..model.devices import is_fatal_device_error, is_out_of_memory, release_cached_memory
 from .cuda_graphs import CudaGraphError
 from .kv_cache import PAGE_SLOTS, KVCache
-from .model_runner import ModelRunner
+from .kv_manager import KVManager
+from .model_runner import ModelRunner, StepOutput
 from .pruning import PruneConfig, row_pruning
 from .sampling import SamplingParams, seen_pairs, select_tokens
 from .scheduler import PrefixCacheCounts, ScheduledRow, Scheduler, SchedulerConfig
@@ -72,6 +71,11 @@ class Engine:
         return self.scheduler.has_work
 
     @property
+    def kv(self) -> KVManager:
+        """Which KV blocks the rows hold."""
+        return self.scheduler.kv
+
+    @property
     def kv_bytes(self) -> int:
         return sum(pool.nbytes for pool in self.pools)
 
@@ -116,16 +120,28 @@ class Engine:
     def abort_all(self) -> None:
         """Drop every row and free its KV (the caller stopped early)."""
         self.scheduler.clear()
+        self._forget_released()
 
     def step(self, on_tokens: Callable[[int], None] | None = None) -> list[Sequence]:
         """Run one step; returns the rows that finished in it (in no particular order)."""
+        try:
+            return self._step(on_tokens)
+        finally:   # rows finished or preempted in the step
+            self._forget_released()
+
+    def _forget_released(self) -> None:
+        """What the runner keeps of rows that let go of their KV goes with it (a preempted row starts again)."""
+        self.runner.forget(self.scheduler.take_released())
+
+    def _step(self, on_tokens: Callable[[int], None] | None) -> list[Sequence]:
         step = self.scheduler.schedule()
+        self._forget_released()   # rows preempted to make room, some perhaps admitted again at once
         if not step:
             if self.scheduler.has_work:
                 raise RuntimeError("the scheduler made no progress with rows waiting (a bug)")
             return []
         try:
-            sampled, logits = self.runner.run(step)
+            output = self.runner.run(step)
         except Exception as error:
             if is_fatal_device_error(error) or _is_compile_error(error) or isinstance(error, CudaGraphError):
                 raise
@@ -133,17 +149,18 @@ class Engine:
             # step's tensors alive.
             out_of_memory, message = is_out_of_memory(error), f"the model step failed: {plain_message(error)}"
         else:
-            return self._advance(step, sampled, logits, on_tokens)
+            return self._advance(step, output, on_tokens)
         return self._recover(step, out_of_memory, message)
 
-    def _advance(self, step: list[ScheduledRow], sampled: list[Sequence], logits: torch.Tensor | None,
+    def _advance(self, step: list[ScheduledRow], output: StepOutput,
                  on_tokens: Callable[[int], None] | None) -> list[Sequence]:
         self.scheduler.advance(step)
+        for seq, survivors in output.survivors:
+            assert seq.pruning is not None
+            seq.pruning.survivors = survivors
+        sampled, logits = output.sampled, output.logits
         if logits is None:
             return []
-        for seq in sampled:   # a pruned row's prompt is done with: its layer-K inputs are no longer needed
-            if seq.pruning is not None:
-                seq.pruning.layer_inputs = None
         seen = None
         if self.sampling.repetition_penalty not in (None, 1):
             seen = seen_pairs([seq.prompt_vocabulary(logits.device) for seq in sampled],

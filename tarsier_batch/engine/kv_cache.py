@@ -3,9 +3,9 @@
 Every layer's keys and values live in one preallocated tensor per kind, page-major
 (layers, pages, kv_heads, PAGE_SLOTS, head_dim). A row holds a `BlockTable` per cache: its pages in
 context order, any pages anywhere, taken from the cache's free list as the row grows and given
-back when it finishes or is preempted. Nothing needs a contiguous hole and nothing moves: a row
-that could not grow in place used to be copied, and a long row waited for (or preempted others
-to make) a hole while enough pages were free in total.
+back when it finishes or is preempted (the KV manager, `engine.kv_manager`, keeps the rows' tables
+and decides when). Nothing needs a contiguous hole and nothing moves: a long row never waits for,
+or preempts others to make, a hole while enough pages are free in total.
 
 Why pages: a decode step attends for all its rows in one batched call (see `engine.attention`),
 one small matrix multiply per (page, kv head), and that needs the pages in use to be one strided

@@ -59,14 +59,14 @@ class PruneConfig:
 
 @dataclass(eq=False)
 class RowPruning:
-    """One row's pruning state."""
+    """One row's pruning plan, and its survivors once chosen. (The model runner keeps the row's layer-K inputs
+    while its stages run.)"""
 
     layer: int                       # K
     prompt_length: int               # P
     vision_mask: torch.Tensor        # (P,) bool: the prompt positions that are vision tokens
     kept_vision: int
     survivors: torch.Tensor | None = None      # (S,) prompt positions kept, ascending; set once scored
-    layer_inputs: torch.Tensor | None = None   # (P, hidden) layer-K inputs, during the stages
 
     @property
     def num_survivors(self) -> int:

@@ -2,21 +2,21 @@
 
 Every step spends `max_batch_tokens`: first one token for each running row that decodes, then
 prefill chunks (at most `prefill_chunk` positions each) for running rows still prefilling, then
-chunks of newly admitted rows while fewer than `max_rows` run. A row is admitted only when its
-prompt fits the KV cache's free pages with room to spare; a decoding row that finds no free page
-to grow into preempts the most recently admitted row, whose pages are freed and its KV recomputed
-later (its tokens so far are kept). Pages are taken anywhere: a row never waits for a hole.
-With vision-token pruning there are two caches (the early layers' and the late layers'): a row
-holds a table in each, sized for its whole prompt and for its survivors, and is admitted only
-when both have room.
+chunks of newly admitted rows while fewer than `max_rows` run. A row is admitted only when the KV
+manager can give it blocks for its prompt with room to spare; a decoding row that finds no free
+block to grow into preempts the most recently admitted row, whose blocks are freed and its KV
+recomputed later (its tokens so far are kept). Blocks are taken anywhere: a row never waits for a
+hole. Everything about blocks (how many a row needs, which are free, which of a prompt is cached,
+two caches with pruning, host memory with offloaded prefill) is the KV manager's (`kv_manager`):
+the scheduler asks it and passes its answers on, to it and to the model runner, without looking
+inside.
 Rows are admitted in input order: attention runs on each row's exact length, so mixing a short
 image with a long video costs nothing and there is no reason to reorder.
 
-The prefix cache: every full page of a prompt a row computes is remembered by its digest (see
-`ProcessedPrompt.page_digests`), and a row admitted later takes the computed pages its prompt starts
-with instead of computing them again, while they are held or kept (see `PagePool`). Not with
-pruning's two caches (FastV's survivors differ per prompt) or offloaded prefill (its prefix is not
-on the device).
+A row admitted starts from its computed prefix when there is one: another question's shared
+prefix about the same clip, or the prefix cache's blocks (every full block of a prompt a row
+computes is remembered by its digest, see `ProcessedPrompt.page_digests`, and a later row whose
+prompt starts the same way takes those blocks instead of computing them again).
 """
 
 from __future__ import annotations
@@ -24,15 +24,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
-from .kv_cache import BlockTable, HostKV, KVCache
+from .kv_cache import KVCache
+from .kv_manager import ComputedPrefix, KVManager, RowKV
 from .sequence import Sequence, Status
 
-# Slots reserved at admission for the first generated tokens.
-FIRST_DECODE_RESERVE = 16
-# A row is admitted only if this share of the cache stays free for the running rows to grow.
-ADMISSION_WATERMARK = 1 / 32
 MIN_BATCH_TOKENS = 16
 
 
@@ -56,7 +51,8 @@ class PrefixCacheCounts:
 @dataclass(frozen=True)
 class ScheduledRow:
     seq: Sequence
-    num_tokens: int   # positions computed this step, from seq.num_computed on
+    num_tokens: int   # positions computed this step, from seq.num_computed_tokens on
+    kv: RowKV         # where the row's keys and values are (the KV manager's answer, for the model runner)
 
 
 @dataclass(frozen=True)
@@ -78,22 +74,18 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Waiting and running rows, and the KV pages they hold."""
+    """Waiting and running rows; the KV manager holds their blocks."""
 
-    def __init__(self, config: SchedulerConfig, pools: list[KVCache]):
-        """`pools`: one cache of every layer, or the early layers' and the late layers' (pruning)."""
-        if config.offload_prefill and len(pools) > 1:
-            raise ValueError("offloaded prefill keeps one cache of every layer")
-        self.pools = pools
-        self.late = (False, True)[:len(pools)]   # per cache: does it hold the late layers of pruned rows
+    def __init__(self, config: SchedulerConfig, caches: list[KVCache]):
+        """`caches`: one cache of every layer, or the early layers' and the late layers' (pruning)."""
+        self.kv = KVManager(caches, config.prefix_cache, config.offload_prefill)
         self.max_rows = config.max_rows
         self.max_batch_tokens = config.max_batch_tokens
         self.prefill_chunk = config.prefill_chunk
-        self.offload_prefill = config.offload_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last is preempted first
-        self.prefix_cache = config.prefix_cache and len(pools) == 1 and not config.offload_prefill
         self.prefix_counts = PrefixCacheCounts()
+        self._released: list[int] = []   # row ids that let go of their KV since `take_released`
 
     @property
     def has_work(self) -> bool:
@@ -101,16 +93,10 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> str | None:
         """Queue a row; returns why it can never run, if so (it is then not queued)."""
-        for late, pool in zip((False, True), self.pools):
-            if pool.whole_pages(seq.max_length(late)) > pool.capacity_tokens:
-                gib = seq.max_length(late) * pool.bytes_per_slot / 2**30
-                layers = f"layers {pool.layers.start}-{pool.layers.stop - 1}" if len(self.pools) > 1 else "the model"
-                return (f"needs {seq.max_length(late)} tokens of KV cache for {layers} ({gib:.2f} GiB: prompt "
-                        f"{seq.prompt.length - (seq.pruned if late else 0)} + {seq.max_new_tokens} new), more than "
-                        f"the cache holds ({pool.capacity_tokens} tokens); "
-                        f"raise --kv-cache-gb or lower --frames / --max-new-tokens")
-        self.waiting.append(seq)
-        return None
+        problem = self.kv.never_fits(seq)
+        if problem is None:
+            self.waiting.append(seq)
+        return problem
 
     def holds(self, seq: Sequence) -> bool:
         """Is `seq` queued or running here (not finished, not another engine's)?"""
@@ -125,29 +111,27 @@ class Scheduler:
         step: list[ScheduledRow] = []
         for seq in [seq for seq in self.running if not seq.in_prefill]:
             if seq.status is Status.RUNNING and budget > 0 and self._make_room(seq):
-                step.append(ScheduledRow(seq, 1))
+                step.append(ScheduledRow(seq, 1, self.kv.row_kv(seq)))
                 budget -= 1
         prefilled_whole = False
         for seq in [seq for seq in self.running if seq.in_prefill]:
             tokens = self._chunk(seq, budget, prefilled_whole)
             if tokens:
-                step.append(ScheduledRow(seq, tokens))
+                step.append(ScheduledRow(seq, tokens, self.kv.row_kv(seq)))
                 budget -= tokens
                 prefilled_whole = True
         while budget > 0 and len(self.running) < self.max_rows:
             seq = self._next_to_admit()
             if seq is None:
                 break
-            source = self._prefix_holder(seq)
-            cached = self._cached_pages(seq) if source is None else None
-            # A fork starts after the prefix, a row finding its first pages cached after them.
-            seq.num_computed = seq.prefix_length if source is not None else len(cached) * self.pools[0].page_slots
+            prefix = self.kv.computed_prefix(seq, self._prefix_holder(seq))
+            seq.num_computed_tokens = prefix.num_tokens   # it starts after its computed prefix
             tokens = self._chunk(seq, budget, prefilled_whole)
-            if not tokens or not self._admit(seq, source=source, cached=cached):
-                seq.num_computed = 0
+            if not tokens or not self._admit(seq, prefix=prefix):
+                seq.num_computed_tokens = 0
                 break
             self.waiting.remove(seq)
-            step.append(ScheduledRow(seq, tokens))
+            step.append(ScheduledRow(seq, tokens, self.kv.row_kv(seq)))
             budget -= tokens
             prefilled_whole = True
         if not step and not self.running and self.waiting and self.waiting[0].isolate:
@@ -158,16 +142,12 @@ class Scheduler:
         return step
 
     def advance(self, step: list[ScheduledRow]) -> None:
-        """The step succeeded: its positions are computed, and the prompt pages it filled are remembered for
+        """The step succeeded: its positions are computed, and the prompt blocks it filled are remembered for
         rows to come (the prefix cache)."""
         for row in step:
-            seq = row.seq
-            before, seq.num_computed = seq.num_computed, seq.num_computed + row.num_tokens
-            if self.prefix_cache and seq.tables:
-                page = self.pools[0].page_slots
-                first, stop = before // page, min(seq.num_computed, seq.prompt.length) // page
-                if stop > first:
-                    self.pools[0].pool.remember(seq.page_digests(page)[first:stop], seq.tables[0].pages[first:stop])
+            before = row.seq.num_computed_tokens
+            row.seq.num_computed_tokens += row.num_tokens
+            self.kv.cache_blocks(row.seq, before)
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished row's KV at once, so a waiting row can take its place next step."""
@@ -183,12 +163,15 @@ class Scheduler:
         """Free a running row's KV and queue it first, to be recomputed from its tokens so far."""
         self._release(seq)
         self.running.remove(seq)
-        seq.status, seq.num_computed = Status.WAITING, 0
-        seq.encoded.clear()
-        if seq.pruning is not None:  # its survivors stay chosen: recomputing reproduces the same row
-            seq.pruning.layer_inputs = None
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
         seq.preemptions += 1
         self.waiting.appendleft(seq)
+
+    def take_released(self) -> list[int]:
+        """The ids of the rows that let go of their KV (finished or preempted) since last asked: whatever else
+        is kept for them while they run can go too (its KV is recomputed, if they come back)."""
+        released, self._released = self._released, []
+        return released
 
     def lower_budget_after_oom(self) -> bool:
         """Halve the token budget and the running rows after running out of memory.
@@ -213,7 +196,7 @@ class Scheduler:
     def _schedule_alone(self, seq: Sequence) -> list[ScheduledRow]:
         tokens = self._chunk(seq, max(self.max_batch_tokens, 1), False)
         if seq.in_prefill or self._make_room(seq):
-            return [ScheduledRow(seq, tokens)]
+            return [ScheduledRow(seq, tokens, self.kv.row_kv(seq))]
         return []
 
     def _chunk(self, seq: Sequence, budget: int, prefilled_whole: bool) -> int:
@@ -248,50 +231,17 @@ class Scheduler:
     def _prefix_holder(self, seq: Sequence) -> Sequence | None:
         """The row whose device KV holds `seq`'s shared prefix computed, if there is one now."""
         source = seq.prefix_source
-        if source is None or source.status is not Status.RUNNING or not source.tables:
+        if source is None or source.status is not Status.RUNNING:
             return None
-        return source if source.slots_used() >= seq.prefix_length else None
+        return source if self.kv.has_computed(source, seq.prefix_length) else None
 
-    def _cached_pages(self, seq: Sequence) -> np.ndarray:
-        """The computed pages `seq`'s prompt starts with, held or kept (none without the prefix cache). At least
-        its last position is left to compute: it samples from there."""
-        if not self.prefix_cache:
-            return np.zeros(0, dtype=np.int64)
-        page = self.pools[0].page_slots
-        digests = seq.page_digests(page)[:(seq.length - 1) // page]
-        return self.pools[0].pool.cached(digests)
-
-    def _admit(self, seq: Sequence, force: bool = False, source: Sequence | None = None,
-               cached: np.ndarray | None = None) -> bool:
-        """Give `seq` KV and run it; `source`: a row holding `seq`'s shared prefix, copied instead of computed;
-        `cached`: the computed pages its prompt starts with (the prefix cache)."""
-        if self.offload_prefill and seq.in_prefill:
-            pool = self.pools[0]
-            seq.host_kv = HostKV(pool.geometry, seq.kv_length(), pool.keys.dtype, pool.keys.device)
-        else:
-            needs = [min(seq.max_length(late), seq.kv_length(late) + FIRST_DECODE_RESERVE) for late in self.late]
-            # The computed pages the row starts from: a fork holds its source's whole pages of the prefix.
-            shared = (source.tables[0].pages[:seq.prefix_length // self.pools[0].page_slots] if source is not None
-                      else cached if cached is not None else np.zeros(0, dtype=np.int64))
-            assert not len(shared) or len(self.pools) == 1, "a shared prefix is of every layer, not with two caches"
-            for pool, need in zip(self.pools, needs):
-                # The slots that round a table up to whole pages are room to grow like the watermark's.
-                watermark = 0 if force or not self.running else int(pool.capacity_tokens * ADMISSION_WATERMARK)
-                # Shared pages need no free page, but a kept one is free no more once held.
-                free = pool.free_slots - pool.pool.kept_among(shared) * pool.page_slots
-                if free - (need - len(shared) * pool.page_slots) < watermark:
-                    return False
-            for index, (pool, need) in enumerate(zip(self.pools, needs)):
-                table = pool.hold_prefix(shared) if index == 0 else BlockTable(pool.page_slots)
-                if not pool.grow(table, need):
-                    pool.release(table)
-                    self._release(seq)
-                    return False
-                seq.tables.append(table)
-            if source is not None:   # the prefix's partial last page
-                self.pools[0].copy_tokens(source.tables[0], seq.tables[0], seq.prefix_length)
-        seq.forked = seq.prefix_length if source is not None else 0
-        seq.cached = len(cached) * self.pools[0].page_slots if source is None and cached is not None else 0
+    def _admit(self, seq: Sequence, force: bool = False, prefix: ComputedPrefix | None = None) -> bool:
+        """Give `seq` KV and run it, starting from `prefix` (computed already: see `KVManager.computed_prefix`);
+        `force`: even if that leaves no room for the running rows to grow."""
+        prefix = prefix or ComputedPrefix()
+        if not self.kv.allocate(seq, prefix, keep_free=not force and bool(self.running)):
+            return False
+        seq.forked, seq.cached = prefix.forked, prefix.cached
         self._count_admission(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
@@ -309,43 +259,19 @@ class Scheduler:
         """Ensure `seq` holds device slots for every position it will have computed after this step,
         preempting later rows if it must.
 
-        An offloaded row gets its device range here, once its prefill is done. Returns False
+        An offloaded row gets its device blocks here, once its prefill is done. Returns False
         if `seq` cannot run this step (it was preempted, or it waits for room).
         """
-        for index, late in enumerate(self.late):
-            table = seq.tables[index] if seq.tables else None
-            needed = seq.kv_length(late)
-            if table is not None and table.capacity >= needed:
-                continue
-            # A table grows by the pages it needs now (nothing moves, so growing often costs nothing); an
-            # offloaded row coming to the device brings room for its first tokens, as an admitted row does.
-            target = needed if table is not None else min(seq.max_length(late), needed + FIRST_DECODE_RESERVE)
-            while not self._grow(seq, index, target):
-                if seq.host_kv is not None:
-                    return False  # an offloaded prefill waits for room; evicting others would thrash
-                # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
-                victim = next(row for row in reversed(self.running) if row.tables)
-                self.preempt(victim)
-                if victim is seq:
-                    return False
-        return True
-
-    def _grow(self, seq: Sequence, index: int, slots: int) -> bool:
-        pool = self.pools[index]
-        if seq.tables:
-            return pool.grow(seq.tables[index], slots)
-        # An offloaded prefill is done: bring its KV to the device.
-        assert seq.host_kv is not None
-        table = BlockTable(pool.page_slots)
-        if not pool.grow(table, slots):
-            return False
-        pool.copy_from(table, seq.host_kv, seq.slots_used())
-        seq.host_kv = None
-        seq.tables = [table]
+        while not self.kv.allocate_slots(seq):
+            if self.kv.is_offloaded(seq):
+                return False  # an offloaded prefill waits for room; evicting others would thrash
+            # Evict the most recently admitted row that holds device KV (`seq` itself at worst).
+            victim = next(row for row in reversed(self.running) if self.kv.on_device(row))
+            self.preempt(victim)
+            if victim is seq:
+                return False
         return True
 
     def _release(self, seq: Sequence) -> None:
-        for pool, table in zip(self.pools, seq.tables):
-            pool.release(table)
-        seq.tables = []
-        seq.host_kv = None
+        self.kv.free(seq)
+        self._released.append(seq.row_id)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import count
 from typing import Any
 
 import torch
 
 from ..families.base import ProcessedPrompt
-from .kv_cache import BlockTable, HostKV
 from .pruning import RowPruning
+
+_row_ids = count()
 
 
 class Status(Enum):
@@ -23,7 +25,7 @@ class Status(Enum):
 class Sequence:
     """A prompt and its generated tokens; the engine computes it position by position.
 
-    There are no prefill and decode phases, only `num_computed` (positions whose keys and
+    There are no prefill and decode phases, only `num_computed_tokens` (positions whose keys and
     values are cached) against `length` (prompt plus generated tokens): a prefill chunk is a
     step that computes many positions, a decode step computes one. When a step computes the
     last position the row samples its next token. A row whose vision tokens are pruned counts
@@ -35,14 +37,11 @@ class Sequence:
     seed: int | None = None                  # its sampling stream (SamplingParams.row_seed); None: greedy
     payload: Any = None                      # the caller's handle, returned untouched
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed_tokens: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None         # "eos", "length" or "error"
     error: str | None = None
     error_kind: str | None = None            # with `error`: one of `errors.KINDS`
-    tables: list[BlockTable] = field(default_factory=list)   # device KV pages while running, one per cache
-    host_kv: HostKV | None = None            # KV kept in host memory during an offloaded prefill
-    encoded: dict[int, torch.Tensor] = field(default_factory=dict)  # vision block -> vectors, until consumed
     isolate: bool = False                    # run alone: a step it was in failed for an unknown reason
     preemptions: int = 0
     pruning: RowPruning | None = None        # set when its vision tokens are pruned after a layer
@@ -56,6 +55,9 @@ class Sequence:
     # Prefix lengths rows forked from this one copy: its chunks stop there, so they can copy before it may
     # finish.
     fork_points: set[int] = field(default_factory=set)
+    # What the KV manager and the model runner key their state of this row by: unique in the process (an
+    # object's id may be reused once it is gone).
+    row_id: int = field(default_factory=lambda: next(_row_ids))
     _prompt_vocabulary: torch.Tensor | None = None
     _page_digests: list[bytes] | None = None
 
@@ -100,16 +102,16 @@ class Sequence:
     def slots_used(self, late: bool = False) -> int:
         """KV slots holding computed keys and values, in the early (or only) layers or in the late ones."""
         if self.pruning is None:
-            return self.num_computed
+            return self.num_computed_tokens
         prompt, survivors = self.prompt.length, self.pruning.num_survivors
         if late:
-            return max(0, self.num_computed - prompt)
-        return min(self.num_computed, prompt) + max(0, self.num_computed - prompt - survivors)
+            return max(0, self.num_computed_tokens - prompt)
+        return min(self.num_computed_tokens, prompt) + max(0, self.num_computed_tokens - prompt - survivors)
 
     @property
     def remaining(self) -> int:
         """Positions still to compute before the next token can be sampled."""
-        return self.length - self.num_computed
+        return self.length - self.num_computed_tokens
 
     @property
     def chunk_limit(self) -> int:
@@ -119,8 +121,8 @@ class Sequence:
         if self.pruning is not None:
             stage_ends += [self.prompt.length, self.prompt.length + self.pruning.num_survivors]
         for stage_end in stage_ends:
-            if self.num_computed < stage_end:
-                return stage_end - self.num_computed
+            if self.num_computed_tokens < stage_end:
+                return stage_end - self.num_computed_tokens
         return self.remaining
 
     @property
@@ -148,7 +150,3 @@ class Sequence:
     def finish(self, reason: str, error: str | None = None, error_kind: str | None = None) -> None:
         self.status, self.finish_reason, self.error, self.error_kind = Status.FINISHED, reason, error, error_kind
         self.prefix_source = None   # would keep a finished source's prompt and pixels alive
-        self.encoded.clear()
-        self.host_kv = None
-        if self.pruning is not None:
-            self.pruning.layer_inputs = None
