@@ -22,15 +22,11 @@ from rich.traceback import Traceback
 
 from . import (
     DEFAULT_MODEL,
-    DEMO_ACCURACY,
-    DEMO_ALIAS,
-    RESERVED_NAMES,
     Backend,
     CaptionRun,
     CaptionSettings,
     Discovery,
     InputNotFoundError,
-    LineLog,
     LoadingCrashed,
     Manifest,
     ManifestError,
@@ -42,33 +38,20 @@ from . import (
     PromptSetError,
     Question,
     RaySettings,
-    RemoteOutput,
-    Reporter,
     RunOutcome,
     RunReporter,
     RunSettings,
-    RunStats,
     SettingsError,
     SettingsMismatchError,
     Status,
     StorageError,
-    Terminated,
     __version__,
-    check_manifest_path,
     discover,
-    family_named,
-    install_extra_command,
-    is_shard,
-    make_reporters,
     model_families,
-    model_reference_problem,
     output_at,
     parse_asks,
-    plural,
-    print_summary,
     read_manifest,
     read_prompt_set,
-    sibling_columns,
 )
 from .cli_options import (
     FLAGS,
@@ -81,6 +64,15 @@ from .cli_options import (
     from_values,
 )
 from .config import ConfigError, config_defaults
+from .families.catalog import family_named
+from .inputs.manifest import check_manifest_path, sibling_columns
+from .inputs.sources import is_shard
+from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, model_reference_problem
+from .outputs.remote import RemoteOutput
+from .outputs.schema import RESERVED_NAMES
+from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
+from .run import Terminated
+from .version import install_extra_command
 
 T = TypeVar("T")
 
@@ -422,7 +414,8 @@ def inspect_command(
     Decodes the sampled frames exactly as captioning does, in a child process (a decoder crash or
     hang is reported). Exit code 0 if every file would caption, 1 if some would fail.
     """
-    from . import family_for, inspect_file
+    from . import inspect_file
+    from .review.inspection import family_for
 
     if model is not None and family is not None:
         _fail("give --model or --family, not both")
@@ -514,7 +507,8 @@ def report_command(
     """
     import time
 
-    from . import check_results_path, write_report
+    from . import write_report
+    from .review import check_results_path
 
     if out.is_dir():
         _fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
@@ -554,7 +548,7 @@ def eval_demo_command(
     (`reversed_accuracy`). Exit 1 when either is below 0.95. Options after `--` go to
     `tarsier caption`, to measure what a setting costs: `eval-demo -- --dtype bfloat16`.
     """
-    from . import evaluate_demo
+    from .demo.evaluate import evaluate_demo
 
     try:
         result = evaluate_demo(n, seed, model, tuple(context.args))
