@@ -68,10 +68,13 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 import attention_kernels  # noqa: E402
 import cli_runs  # noqa: E402
+import end_to_end  # noqa: E402
 import equality  # noqa: E402
 import real_size  # noqa: E402
 import step_profile  # noqa: E402
 import workload  # noqa: E402
+from demo_bf16 import run_bf16_demo  # noqa: E402
+from pruning import run_pruning  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.engine import Engine  # noqa: E402
@@ -101,6 +104,10 @@ class Profile:
     cli_clips: int
     cli_new_tokens: int
     cli_kv_gb: float             # the KV cache of the run without the memory check
+    user_files: end_to_end.UserFiles   # the user's run: its files and how they are captioned
+    pruning_clips: int           # clips of the workload's kind, run with and without temporal pruning
+    pruning_frames: int          # their frames (more than the dry run's 2: at R = 0.5 a block would empty)
+    demo_clips: int              # held-out clips of the demo model (each forwards and backwards)
     budget_s: float
     stage_s: dict[str, float] = field(default_factory=dict)   # what each stage needs at most, to plan the budget
 
@@ -108,23 +115,30 @@ class Profile:
 GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, prefill_clips=16, baseline_clips=8,
               new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64),
               attention_repeats=50, cli_clips=8,
-              cli_new_tokens=32, cli_kv_gb=40, budget_s=540,
+              cli_new_tokens=32, cli_kv_gb=40, user_files=end_to_end.GPU_FILES, pruning_clips=32,
+              pruning_frames=16, demo_clips=50,
+              budget_s=540,
               stage_s={"env": 15, "equality": 45, "build": 30, "engine": 110, "baseline": 90, "decode": 20,
-                       "profile": 40, "attention": 40, "cli": 100, "compiled": 160})
+                       "profile": 40, "attention": 40, "cli": 100, "compiled": 160,
+                       "e2e": 180, "bf16_demo": 50, "pruning": 75, "segments": 100, "e2e_compiled": 110})
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
 DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, prefill_clips=2,
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
-              cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-# `compiled` before the stages measured already (profile, attention, cli). The fourth run (an H100) took, from
-# run.sh's start: 20 s to start, equality 32, build 20, engine 89, baseline 71, decode 9, compiled 112 (129 with
-# the compiled vision blocks and their prefill, in the call after), profile 31, attention 27, cli 81: ~510 s in
-# all. Each stage's allowance above is that pace with a margin of a fifth or more, and the budget lets cli start
-# by ~440 s, so that every stage fits one call of 590 s (a call on the GPU machine may last 600); a call stopped
-# at its limit loses only the stage it was in, since the results are saved after each.
-STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "profile", "attention", "cli"]
+              cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, user_files=end_to_end.DRY_FILES, pruning_clips=4,
+              pruning_frames=8, demo_clips=2, budget_s=1800)
+# Two calls on one warm machine. `targets`: the stages whose figures the engine's targets are judged by. The fourth
+# run (an H100) took, from run.sh's start: 20 s to start, equality 32, build 20, engine 89, baseline 71, decode 9,
+# compiled 129 (with the compiled vision blocks and their prefill), cli 81: ~450 s (profile 31 and attention 27 more,
+# measured already: left out unless named). Each allowance above is that pace with a margin of a fifth or more.
+# `user`: the user's run and the checks never run on a GPU, most telling first (their allowances are estimates
+# until a run measures them); on the same machine it goes on from the first call's checkpoint and results.
+STAGE_SETS = {"targets": ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "cli"],
+              "user": ["e2e", "bf16_demo", "pruning", "segments", "e2e_compiled"]}
+STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"], "profile", "attention"]
+DEFAULT_STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"]]
 DTYPE = torch.bfloat16
 
 
@@ -210,6 +224,21 @@ class Bench:
             self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in self.prompts})
             self.stage("engine")["prompts_s"] = round(time.perf_counter() - started, 1)
         return self.prompts
+
+    def cli_flags(self) -> list[str]:
+        """`tarsier caption`'s flags for this profile. On CUDA the defaults (the device, bfloat16, the frames) as a
+        user runs it: the first H100 run's explicit `--device cuda` stopped at "No such option" (the `cli` stage's
+        `help` record looks into that). Without CUDA graphs or the fused attention when the equality failed."""
+        profile = self.profile
+        return [*([] if self.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16",
+                                                         "--frames", str(profile.frames)]),
+                *([] if self.cuda_graphs else ["--no-cuda-graphs"]),
+                *([] if self.fused_attention else ["--no-fused-attention"])]
+
+    def bf16_peak(self) -> tuple[float, str]:
+        """The rate an MFU is quoted against (`real_size.bf16_peak`), from the `env` stage's figures."""
+        env = self.results["stages"].get("env", {})
+        return real_size.bf16_peak(env.get("device_name", ""), env.get("matmul_flop_per_s", float("nan")))
 
     def drop_model(self) -> None:
         self.captioner = None
@@ -342,9 +371,8 @@ def prefill_figures(bench: Bench, engine: Engine, prompts: list) -> dict:
     distinct = prompts[:bench.profile.prefill_clips]
     prefill = real_size.prefill_pass(engine, distinct)
     flops = real_size.prefill_flops(bench.loaded().model, distinct)
-    env = bench.results["stages"].get("env", {})
-    measured_matmul = env.get("matmul_flop_per_s", float("nan"))
-    peak, peak_source = real_size.bf16_peak(env.get("device_name", ""), measured_matmul)
+    measured_matmul = bench.results["stages"].get("env", {}).get("matmul_flop_per_s", float("nan"))
+    peak, peak_source = bench.bf16_peak()
     flop_per_s = flops / prefill["seconds"]
     return {**prefill, "prompt_positions_per_s": round(sum(p.length for p in distinct) / prefill["seconds"], 1),
             "flop": flops, "flop_per_s": flop_per_s, "mfu": round(flop_per_s / peak, 4), "mfu_against": peak_source,
@@ -528,12 +556,7 @@ def run_cli(bench: Bench) -> None:
     clips = workload.write_clips(bench.workdir / "clips", profile.cli_clips, profile.frames, profile.width,
                                  profile.height)
     many = cli_runs.linked_copies(clips, bench.workdir / "many-clips", 2 * profile.cli_clips)
-    # On CUDA the defaults are the device and bfloat16, as a user runs it: the first H100 run's explicit
-    # `--device cuda` stopped at "No such option" (the `help` record below looks into that).
-    common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens), "--overwrite",
-              *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"]),
-              *([] if bench.cuda_graphs else ["--no-cuda-graphs"]),
-              *([] if bench.fused_attention else ["--no-fused-attention"])]
+    common = ["--max-new-tokens", str(profile.cli_new_tokens), "--overwrite", *bench.cli_flags()]
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
@@ -552,7 +575,8 @@ def run_cli(bench: Bench) -> None:
 
 RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine": run_engine,
            "baseline": run_baseline, "decode": run_decode, "profile": run_profile, "attention": run_attention,
-           "cli": run_cli, "compiled": run_compiled}
+           "cli": run_cli, "compiled": run_compiled, "e2e": end_to_end.run_e2e, "bf16_demo": run_bf16_demo,
+           "pruning": run_pruning, "segments": end_to_end.run_segments, "e2e_compiled": end_to_end.run_e2e_compiled}
 
 
 # --- the summary -------------------------------------------------------------------------------------------
@@ -575,8 +599,10 @@ def summary(results: dict) -> dict:
     agreement = baseline.get("bf16_engine_vs_transformers", {})
     preflight = engine.get("preflight", {})
     cli_runs_done = [run for run in cli.values() if isinstance(run, dict) and "rows_lost" in run]
+    commits = sorted(set(results.get("commits", {}).values()))
     return {
         "device": env.get("device_name"), "torch": env.get("torch"),
+        "commit": commits[0] if len(commits) == 1 else commits or None,
         "speedup_vs_transformers": round(best / official, 2) if best and official else None,
         "speedup_vs_transformers_eager": round(eager / official, 2) if eager and official else None,
         "speedup_vs_transformers_compiled": round(compiled_rate / official, 2) if compiled_rate and official else None,
@@ -598,10 +624,40 @@ def summary(results: dict) -> dict:
         "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
         "preflight_estimate_over_peak_compiled": compiled.get("preflight", {}).get("estimate_over_allocated"),
         "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
+        **user_run_summary(stages),
         "stages_done": [name for name in STAGES if name in stages and "error" not in stages[name]
                         and "skipped" not in stages[name]],
         "stages_failed": [name for name in STAGES if "error" in stages.get(name, {})],
         "stages_skipped": [name for name in STAGES if "skipped" in stages.get(name, {})],
+    }
+
+
+def user_run_summary(stages: dict) -> dict:
+    """The user's run's figures (bench/gpu/end_to_end.py) and the checks beside it (None where a stage did not run):
+    `gpu_busy` and `e2e_over_engine` while captioning (after the model is loaded: loading is not the engine's work),
+    the whole run's figures beside them."""
+    e2e = stages.get("e2e", {})
+    command = e2e.get("command", {})
+    segments = stages.get("segments", {}).get("command", {})
+    compiled = stages.get("e2e_compiled", {}).get("command", {})
+    return {
+        "e2e_items_per_s": command.get("items_per_s"),
+        "e2e_items_per_s_while_captioning": command.get("items_per_s_while_captioning"),
+        "e2e_engine_items_per_s": e2e.get("engine_only", {}).get("items_per_s"),
+        "e2e_over_engine": e2e.get("e2e_over_engine"),
+        "gpu_busy": command.get("gpu_busy_while_captioning"), "gpu_busy_whole_run": command.get("gpu_busy"),
+        "decode_s_per_clip": e2e.get("decode", {}).get("decord_s_per_clip"),
+        "e2e_workers": command.get("workers"), "e2e_time_to_first_row_s": command.get("time_to_first_row_s"),
+        "e2e_rows_lost": command.get("rows_lost"),
+        "e2e_compiled_items_per_s": compiled.get("items_per_s"),
+        "e2e_compiled_items_per_s_while_captioning": compiled.get("items_per_s_while_captioning"),
+        "segments_rows_per_s": segments.get("items_per_s"),
+        "segments_rows_per_s_while_captioning": segments.get("items_per_s_while_captioning"),
+        "segments_gpu_busy": segments.get("gpu_busy_while_captioning"),
+        "bf16_demo_identical_rate": stages.get("bf16_demo", {}).get("bfloat16", {}).get("identical_rate"),
+        "fp16_demo_identical_rate": stages.get("bf16_demo", {}).get("float16", {}).get("identical_rate"),
+        "pruned_speedup": stages.get("pruning", {}).get("speedup"),
+        "pruned_prefill_mfu": stages.get("pruning", {}).get("prefill_only", {}).get("mfu"),
     }
 
 
@@ -610,8 +666,10 @@ def table(summary_: dict) -> str:
             "items_per_s", "transformers_items_per_s", "prefill_mfu", "prefill_mfu_compiled", "decode_from",
             "decode_ms", "decode_floor_ms",
             "decode_ms_eager", "decode_attention", "decode_ms_graphs_split_attention", "cuda_graphs_recorded",
-            "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "stages_failed",
-            "stages_skipped"]
+            "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "e2e_items_per_s",
+            "e2e_over_engine", "gpu_busy", "decode_s_per_clip", "e2e_workers", "e2e_time_to_first_row_s",
+            "e2e_compiled_items_per_s", "segments_rows_per_s", "bf16_demo_identical_rate", "pruned_speedup",
+            "pruned_prefill_mfu", "commit", "stages_failed", "stages_skipped"]
     return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)
 
 
@@ -620,7 +678,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-bench-out")))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tarsier-gpu-bench"))
     parser.add_argument("--cpu-dry-run", action="store_true", help="every stage at tiny sizes on the CPU")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
+    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                        help="comma-separated, of: " + ", ".join(STAGES) + "; or a set of them: " +
+                        "; ".join(f"{name} ({', '.join(stages)})" for name, stages in STAGE_SETS.items()))
+    parser.add_argument("--commit", default="", help="the commit the repository copy is of (run.sh's)")
     parser.add_argument("--budget-s", type=float, help="skip stages that would end past this (default: the profile's)")
     parser.add_argument("--with-compile", action="store_true", help="compile on the CPU too (minutes)")
     parser.add_argument("--started-at", type=float, help="when the call began, in seconds since the epoch "
@@ -630,7 +691,8 @@ def main() -> None:
     profile = DRY if args.cpu_dry_run else GPU
     if profile is GPU and not torch.cuda.is_available():
         sys.exit("no CUDA device here: run with --cpu-dry-run")
-    wanted = [name.strip() for name in args.stages.split(",") if name.strip()]
+    wanted = [stage for name in args.stages.split(",") if name.strip()
+              for stage in STAGE_SETS.get(name.strip(), [name.strip()])]
     unknown = sorted(set(wanted) - set(STAGES))
     if unknown:
         sys.exit(f"unknown stages: {', '.join(unknown)}")
@@ -639,6 +701,8 @@ def main() -> None:
     budget = args.budget_s or profile.budget_s
     bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU, budget_s=budget,
                   in_child=args.in_child, started_at=args.started_at)
+    if args.commit:
+        bench.results.setdefault("commits", {})[",".join(wanted)] = args.commit
     for name in [stage for stage in STAGES if stage in wanted]:
         elapsed = time.perf_counter() - bench.started
         needs = profile.stage_s.get(name, 0)
