@@ -75,7 +75,7 @@ def user_command(bench: Bench, inputs: list[Path], name: str, flags: list[str], 
     bench.drop_model()
     out = bench.workdir / f"{name}.parquet"
     out.unlink(missing_ok=True)
-    run = caption(bench.checkpoint, inputs, out, [*bench.cli_flags(), "--max-new-tokens", str(files.new_tokens),
+    run = caption(bench.built(), inputs, out, [*bench.cli_flags(), "--max-new-tokens", str(files.new_tokens),
                                                   "--overwrite", *flags],
                   files.timeout_s, expected_rows, RunMonitor(out, bench.device))
     run["workers"] = default_workers()   # the command's default here: it runs on this machine's cores

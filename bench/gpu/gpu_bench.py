@@ -1,6 +1,8 @@
-"""The GPU run: correctness, speed and memory of the engine on one CUDA device, in one prepared call.
+"""The GPU run: correctness, speed and memory of the engine on one CUDA device, and the user's run of the whole tool,
+in two prepared calls.
 
-    bash bench/gpu/run.sh                      # on the device machine: everything, within --budget-s
+    bash bench/gpu/run.sh --stages targets     # on the device machine: the engine's targets, within --budget-s
+    bash bench/gpu/run.sh --stages user --budget-s 280   # then on the same machine: the user's run and the checks
     bash bench/gpu/run.sh --stages compiled,cli   # what an earlier call had no time left for
     bash bench/gpu/run.sh --cpu-dry-run        # here: every stage end to end at tiny sizes, on the CPU
 
@@ -28,12 +30,19 @@ the output, so that a second call can run it; a stage that fails records its err
 - `compiled`: the same with `--compile` (the layers and the decode attention through torch.compile), in a
   child process stopped at the budget: the 64 clips and the decode steps of the real-size model, then the
   tiny equality scenarios compiled;
+- `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
+  batch too large for the card (a clear refusal or a smaller batch, never lost rows);
+- `e2e`, `e2e_compiled`, `segments`: the user's run, `tarsier caption` over 1080p30 H.264 files made on the device,
+  against the engine fed the same clips decoded beforehand; the GPU's busy share (bench/gpu/end_to_end.py);
+- `bf16_demo`: the trained demo model's captions in bfloat16 and float16, the engine against transformers' generate
+  (bench/gpu/demo_bf16.py);
+- `pruning`: temporal pruning at R = 0.5 on the real-size checkpoint against unpruned (bench/gpu/pruning.py);
 - `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
   device and host time, kernel launches per step, device busy time against wall time; and the lines where a
   prefill of two more clips waits for the device (bench/gpu/step_profile.py);
-- `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
-- `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
-  batch too large for the card (a clear refusal or a smaller batch, never lost rows).
+- `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py).
+
+Without --stages, every stage but `profile` and `attention` (measured already) is asked for.
 
 The budget counts from run.sh's start (`--started-at`).
 
@@ -72,6 +81,7 @@ import end_to_end  # noqa: E402
 import equality  # noqa: E402
 import real_size  # noqa: E402
 import step_profile  # noqa: E402
+import summary  # noqa: E402
 import workload  # noqa: E402
 from demo_bf16 import run_bf16_demo  # noqa: E402
 from pruning import run_pruning  # noqa: E402
@@ -172,11 +182,17 @@ class Bench:
     def checkpoint(self) -> Path:
         return self.workdir / "tarsier2-real-size"
 
+    def built(self) -> Path:
+        """The checkpoint, built first if this machine has none yet."""
+        if not (self.checkpoint / "model.safetensors.index.json").exists():
+            run_build(self)
+        return self.checkpoint
+
     def stage(self, name: str) -> dict:
         return self.results["stages"].setdefault(name, {})
 
     def save(self) -> Path:
-        self.results["summary"] = summary(self.results)
+        self.results["summary"] = summary.summary(self.results, STAGES)
         text = json.dumps({"summary": self.results["summary"], **self.results}, indent=1, default=str)
         self.state_file.write_text(text)
         device = self.results["summary"].get("device") or self.profile.name
@@ -191,8 +207,7 @@ class Bench:
         """The real-size checkpoint loaded by `Captioner` (memory preflight first), once."""
         if self.captioner is None:
             profile = self.profile
-            if not (self.checkpoint / "model.safetensors.index.json").exists():
-                run_build(self)
+            self.built()
             # Room for the decode timings' most rows (more than the run's batch): the engine serves both.
             rows = max(profile.decode_rows)
             context = profile.frames * 608 + 128 + profile.new_tokens
@@ -551,8 +566,7 @@ def run_cli(bench: Bench) -> None:
     """A fresh process per run (the parent lets go of the GPU first)."""
     profile = bench.profile
     bench.drop_model()
-    if not (bench.checkpoint / "model.safetensors.index.json").exists():
-        run_build(bench)
+    bench.built()
     clips = workload.write_clips(bench.workdir / "clips", profile.cli_clips, profile.frames, profile.width,
                                  profile.height)
     many = cli_runs.linked_copies(clips, bench.workdir / "many-clips", 2 * profile.cli_clips)
@@ -577,100 +591,6 @@ RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine
            "baseline": run_baseline, "decode": run_decode, "profile": run_profile, "attention": run_attention,
            "cli": run_cli, "compiled": run_compiled, "e2e": end_to_end.run_e2e, "bf16_demo": run_bf16_demo,
            "pruning": run_pruning, "segments": end_to_end.run_segments, "e2e_compiled": end_to_end.run_e2e_compiled}
-
-
-# --- the summary -------------------------------------------------------------------------------------------
-
-
-def summary(results: dict) -> dict:
-    """The figures the README quotes, from whichever stages ran (None where a stage did not)."""
-    stages = results["stages"]
-    env, engine, baseline = stages.get("env", {}), stages.get("engine", {}), stages.get("baseline", {})
-    compiled, decode, cli = stages.get("compiled", {}), stages.get("decode", {}), stages.get("cli", {})
-    official = baseline.get("one_at_a_time", {}).get("items_per_s")
-    eager = engine.get("eager", {}).get("items_per_s")
-    compiled_rate = compiled.get("engine", {}).get("items_per_s")
-    best = max([rate for rate in (eager, compiled_rate) if rate] or [None], key=lambda rate: rate or 0)
-    decode_sources = {"compiled": compiled.get("decode"), "graphs": decode.get("graphs"), "eager": decode.get("eager")}
-    decode_from = next((name for name, figures in decode_sources.items() if figures), None)
-    decode_source = decode_sources.get(decode_from) or {}
-    equal = [stage.get("passed") for stage in (stages.get("equality", {}), compiled.get("equality", {}))
-             if "passed" in stage]
-    agreement = baseline.get("bf16_engine_vs_transformers", {})
-    preflight = engine.get("preflight", {})
-    cli_runs_done = [run for run in cli.values() if isinstance(run, dict) and "rows_lost" in run]
-    commits = sorted(set(results.get("commits", {}).values()))
-    return {
-        "device": env.get("device_name"), "torch": env.get("torch"),
-        "commit": commits[0] if len(commits) == 1 else commits or None,
-        "speedup_vs_transformers": round(best / official, 2) if best and official else None,
-        "speedup_vs_transformers_eager": round(eager / official, 2) if eager and official else None,
-        "speedup_vs_transformers_compiled": round(compiled_rate / official, 2) if compiled_rate and official else None,
-        "items_per_s": best, "items_per_s_eager": eager, "items_per_s_compiled": compiled_rate,
-        "transformers_items_per_s": official,
-        "prefill_mfu": engine.get("prefill_only", {}).get("mfu"),
-        "prefill_mfu_compiled": compiled.get("prefill_only", {}).get("mfu"),
-        "decode_ms": decode_source.get("ms"), "decode_floor_ms": decode_source.get("floor_ms"),
-        "decode_ms_eager": decode.get("eager", {}).get("ms"),
-        "decode_ms_graphs": decode.get("graphs", {}).get("ms"),
-        "decode_ms_graphs_split_attention": decode.get("graphs_split_attention", {}).get("ms"),
-        "decode_attention": decode.get("attention"),
-        "cuda_graphs_recorded": decode.get("graphs", {}).get("recorded"),
-        "cuda_graphs": results.get("cuda_graphs", True), "cuda_graphs_failure": results.get("cuda_graphs_failure"),
-        "decode_from": decode_from,
-        "fp32_equality_passed": all(equal) if equal else None,
-        "bf16_exact_match_rate": agreement.get("exact_match_rate"),
-        "bf16_first_divergence": agreement.get("first_divergence"),
-        "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
-        "preflight_estimate_over_peak_compiled": compiled.get("preflight", {}).get("estimate_over_allocated"),
-        "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
-        **user_run_summary(stages),
-        "stages_done": [name for name in STAGES if name in stages and "error" not in stages[name]
-                        and "skipped" not in stages[name]],
-        "stages_failed": [name for name in STAGES if "error" in stages.get(name, {})],
-        "stages_skipped": [name for name in STAGES if "skipped" in stages.get(name, {})],
-    }
-
-
-def user_run_summary(stages: dict) -> dict:
-    """The user's run's figures (bench/gpu/end_to_end.py) and the checks beside it (None where a stage did not run):
-    `gpu_busy` and `e2e_over_engine` while captioning (after the model is loaded: loading is not the engine's work),
-    the whole run's figures beside them."""
-    e2e = stages.get("e2e", {})
-    command = e2e.get("command", {})
-    segments = stages.get("segments", {}).get("command", {})
-    compiled = stages.get("e2e_compiled", {}).get("command", {})
-    return {
-        "e2e_items_per_s": command.get("items_per_s"),
-        "e2e_items_per_s_while_captioning": command.get("items_per_s_while_captioning"),
-        "e2e_engine_items_per_s": e2e.get("engine_only", {}).get("items_per_s"),
-        "e2e_over_engine": e2e.get("e2e_over_engine"),
-        "gpu_busy": command.get("gpu_busy_while_captioning"), "gpu_busy_whole_run": command.get("gpu_busy"),
-        "decode_s_per_clip": e2e.get("decode", {}).get("decord_s_per_clip"),
-        "e2e_workers": command.get("workers"), "e2e_time_to_first_row_s": command.get("time_to_first_row_s"),
-        "e2e_rows_lost": command.get("rows_lost"),
-        "e2e_compiled_items_per_s": compiled.get("items_per_s"),
-        "e2e_compiled_items_per_s_while_captioning": compiled.get("items_per_s_while_captioning"),
-        "segments_rows_per_s": segments.get("items_per_s"),
-        "segments_rows_per_s_while_captioning": segments.get("items_per_s_while_captioning"),
-        "segments_gpu_busy": segments.get("gpu_busy_while_captioning"),
-        "bf16_demo_identical_rate": stages.get("bf16_demo", {}).get("bfloat16", {}).get("identical_rate"),
-        "fp16_demo_identical_rate": stages.get("bf16_demo", {}).get("float16", {}).get("identical_rate"),
-        "pruned_speedup": stages.get("pruning", {}).get("speedup"),
-        "pruned_prefill_mfu": stages.get("pruning", {}).get("prefill_only", {}).get("mfu"),
-    }
-
-
-def table(summary_: dict) -> str:
-    keys = ["device", "torch", "fp32_equality_passed", "speedup_vs_transformers", "speedup_vs_transformers_eager",
-            "items_per_s", "transformers_items_per_s", "prefill_mfu", "prefill_mfu_compiled", "decode_from",
-            "decode_ms", "decode_floor_ms",
-            "decode_ms_eager", "decode_attention", "decode_ms_graphs_split_attention", "cuda_graphs_recorded",
-            "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "e2e_items_per_s",
-            "e2e_over_engine", "gpu_busy", "decode_s_per_clip", "e2e_workers", "e2e_time_to_first_row_s",
-            "e2e_compiled_items_per_s", "segments_rows_per_s", "bf16_demo_identical_rate", "pruned_speedup",
-            "pruned_prefill_mfu", "commit", "stages_failed", "stages_skipped"]
-    return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)
 
 
 def main() -> None:
@@ -732,7 +652,7 @@ def main() -> None:
     print(f"\nwrote {path}")
     if remaining:
         print(f"to run what is missing: bash bench/gpu/run.sh --stages {','.join(remaining)}")
-    print(table(bench.results["summary"]))
+    print(summary.table(bench.results["summary"]))
 
 
 if __name__ == "__main__":
