@@ -196,7 +196,9 @@ class Bench:
         text = json.dumps({"summary": self.results["summary"], **self.results}, indent=1, default=str)
         self.state_file.write_text(text)
         device = self.results["summary"].get("device") or self.profile.name
-        name = "gpu-{}-{}.json".format(date.today().isoformat(), re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-"))
+        # Dated by the call's start: a call running past midnight still writes one file.
+        day = date.fromtimestamp(self.started_at).isoformat()
+        name = "gpu-{}-{}.json".format(day, re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-"))
         if self.profile.name != "gpu":
             name = name.replace(".json", f"-{self.profile.name}.json")
         path = self.out / name
