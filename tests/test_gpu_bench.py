@@ -43,6 +43,7 @@ def dry_run(tmp_path: Path, *flags: str, through_run_sh: bool = True) -> dict:
 
 @pytest.mark.bench
 def test_cpu_dry_run_runs_every_stage_and_writes_the_summary(tmp_path: Path) -> None:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     results = dry_run(tmp_path, "--stages", "targets,user,profile,attention")
     summary, stages = results["summary"], results["stages"]
     assert summary["stages_failed"] == [], {name: stages[name].get("error") for name in summary["stages_failed"]}
@@ -50,8 +51,7 @@ def test_cpu_dry_run_runs_every_stage_and_writes_the_summary(tmp_path: Path) -> 
                                       "bf16_demo", "pruning", "segments", "profile", "attention"]
     # Compiling on the CPU takes --with-compile.
     assert summary["stages_skipped"] == ["compiled", "e2e_compiled"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert summary["commit"].startswith(commit) and len(commit) == 40
+    assert summary["commit"].startswith(commit) and len(commit) == 40   # run.sh's, from git here
     assert SUMMARY_KEYS <= set(summary)
     # Float32 on the CPU: every scenario of both families gives each row its ids alone, on inputs whose outputs
     # all differ (so rows swapped or mixed up would show).
