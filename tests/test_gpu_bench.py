@@ -212,3 +212,6 @@ def test_gpu_busy_while_captioning_is_the_mean_over_the_last_captioning_seconds(
     assert figures["gpu_busy"] == pytest.approx(280 / 500)
     assert figures["time_to_first_row_s"] == 2.5 and figures["rows_saved_at_s"] == [[2.5, 1], [3.5, 3]]
     assert monitor.figures(captioning_s=None)["gpu_busy_while_captioning"] is None
+    # Rows that reached `--out` before any look saw a part of theirs arrived when `--out` did.
+    monitor.parts, monitor.out_at = {}, 4.2
+    assert monitor.figures(captioning_s=2.0)["time_to_first_row_s"] == 4.2

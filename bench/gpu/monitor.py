@@ -2,8 +2,10 @@
 busy the GPU is meanwhile.
 
 Rows: the run saves finished rows in part files beside `--out` (`.NAME.tarsier/part-*.parquet`, at most a second
-after they finish); the watcher notes when each part appears and how many rows it holds. GPU busy: NVML's
-utilisation (the share of its last sample period, 1/6 s to 1 s, in which a kernel ran), through
+after they finish) and writes `--out` at its end; the watcher notes when each part appears and how many rows it
+holds, and when `--out` appears (the first rows' time where they went to `--out` before a look saw their part).
+
+GPU busy: NVML's utilisation (the share of its last sample period, 1/6 s to 1 s, in which a kernel ran), through
 `torch.cuda.utilization`, which needs NVML's Python bindings (`nvidia-ml-py`, carried as a wheel); absent on the CPU
 or without them.
 """
@@ -40,6 +42,7 @@ class RunMonitor:
         self.work_dir = out.parent / f".{out.name}.tarsier"
         self.read_busy, self.busy_source = busy_reader(device)
         self.parts: dict[str, tuple[float, int]] = {}   # part name -> (seconds since start, rows)
+        self.out_at: float | None = None                # when `out` appeared
         self.busy: list[tuple[float, float]] = []       # (seconds since start, percent)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -68,13 +71,16 @@ class RunMonitor:
                     self.parts[part.name] = (now, pq.read_metadata(part).num_rows)
                 except (OSError, ValueError):   # removed by the run's end between the listing and the read
                     continue
+        if self.out_at is None and self.out.exists():
+            self.out_at = now
 
     def figures(self, captioning_s: float | None) -> dict:
         """When the first row was saved, when each part was, and the GPU's busy share over the whole run and over
         its last `captioning_s` (the command's own count of its time after loading the model)."""
         seen = sorted(self.parts.values())
+        first = min([at for at in (seen[0][0] if seen else None, self.out_at) if at is not None], default=None)
         result: dict = {"parts_seen": len(seen), "gpu_busy_source": self.busy_source,
-                        "time_to_first_row_s": round(seen[0][0], 2) if seen else None,
+                        "time_to_first_row_s": round(first, 2) if first is not None else None,
                         "rows_saved_at_s": [[round(at, 2), count] for at, count in seen]}
         if self.busy:
             end = self.busy[-1][0]
