@@ -90,7 +90,7 @@ def assert_user_run(summary: dict, stages: dict) -> None:
     assert command["generated_tokens"] == e2e["engine_only"]["generated_tokens"] > 0   # the same work both ways
     assert 0 < command["time_to_first_row_s"] <= command["seconds"]
     assert command["gpu_busy_source"] == "no CUDA device" and summary["gpu_busy"] is None
-    assert summary["e2e_items_per_s"] == command["items_per_s"] == pytest.approx(4 / command["seconds"], rel=1e-3)
+    assert summary["e2e_items_per_s"] == command["items_per_s"] == pytest.approx(4 / command["seconds"], rel=0.01)
     assert summary["e2e_over_engine"] == round(command["items_per_s_while_captioning"]
                                                / e2e["engine_only"]["items_per_s"], 4)
     assert summary["e2e_workers"] == command["workers"] >= 1
