@@ -32,11 +32,13 @@ the output, so that a second call can run it; a stage that fails records its err
   tiny equality scenarios compiled;
 - `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
   batch too large for the card (a clear refusal or a smaller batch, never lost rows);
-- `e2e`, `e2e_compiled`, `segments`: the user's run, `tarsier caption` over 1080p30 H.264 files made on the device,
-  against the engine fed the same clips decoded beforehand; the GPU's busy share (bench/gpu/end_to_end.py);
+- `e2e`: the user's run, `tarsier caption` over 1080p30 H.264 files made on the device, against the engine fed the
+  same clips decoded beforehand; the GPU's busy share (bench/gpu/end_to_end.py);
 - `bf16_demo`: the trained demo model's captions in bfloat16 and float16, the engine against transformers' generate
   (bench/gpu/demo_bf16.py);
 - `pruning`: temporal pruning at R = 0.5 on the real-size checkpoint against unpruned (bench/gpu/pruning.py);
+- `segments`, `e2e_compiled`: the user's command over a 5-minute file with `--segments fixed:10s`, and over the
+  clips with `--compile`;
 - `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
   device and host time, kernel launches per step, device busy time against wall time; and the lines where a
   prefill of two more clips waits for the device (bench/gpu/step_profile.py);
