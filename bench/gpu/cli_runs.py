@@ -6,28 +6,35 @@ the files given, so a run that dies, or drops rows, shows as rows lost, whatever
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+from monitor import RunMonitor
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def caption(model_dir: Path, clips: list[Path], out: Path, flags: list[str], timeout_s: float) -> dict:
-    """Run `tarsier caption` over `clips` with `flags`; its exit code, the rows written and lost, its last words."""
-    command = [sys.executable, "-m", "tarsier_batch", "caption", *map(str, clips), "--model", str(model_dir),
+def caption(model_dir: Path, inputs: list[Path], out: Path, flags: list[str], timeout_s: float,
+            expected_rows: int | None = None, monitor: RunMonitor | None = None) -> dict:
+    """Run `tarsier caption` over `inputs` (files, or a folder) with `flags`, watched by `monitor` if given; its exit
+    code, the rows written and lost (against `expected_rows`, by default one per input), its last words."""
+    command = [sys.executable, "-m", "tarsier_batch", "caption", *map(str, inputs), "--model", str(model_dir),
                "--out", str(out), *flags]
+    expected_rows = len(inputs) if expected_rows is None else expected_rows
     started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
-                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-        code, output = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as expired:
-        code, output = None, f"timed out after {timeout_s:.0f} s: {expired.stderr or ''}"
+    with monitor or contextlib.nullcontext():
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=REPO,
+                                  env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            code, output = done.returncode, done.stdout + done.stderr
+        except subprocess.TimeoutExpired as expired:
+            code, output = None, f"timed out after {timeout_s:.0f} s: {expired.stderr or ''}"
     seconds = time.perf_counter() - started
     rows = errors = 0
     if out.exists():
@@ -39,9 +46,16 @@ def caption(model_dir: Path, clips: list[Path], out: Path, flags: list[str], tim
     # and counts as rows lost, so that it cannot pass for the check at work.
     usage_error = code == 2 and any(line.startswith("Usage:") for line in lines)
     refused = code == 2 and rows == 0 and not usage_error
-    return {"flags": flags, "exit_code": code, "seconds": round(seconds, 1), "files": len(clips), "rows": rows,
-            "error_rows": errors, "rows_lost": 0 if refused else len(clips) - rows, "refused_at_start": refused,
-            "usage_error": usage_error, "last_lines": lines[-6:]}
+    # The command's own rate after loading the model, from its summary line.
+    while_captioning = next((float(found.group(1)) for line in lines
+                             if (found := re.search(r"throughput ([0-9.]+) items/s while captioning", line))), None)
+    captioning_s = rows / while_captioning if while_captioning else None
+    return {"flags": flags, "exit_code": code, "seconds": round(seconds, 1), "expected_rows": expected_rows,
+            "rows": rows, "error_rows": errors, "rows_lost": 0 if refused else expected_rows - rows,
+            "refused_at_start": refused, "usage_error": usage_error, "last_lines": lines[-6:],
+            "items_per_s": round(rows / seconds, 4), "items_per_s_while_captioning": while_captioning,
+            "captioning_s": round(captioning_s, 2) if captioning_s else None,
+            **(monitor.figures(captioning_s) if monitor is not None else {})}
 
 
 def help_names(*flags: str) -> dict:

@@ -1,6 +1,8 @@
-"""The GPU run: correctness, speed and memory of the engine on one CUDA device, in one prepared call.
+"""The GPU run: correctness, speed and memory of the engine on one CUDA device, and the user's run of the whole tool,
+in two prepared calls.
 
-    bash bench/gpu/run.sh                      # on the device machine: everything, within --budget-s
+    bash bench/gpu/run.sh --stages targets     # on the device machine: the engine's targets, within --budget-s
+    bash bench/gpu/run.sh --stages user --budget-s 280   # then on the same machine: the user's run and the checks
     bash bench/gpu/run.sh --stages compiled,cli   # what an earlier call had no time left for
     bash bench/gpu/run.sh --cpu-dry-run        # here: every stage end to end at tiny sizes, on the CPU
 
@@ -28,12 +30,21 @@ the output, so that a second call can run it; a stage that fails records its err
 - `compiled`: the same with `--compile` (the layers and the decode attention through torch.compile), in a
   child process stopped at the budget: the 64 clips and the decode steps of the real-size model, then the
   tiny equality scenarios compiled;
+- `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
+  batch too large for the card (a clear refusal or a smaller batch, never lost rows);
+- `e2e`: the user's run, `tarsier caption` over 1080p30 H.264 files made on the device, against the engine fed the
+  same clips decoded beforehand; the GPU's busy share (bench/gpu/end_to_end.py);
+- `bf16_demo`: the trained demo model's captions in bfloat16 and float16, the engine against transformers' generate
+  (bench/gpu/demo_bf16.py);
+- `pruning`: temporal pruning at R = 0.5 on the real-size checkpoint against unpruned (bench/gpu/pruning.py);
+- `segments`, `e2e_compiled`: the user's command over a 5-minute file with `--segments fixed:10s`, and over the
+  clips with `--compile`;
 - `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
   device and host time, kernel launches per step, device busy time against wall time; and the lines where a
   prefill of two more clips waits for the device (bench/gpu/step_profile.py);
-- `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py);
-- `cli`: `tarsier caption` in a fresh process over MP4 files of the clips: with `--offload-kv`, and with a
-  batch too large for the card (a clear refusal or a smaller batch, never lost rows).
+- `attention`: the decode attention kernels at 7B shapes (bench/gpu/attention_kernels.py).
+
+Without --stages, every stage but `profile` and `attention` (measured already) is asked for.
 
 The budget counts from run.sh's start (`--started-at`).
 
@@ -68,10 +79,14 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 import attention_kernels  # noqa: E402
 import cli_runs  # noqa: E402
+import end_to_end  # noqa: E402
 import equality  # noqa: E402
 import real_size  # noqa: E402
 import step_profile  # noqa: E402
+import summary  # noqa: E402
 import workload  # noqa: E402
+from demo_bf16 import run_bf16_demo  # noqa: E402
+from pruning import run_pruning  # noqa: E402
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams  # noqa: E402
 from tarsier_batch.engine import Engine  # noqa: E402
@@ -101,6 +116,10 @@ class Profile:
     cli_clips: int
     cli_new_tokens: int
     cli_kv_gb: float             # the KV cache of the run without the memory check
+    user_files: end_to_end.UserFiles   # the user's run: its files and how they are captioned
+    pruning_clips: int           # clips of the workload's kind, run with and without temporal pruning
+    pruning_frames: int          # their frames (more than the dry run's 2: at R = 0.5 a block would empty)
+    demo_clips: int              # held-out clips of the demo model (each forwards and backwards)
     budget_s: float
     stage_s: dict[str, float] = field(default_factory=dict)   # what each stage needs at most, to plan the budget
 
@@ -108,23 +127,30 @@ class Profile:
 GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, prefill_clips=16, baseline_clips=8,
               new_tokens=256, decode_rows=(1, 8, 32, 64), decode_steps=20, attention_rows=(8, 32, 64),
               attention_repeats=50, cli_clips=8,
-              cli_new_tokens=32, cli_kv_gb=40, budget_s=540,
+              cli_new_tokens=32, cli_kv_gb=40, user_files=end_to_end.GPU_FILES, pruning_clips=32,
+              pruning_frames=16, demo_clips=50,
+              budget_s=540,
               stage_s={"env": 15, "equality": 45, "build": 30, "engine": 110, "baseline": 90, "decode": 20,
-                       "profile": 40, "attention": 40, "cli": 100, "compiled": 160})
+                       "profile": 40, "attention": 40, "cli": 100, "compiled": 160,
+                       "e2e": 180, "bf16_demo": 50, "pruning": 75, "segments": 100, "e2e_compiled": 110})
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
 DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=272, clips=4, prefill_clips=2,
               baseline_clips=2, new_tokens=8, decode_rows=(1, 2, 4), decode_steps=3, attention_rows=(1, 4),
               attention_repeats=3,
-              cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, budget_s=1800)
-# `compiled` before the stages measured already (profile, attention, cli). The fourth run (an H100) took, from
-# run.sh's start: 20 s to start, equality 32, build 20, engine 89, baseline 71, decode 9, compiled 112 (129 with
-# the compiled vision blocks and their prefill, in the call after), profile 31, attention 27, cli 81: ~510 s in
-# all. Each stage's allowance above is that pace with a margin of a fifth or more, and the budget lets cli start
-# by ~440 s, so that every stage fits one call of 590 s (a call on the GPU machine may last 600); a call stopped
-# at its limit loses only the stage it was in, since the results are saved after each.
-STAGES = ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "profile", "attention", "cli"]
+              cli_clips=2, cli_new_tokens=4, cli_kv_gb=1, user_files=end_to_end.DRY_FILES, pruning_clips=4,
+              pruning_frames=8, demo_clips=2, budget_s=1800)
+# Two calls on one warm machine. `targets`: the stages whose figures the engine's targets are judged by. The fourth
+# run (an H100) took, from run.sh's start: 20 s to start, equality 32, build 20, engine 89, baseline 71, decode 9,
+# compiled 129 (with the compiled vision blocks and their prefill), cli 81: ~450 s (profile 31 and attention 27 more,
+# measured already: left out unless named). Each allowance above is that pace with a margin of a fifth or more.
+# `user`: the user's run and the checks never run on a GPU, most telling first (their allowances are estimates
+# until a run measures them); on the same machine it goes on from the first call's checkpoint and results.
+STAGE_SETS = {"targets": ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "cli"],
+              "user": ["e2e", "bf16_demo", "pruning", "segments", "e2e_compiled"]}
+STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"], "profile", "attention"]
+DEFAULT_STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"]]
 DTYPE = torch.bfloat16
 
 
@@ -158,15 +184,23 @@ class Bench:
     def checkpoint(self) -> Path:
         return self.workdir / "tarsier2-real-size"
 
+    def built(self) -> Path:
+        """The checkpoint, built first if this machine has none yet."""
+        if not (self.checkpoint / "model.safetensors.index.json").exists():
+            run_build(self)
+        return self.checkpoint
+
     def stage(self, name: str) -> dict:
         return self.results["stages"].setdefault(name, {})
 
     def save(self) -> Path:
-        self.results["summary"] = summary(self.results)
+        self.results["summary"] = summary.summary(self.results, STAGES)
         text = json.dumps({"summary": self.results["summary"], **self.results}, indent=1, default=str)
         self.state_file.write_text(text)
         device = self.results["summary"].get("device") or self.profile.name
-        name = "gpu-{}-{}.json".format(date.today().isoformat(), re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-"))
+        # Dated by the call's start: a call running past midnight still writes one file.
+        day = date.fromtimestamp(self.started_at).isoformat()
+        name = "gpu-{}-{}.json".format(day, re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-"))
         if self.profile.name != "gpu":
             name = name.replace(".json", f"-{self.profile.name}.json")
         path = self.out / name
@@ -177,8 +211,7 @@ class Bench:
         """The real-size checkpoint loaded by `Captioner` (memory preflight first), once."""
         if self.captioner is None:
             profile = self.profile
-            if not (self.checkpoint / "model.safetensors.index.json").exists():
-                run_build(self)
+            self.built()
             # Room for the decode timings' most rows (more than the run's batch): the engine serves both.
             rows = max(profile.decode_rows)
             context = profile.frames * 608 + 128 + profile.new_tokens
@@ -210,6 +243,21 @@ class Bench:
             self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in self.prompts})
             self.stage("engine")["prompts_s"] = round(time.perf_counter() - started, 1)
         return self.prompts
+
+    def cli_flags(self) -> list[str]:
+        """`tarsier caption`'s flags for this profile. On CUDA the defaults (the device, bfloat16, the frames) as a
+        user runs it: the first H100 run's explicit `--device cuda` stopped at "No such option" (the `cli` stage's
+        `help` record looks into that). Without CUDA graphs or the fused attention when the equality failed."""
+        profile = self.profile
+        return [*([] if self.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16",
+                                                         "--frames", str(profile.frames)]),
+                *([] if self.cuda_graphs else ["--no-cuda-graphs"]),
+                *([] if self.fused_attention else ["--no-fused-attention"])]
+
+    def bf16_peak(self) -> tuple[float, str]:
+        """The rate an MFU is quoted against (`real_size.bf16_peak`), from the `env` stage's figures."""
+        env = self.results["stages"].get("env", {})
+        return real_size.bf16_peak(env.get("device_name", ""), env.get("matmul_flop_per_s", float("nan")))
 
     def drop_model(self) -> None:
         self.captioner = None
@@ -342,9 +390,8 @@ def prefill_figures(bench: Bench, engine: Engine, prompts: list) -> dict:
     distinct = prompts[:bench.profile.prefill_clips]
     prefill = real_size.prefill_pass(engine, distinct)
     flops = real_size.prefill_flops(bench.loaded().model, distinct)
-    env = bench.results["stages"].get("env", {})
-    measured_matmul = env.get("matmul_flop_per_s", float("nan"))
-    peak, peak_source = real_size.bf16_peak(env.get("device_name", ""), measured_matmul)
+    measured_matmul = bench.results["stages"].get("env", {}).get("matmul_flop_per_s", float("nan"))
+    peak, peak_source = bench.bf16_peak()
     flop_per_s = flops / prefill["seconds"]
     return {**prefill, "prompt_positions_per_s": round(sum(p.length for p in distinct) / prefill["seconds"], 1),
             "flop": flops, "flop_per_s": flop_per_s, "mfu": round(flop_per_s / peak, 4), "mfu_against": peak_source,
@@ -523,17 +570,11 @@ def run_cli(bench: Bench) -> None:
     """A fresh process per run (the parent lets go of the GPU first)."""
     profile = bench.profile
     bench.drop_model()
-    if not (bench.checkpoint / "model.safetensors.index.json").exists():
-        run_build(bench)
+    bench.built()
     clips = workload.write_clips(bench.workdir / "clips", profile.cli_clips, profile.frames, profile.width,
                                  profile.height)
     many = cli_runs.linked_copies(clips, bench.workdir / "many-clips", 2 * profile.cli_clips)
-    # On CUDA the defaults are the device and bfloat16, as a user runs it: the first H100 run's explicit
-    # `--device cuda` stopped at "No such option" (the `help` record below looks into that).
-    common = ["--frames", str(profile.frames), "--max-new-tokens", str(profile.cli_new_tokens), "--overwrite",
-              *([] if bench.device.type == "cuda" else ["--device", profile.device, "--dtype", "bfloat16"]),
-              *([] if bench.cuda_graphs else ["--no-cuda-graphs"]),
-              *([] if bench.fused_attention else ["--no-fused-attention"])]
+    common = ["--max-new-tokens", str(profile.cli_new_tokens), "--overwrite", *bench.cli_flags()]
     # Every clip at once, each prompt whole in one step: more than the card holds at once.
     too_large = ["--batch-size", "512", "--prefill-chunk", "0", "--max-batch-tokens", "1000000"]
     info = bench.stage("cli")
@@ -552,67 +593,8 @@ def run_cli(bench: Bench) -> None:
 
 RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine": run_engine,
            "baseline": run_baseline, "decode": run_decode, "profile": run_profile, "attention": run_attention,
-           "cli": run_cli, "compiled": run_compiled}
-
-
-# --- the summary -------------------------------------------------------------------------------------------
-
-
-def summary(results: dict) -> dict:
-    """The figures the README quotes, from whichever stages ran (None where a stage did not)."""
-    stages = results["stages"]
-    env, engine, baseline = stages.get("env", {}), stages.get("engine", {}), stages.get("baseline", {})
-    compiled, decode, cli = stages.get("compiled", {}), stages.get("decode", {}), stages.get("cli", {})
-    official = baseline.get("one_at_a_time", {}).get("items_per_s")
-    eager = engine.get("eager", {}).get("items_per_s")
-    compiled_rate = compiled.get("engine", {}).get("items_per_s")
-    best = max([rate for rate in (eager, compiled_rate) if rate] or [None], key=lambda rate: rate or 0)
-    decode_sources = {"compiled": compiled.get("decode"), "graphs": decode.get("graphs"), "eager": decode.get("eager")}
-    decode_from = next((name for name, figures in decode_sources.items() if figures), None)
-    decode_source = decode_sources.get(decode_from) or {}
-    equal = [stage.get("passed") for stage in (stages.get("equality", {}), compiled.get("equality", {}))
-             if "passed" in stage]
-    agreement = baseline.get("bf16_engine_vs_transformers", {})
-    preflight = engine.get("preflight", {})
-    cli_runs_done = [run for run in cli.values() if isinstance(run, dict) and "rows_lost" in run]
-    return {
-        "device": env.get("device_name"), "torch": env.get("torch"),
-        "speedup_vs_transformers": round(best / official, 2) if best and official else None,
-        "speedup_vs_transformers_eager": round(eager / official, 2) if eager and official else None,
-        "speedup_vs_transformers_compiled": round(compiled_rate / official, 2) if compiled_rate and official else None,
-        "items_per_s": best, "items_per_s_eager": eager, "items_per_s_compiled": compiled_rate,
-        "transformers_items_per_s": official,
-        "prefill_mfu": engine.get("prefill_only", {}).get("mfu"),
-        "prefill_mfu_compiled": compiled.get("prefill_only", {}).get("mfu"),
-        "decode_ms": decode_source.get("ms"), "decode_floor_ms": decode_source.get("floor_ms"),
-        "decode_ms_eager": decode.get("eager", {}).get("ms"),
-        "decode_ms_graphs": decode.get("graphs", {}).get("ms"),
-        "decode_ms_graphs_split_attention": decode.get("graphs_split_attention", {}).get("ms"),
-        "decode_attention": decode.get("attention"),
-        "cuda_graphs_recorded": decode.get("graphs", {}).get("recorded"),
-        "cuda_graphs": results.get("cuda_graphs", True), "cuda_graphs_failure": results.get("cuda_graphs_failure"),
-        "decode_from": decode_from,
-        "fp32_equality_passed": all(equal) if equal else None,
-        "bf16_exact_match_rate": agreement.get("exact_match_rate"),
-        "bf16_first_divergence": agreement.get("first_divergence"),
-        "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
-        "preflight_estimate_over_peak_compiled": compiled.get("preflight", {}).get("estimate_over_allocated"),
-        "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
-        "stages_done": [name for name in STAGES if name in stages and "error" not in stages[name]
-                        and "skipped" not in stages[name]],
-        "stages_failed": [name for name in STAGES if "error" in stages.get(name, {})],
-        "stages_skipped": [name for name in STAGES if "skipped" in stages.get(name, {})],
-    }
-
-
-def table(summary_: dict) -> str:
-    keys = ["device", "torch", "fp32_equality_passed", "speedup_vs_transformers", "speedup_vs_transformers_eager",
-            "items_per_s", "transformers_items_per_s", "prefill_mfu", "prefill_mfu_compiled", "decode_from",
-            "decode_ms", "decode_floor_ms",
-            "decode_ms_eager", "decode_attention", "decode_ms_graphs_split_attention", "cuda_graphs_recorded",
-            "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "stages_failed",
-            "stages_skipped"]
-    return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)
+           "cli": run_cli, "compiled": run_compiled, "e2e": end_to_end.run_e2e, "bf16_demo": run_bf16_demo,
+           "pruning": run_pruning, "segments": end_to_end.run_segments, "e2e_compiled": end_to_end.run_e2e_compiled}
 
 
 def main() -> None:
@@ -620,7 +602,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-bench-out")))
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/tarsier-gpu-bench"))
     parser.add_argument("--cpu-dry-run", action="store_true", help="every stage at tiny sizes on the CPU")
-    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, of: " + ", ".join(STAGES))
+    parser.add_argument("--stages", default=",".join(DEFAULT_STAGES),
+                        help="comma-separated, of: " + ", ".join(STAGES) + "; or a set of them: " +
+                        "; ".join(f"{name} ({', '.join(stages)})" for name, stages in STAGE_SETS.items()))
+    parser.add_argument("--commit", default="", help="the commit the repository copy is of (run.sh's)")
     parser.add_argument("--budget-s", type=float, help="skip stages that would end past this (default: the profile's)")
     parser.add_argument("--with-compile", action="store_true", help="compile on the CPU too (minutes)")
     parser.add_argument("--started-at", type=float, help="when the call began, in seconds since the epoch "
@@ -630,7 +615,8 @@ def main() -> None:
     profile = DRY if args.cpu_dry_run else GPU
     if profile is GPU and not torch.cuda.is_available():
         sys.exit("no CUDA device here: run with --cpu-dry-run")
-    wanted = [name.strip() for name in args.stages.split(",") if name.strip()]
+    wanted = [stage for name in args.stages.split(",") if name.strip()
+              for stage in STAGE_SETS.get(name.strip(), [name.strip()])]
     unknown = sorted(set(wanted) - set(STAGES))
     if unknown:
         sys.exit(f"unknown stages: {', '.join(unknown)}")
@@ -639,6 +625,8 @@ def main() -> None:
     budget = args.budget_s or profile.budget_s
     bench = Bench(profile, args.workdir, args.out, with_compile=args.with_compile or profile is GPU, budget_s=budget,
                   in_child=args.in_child, started_at=args.started_at)
+    if args.commit:
+        bench.results.setdefault("commits", {})[",".join(wanted)] = args.commit
     for name in [stage for stage in STAGES if stage in wanted]:
         elapsed = time.perf_counter() - bench.started
         needs = profile.stage_s.get(name, 0)
@@ -668,7 +656,7 @@ def main() -> None:
     print(f"\nwrote {path}")
     if remaining:
         print(f"to run what is missing: bash bench/gpu/run.sh --stages {','.join(remaining)}")
-    print(table(bench.results["summary"]))
+    print(summary.table(bench.results["summary"]))
 
 
 if __name__ == "__main__":

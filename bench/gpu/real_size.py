@@ -203,10 +203,12 @@ def decode_floor_ms(model: CaptionModel, rows: int, context: int, copy_bytes_per
     return round((weights + kv) / copy_bytes_per_s * 1000, 3)
 
 
-def prefill_flops(model: CaptionModel, prompts: list[ProcessedPrompt]) -> float:
+def prefill_flops(model: CaptionModel, prompts: list[ProcessedPrompt],
+                  encoded: list[ProcessedPrompt] | None = None) -> float:
     """Multiply-adds x 2 of prefilling `prompts`: every linear layer of the vision tower per patch (the merger's
     per merged vector), each frame's patches attending to each other, every linear layer of the language model
-    per position, causal attention, and one row of logits per prompt."""
+    per position, causal attention, and one row of logits per prompt. The tower's work is counted over the
+    frames of `encoded` (default: `prompts`): pruned prompts keep fewer vectors of frames encoded whole."""
     tower = model.model.vision_tower
     merger = tower.merger
     merger_weights = sum(module.weight.numel() for module in merger.modules() if isinstance(module, torch.nn.Linear))
@@ -220,8 +222,8 @@ def prefill_flops(model: CaptionModel, prompts: list[ProcessedPrompt]) -> float:
     merge = model.processor.merge_size ** 2
     attention_width = text_config.num_attention_heads * (text_config.hidden_size // text_config.num_attention_heads)
     flops = 0.0
-    for prompt in prompts:
-        patches = [block.length * merge for block in prompt.vision_blocks]
+    for prompt, frames in zip(prompts, encoded or prompts):
+        patches = [block.length * merge for block in frames.vision_blocks]
         flops += 2 * tower_weights * sum(patches) + 2 * merger_weights * sum(patches) / merge
         flops += sum(4 * vision_config.embed_dim * count ** 2 * vision_config.depth for count in patches)
         flops += 2 * layer_weights * prompt.length + 2 * head
