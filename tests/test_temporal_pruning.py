@@ -5,6 +5,7 @@ batched, for both families."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from tarsier_batch.families.base import ProcessedPrompt, VisionBlock, embed_whol
 from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.temporal import ALWAYS_KEPT, drop_static_vision
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.media import media_type_of
+from tarsier_batch.media import MediaType, media_type_of
 from test_pruning import _DenseAttention, greedy_decode
 
 runner = CliRunner()
@@ -127,6 +128,21 @@ def test_pruned_rows_equal_the_reference_chunked_and_batched(model, tmp_path: Pa
     # Chunks that end inside frames, an unpruned row beside the pruned ones, rows joining as others finish.
     mixed = _engine_tokens(model, [pruned[0], full[1], pruned[1]], max_rows=2, prefill_chunk=7, max_batch_tokens=12)
     assert mixed == [expected[0], _greedy_reference(model, full[1]), expected[1]]
+
+
+def test_a_frame_pruned_whole_leaves_no_vectors_and_the_row_still_equals_the_reference(tmp_path: Path) -> None:
+    """A frame that repeats the one before has nothing new: at R = 0.5 every one of its vectors goes (a still
+    shot), and its block then puts no vectors in the prompt at all. (v1 keeps its separators: a frame never
+    empties there.)"""
+    model = load_caption_model(make_tiny_model(tmp_path / "model", "tiny", seed=0, family="tarsier2"),
+                               torch.float32, torch.device("cpu"))
+    media = model.processor.load_media(str(_moving_square(tmp_path)), MediaType.VIDEO, 2)
+    prompt = model.processor.process(replace(media, frames=[media.frames[0]] * 2), None)
+    pruned = drop_static_vision(prompt, model.processor.vision_changes(prompt), 0.5)
+    assert [block.kept for block in pruned.vision_blocks] == [None, ()]
+    encoded = torch.randn(prompt.vision_blocks[-1].length, 4)
+    assert pruned.vision_blocks[-1].prompt_vectors(encoded).shape == (0, 4)
+    assert _engine_tokens(model, [pruned], max_rows=1, prefill_chunk=0) == [_greedy_reference(model, pruned)]
 
 
 def test_the_cli_prunes_records_it_and_refuses_a_layer(tiny_model_dir: Path, shared_media: Path, tmp_path: Path

@@ -45,7 +45,8 @@ class VisionBlock:
         """The block's vectors in the prompt, from all the encoder made of it (`CaptionModel.encode_vision`)."""
         if self.kept is None:
             return encoded
-        return encoded[torch.tensor(self.kept, device=encoded.device)]
+        # long even when empty: a frame that repeats the one before may keep none of its vectors
+        return encoded[torch.tensor(self.kept, dtype=torch.long, device=encoded.device)]
 
 
 class PixelDigests(NamedTuple):
