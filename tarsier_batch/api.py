@@ -65,7 +65,7 @@ class Captioner:
         self.resolved = resolve_model(settings.model)
         # Every running row decodes one position per step, so the step budget also caps the rows.
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
-        self.workers = settings.workers or default_workers()
+        self.workers = settings.workers or default_workers(accelerated=self.device.type != "cpu")
         self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
         if settings.isolate_decoding:
             start_decoding_server()   # its imports overlap the model's load

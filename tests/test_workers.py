@@ -317,14 +317,15 @@ def test_fault_hook_rejects_what_it_does_not_know(job: DecodeJob, monkeypatch: p
         DecodePool(job, workers=1)
 
 
-def test_default_workers_leave_a_core_to_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_default_workers_leave_a_core_to_the_model_and_decode_on_every_other_beside_a_gpu(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cpu_max = tmp_path / "cpu.max"
     monkeypatch.setattr(workers, "CGROUP_CPU_MAX", cpu_max)
-    for cores, expected in [(1, 1), (2, 1), (3, 2), (5, 4), (64, 4)]:
+    for cores, expected, on_gpu in [(1, 1, 1), (2, 1, 1), (3, 2, 2), (5, 4, 4), (16, 4, 15), (64, 4, 32)]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
-        assert default_workers() == expected
+        assert (default_workers(), default_workers(accelerated=True)) == (expected, on_gpu)
     cpu_max.write_text("200000 100000\n")  # a container limited to 2 CPUs on a 64-core host
-    assert default_workers() == 1
+    assert default_workers() == default_workers(accelerated=True) == 1
     cpu_max.write_text("max 100000\n")
     assert default_workers() == 4
 

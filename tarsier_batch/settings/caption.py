@@ -157,7 +157,8 @@ class CaptionSettings:
     workers: int | None = setting(   # processes decoding and preprocessing media; None: default_workers()
         None, group="media", provenance="decode_workers", metavar="N", at_least=1, env="TARSIER_WORKERS",
         show_default=False,
-        help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4].")
+        help="Worker processes decoding media ahead of the model [default: cores - 1, at most 4 on the CPU, "
+             "32 on a GPU].")
     decode_timeout_s: float | None = setting(
         120.0, group="media", provenance="decode_timeout_s", flags=("--decode-timeout",), key="decode_timeout",
         metavar="SECONDS", at_least=0.1,

@@ -60,7 +60,10 @@ from .faults import misbehave, worker_faults
 from .fork_server import start_decoding_server
 from .member_lane import MemberLane
 
+# Past a few workers decoding keeps ahead of a model on the CPU, which shares the cores with them; a GPU shares
+# none, and a 1080p file costs a core seconds per clip (bench/bench_decode.py), so there every core decodes.
 MAX_DEFAULT_WORKERS = 4
+MAX_DEFAULT_WORKERS_ACCELERATED = 32
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 STOPPED = "stopped before it was decoded"
 # Errors whose text says an allocation failed (ENOMEM, C++ bad_alloc, a library that could not map).
@@ -102,22 +105,24 @@ class Decoded:
         return self.prompts[0] if self.prompts else None
 
 
-def default_workers() -> int:
-    """How many decoding workers to run when the caller does not say.
+def default_workers(accelerated: bool = False) -> int:
+    """How many decoding workers to run when the caller does not say: one per core but one.
 
-    One core stays with the parent, which runs the model's own threads and receives the
-    decoded items; the others decode (each worker runs torch on one thread). The cap is a
-    judgement: past a few workers, decoding keeps ahead of the model, while each more worker
-    costs memory (about 60 MB of its own at rest, most of its 0.35 GB resident being shared
-    with the fork server, plus what it decodes, up to its memory limit). The cores
-    counted are those this process may run on (its affinity mask, and a cgroup v2 CPU quota,
-    as in a container started with --cpus), not all of the machine's.
+    One core stays with the parent, which receives the decoded items and drives the model; the others decode
+    (each worker runs torch on one thread). With the model on the CPU (`accelerated` False) the workers take
+    cores from it, so they stop at a few: past that decoding keeps ahead, while each more worker costs memory
+    (about 60 MB of its own at rest, most of its 0.35 GB resident being shared with the fork server, plus what it
+    decodes, up to its memory limit). With the model on an accelerator, decoding is what the device waits for,
+    so every core but one decodes, up to a bound for very large hosts. The cores counted are those this process
+    may run on (its affinity mask, and a cgroup v2 CPU quota, as in a container started with --cpus), not all of
+    the machine's.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = _cgroup_cpu_quota()
     if quota is not None:
         cores = min(cores, max(1, int(quota)))
-    return max(1, min(MAX_DEFAULT_WORKERS, cores - 1))
+    most = MAX_DEFAULT_WORKERS_ACCELERATED if accelerated else MAX_DEFAULT_WORKERS
+    return max(1, min(most, cores - 1))
 
 
 def _cgroup_cpu_quota() -> float | None:
