@@ -261,9 +261,8 @@ class CaptionRun:
         stopped = yield from self._run_loop(backend, loop, provenance)
         reuse = backend.prompt_reuse()
         if reuse is not None and reuse_before is not None:   # this run's share, with a captioner shared by runs
-            # (a backend written for the two counts, before questions shared prefixes, shares none)
             stats.prompt_positions, stats.reused_positions, stats.shared_positions = (
-                now - then for now, then in zip((*reuse, 0, 0)[:3], (*reuse_before, 0, 0)[:3]))
+                now - then for now, then in zip(reuse, reuse_before))
         # Again: a cluster's actors tell how they captioned once they have
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
