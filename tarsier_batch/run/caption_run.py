@@ -118,7 +118,7 @@ class CaptionRun:
         elif not isinstance(inputs, Discovery):
             listed = [str(path) for path in inputs]
             source = source or " ".join(listed)
-            inputs = discover(listed, key_mode=key_mode)  # type: ignore[arg-type]
+            inputs = discover(listed, key_mode=key_mode)
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read {problem}")
         return inputs, kept_fields, source
