@@ -42,7 +42,7 @@ from tarsier_batch.outputs.resume import plan_run  # noqa: E402
 from tarsier_batch.outputs.schema import OutputColumns  # noqa: E402
 from tarsier_batch.outputs.store import ResultStore, StoredRows  # noqa: E402
 from tarsier_batch.progress import RunStats  # noqa: E402
-from tarsier_batch.run import ItemLoop  # noqa: E402
+from tarsier_batch.run.loop import ItemLoop  # noqa: E402
 from tarsier_batch.settings import FLUSH_ROWS  # noqa: E402
 
 SIDES = {  # name -> (decode in processes, rows per part file or None for no parts)

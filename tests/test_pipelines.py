@@ -262,7 +262,7 @@ def test_bad_flags_are_answered_in_one_line_before_heavy_imports(tmp_path: Path,
 
 def test_config_file_then_env_then_flags_decide(monkeypatch, tmp_path: Path, media: Path) -> None:
     """Flags win over environment variables, which win over --config, which wins over built-in defaults."""
-    import tarsier_batch.run as run
+    import tarsier_batch.run.caption_run as run
 
     seen: list[dict] = []
 

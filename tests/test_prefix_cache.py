@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from conftest import all_pages_free
-from tarsier_batch import CaptionSettings, SamplingParams
+from tarsier_batch import CaptionRun, CaptionSettings, RunSettings, SamplingParams
 from tarsier_batch.engine import Engine, EngineConfig, Sequence
 from tarsier_batch.families.base import ProcessedPrompt
 from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import media_type_of
-from tarsier_batch.run import CaptionRun, RunSettings
 
 MAX_NEW = 10
 PAGE = 8   # small pages: a prompt of the tiny models spans dozens, and the text before the frames whole ones

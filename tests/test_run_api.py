@@ -299,25 +299,29 @@ def test_rows_are_saved_as_they_finish_and_outputs_keep_input_order(tmp_path: Pa
         ["still.png", "ball.gif", "portrait.JPG"]   # a stream keeps input order itself
 
 
-class TwoCounts(Reversed):
-    """A backend written before a clip's questions shared prefixes: prompt_reuse gives two counts, not three."""
+class Counting(Reversed):
+    """A backend shared by runs whose prompt counts grow with each: (positions admitted, from the prefix cache,
+    from another question of the clip) since loading."""
 
     def __init__(self, settings) -> None:
         super().__init__(settings)
-        self.reuse = (0, 0)
+        self.reuse = (0, 0, 0)
 
     def caption(self, items, on_tokens=None, in_order=True):
-        self.reuse = (120, 40)   # prompt positions admitted, positions from the prefix cache
+        self.reuse = tuple(count + more for count, more in zip(self.reuse, (120, 40, 10)))
         yield from super().caption(items, on_tokens, in_order)
 
-    def prompt_reuse(self) -> tuple[int, int]:
+    def prompt_reuse(self) -> tuple[int, int, int]:
         return self.reuse
 
 
-def test_a_backend_counting_two_prompt_figures_still_runs(tmp_path: Path) -> None:
+def test_a_run_over_a_shared_backend_counts_its_own_share_of_the_prompt_positions(tmp_path: Path) -> None:
     settings = RunSettings(CaptionSettings(model="x"))
-    outcome = CaptionRun([SAMPLE_DATA / "still.png"], tmp_path / "r.parquet", settings,
-                         captioner=TwoCounts(settings.caption)).execute()  # type: ignore[arg-type]
-    assert outcome.status is Status.DONE, outcome.message
-    stats = outcome.stats
-    assert (stats.prompt_positions, stats.reused_positions, stats.shared_positions) == (120, 40, 0)
+    shared = Counting(settings.caption)
+    for number in range(2):
+        outcome = CaptionRun([SAMPLE_DATA / "still.png"], tmp_path / f"r{number}.parquet", settings,
+                             captioner=shared).execute()  # type: ignore[arg-type]
+        assert outcome.status is Status.DONE, outcome.message
+        stats = outcome.stats
+        assert (stats.prompt_positions, stats.reused_positions, stats.shared_positions) == (120, 40, 10)
+    assert shared.reuse == (240, 80, 20)
