@@ -217,7 +217,7 @@ def test_a_manifest_prompt_column_and_a_prompt_set_are_refused(tmp_path: Path, t
     done = runner.invoke(app, ["caption", "--manifest", str(manifest), "-o", str(tmp_path / "out.parquet"),
                                "--model", str(tiny_model_dir), "--ask", "tags=Tags?"])
     assert done.exit_code == 2, done.output
-    assert "a manifest's prompt column and --ask/--prompts do not go together yet" in done.output
+    assert "a manifest's prompt column and --ask/--prompts do not go together" in done.output
     assert not (tmp_path / "out.parquet").exists()
 
 

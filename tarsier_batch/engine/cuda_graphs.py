@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs: one launch for the whole step instead of one per kernel.
 
 An eager decode step of Tarsier2-7B launches ~1,900 kernels, and up to tens of rows the GPU finishes
-each before the host has launched the next: measured on an H200, 33 ms a step at 1 row of which the
-device was busy 8 ms (bench/README.md, "GPU"). A CUDA graph records the step's kernels once for a set
+each before the host has launched the next: the device sits idle most of an eager step (the decode-step
+figures of bench/README.md, "GPU"). A CUDA graph records the step's kernels once for a set
 of input sizes and replays them in one call. The decode step's sizes are padded to a few
 (`attention.bucket`, `attention.fine_bucket`), so a run records a few dozen graphs, each in about the
 time of three steps.

@@ -1,7 +1,7 @@
 """Will the model and the run fit in memory? Answered before any weight is read.
 
-A checkpoint too big for the machine used to load for a while and then be killed without a word
-(on the CPU the kernel's OOM killer, on a GPU an out-of-memory error mid-load). The estimate here
+Without a check, a checkpoint too big for the machine loads for a while and is then killed without a
+word (on the CPU by the kernel's OOM killer, on a GPU by an out-of-memory error mid-load). The estimate here
 comes from the checkpoint's own files and the run's settings:
 
 - weights: every tensor in the safetensors headers at the dtype it will be loaded in (integer

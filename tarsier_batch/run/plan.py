@@ -78,7 +78,7 @@ def plan_of(facts: RunFacts) -> RunPlan:
         target.check_settings(settings)
         target.kind.check_rows([item.path for item in found.items])
     if settings.caption.prompt_set and any(item.prompt is not None for item in found.items):
-        raise SettingsError("a manifest's prompt column and {prompt_set} do not go together yet: ask the "
+        raise SettingsError("a manifest's prompt column and {prompt_set} do not go together: ask the "
                             "manifest's prompts as questions of the set, or leave the set out")
     found, settings = _with_own_prompt_sets(found, settings)
     if settings.long and not settings.caption.prompt_set:
