@@ -64,7 +64,8 @@ def write_tar(path: Path, files: list[Path]) -> None:
 
 
 def decode_rate(job, items: list) -> float:
-    from tarsier_batch.workers.pool import DecodePool, default_workers
+    from tarsier_batch.workers.pool import DecodePool
+    from tarsier_batch.workers.sizing import default_workers
 
     with DecodePool(job, default_workers()) as pool:
         pool.submit(0, items[0]).result()   # workers started and warm: what is timed is the stream of items

@@ -43,7 +43,8 @@ from .settings import CaptionSettings, Resolved, SettingsError
 from .settings import provenance as recorded_settings
 from .version import __version__
 from .workers.fork_server import start_decoding_server
-from .workers.pool import Decoded, DecodeJob, DecodePool, default_workers
+from .workers.pool import Decoded, DecodeJob, DecodePool
+from .workers.sizing import default_workers
 
 # Decoded items waiting for the model hold their pixels; stop decoding ahead beyond this much.
 LOOKAHEAD_PIXEL_BYTES = 2**30

@@ -27,14 +27,15 @@ from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.inputs.sources import MediaItem
 from tarsier_batch.media import MediaType, Span
 from tarsier_batch.workers import pool as workers
+from tarsier_batch.workers import sizing
 from tarsier_batch.workers.faults import WORKER_FAULTS as FAULT_VARIABLE
 from tarsier_batch.workers.pool import (
     Decoded,
     DecodeJob,
     DecodePool,
     decode_item,
-    default_workers,
 )
+from tarsier_batch.workers.sizing import default_workers
 
 GiB = 2**30
 T = TypeVar("T")
@@ -320,7 +321,7 @@ def test_fault_hook_rejects_what_it_does_not_know(job: DecodeJob, monkeypatch: p
 def test_default_workers_leave_a_core_to_the_model_and_decode_on_every_other_beside_a_gpu(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cpu_max = tmp_path / "cpu.max"
-    monkeypatch.setattr(workers, "CGROUP_CPU_MAX", cpu_max)
+    monkeypatch.setattr(sizing, "CGROUP_CPU_MAX", cpu_max)
     for cores, expected, on_gpu in [(1, 1, 1), (2, 1, 1), (3, 2, 2), (5, 4, 4), (16, 4, 15), (64, 4, 32)]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
         assert (default_workers(), default_workers(accelerated=True)) == (expected, on_gpu)

@@ -32,9 +32,9 @@ from monitor import RunMonitor
 from real_size import engine_pass
 from video_files import VideoSpec, clip_lengths, make_videos
 
-from tarsier_batch.decoding.workers import default_workers
 from tarsier_batch.families.loading import load_processor
 from tarsier_batch.media import MediaType
+from tarsier_batch.workers.sizing import default_workers
 
 if TYPE_CHECKING:
     from gpu_bench import Bench

@@ -214,8 +214,8 @@ class CaptionRun:
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
-        from ..workers.pool import default_workers
         from ..workers.probe import video_facts  # here: the decoding modules import torch
+        from ..workers.sizing import default_workers
 
         videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
         caption = self.settings.caption
