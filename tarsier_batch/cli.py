@@ -312,7 +312,8 @@ def _dry_run(run: CaptionRun) -> int:
     by_action: dict[str, Counter[str]] = {}
     for (action, kind), count in counts.items():
         by_action.setdefault(action, Counter())[kind] += count
-    summary = "; ".join(f"{action} {sum(kinds.values())} ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
+    summary = "; ".join(f"{action} {sum(kinds.values())} "
+                        f"({', '.join(f'{n} {in_flags(kind)}' for kind, n in kinds.items())})"
                         for action, kinds in by_action.items())
     typer.echo(f"tarsier: dry run, nothing loaded or written: {summary or 'nothing to do'}", err=True)
     return EXIT_OK
