@@ -205,7 +205,7 @@ FLAG_WRITERS = {"settings", "cli", "cli_options", "config",
                 "demo.evaluate"}
 # Still naming flags while these modules are being rewritten elsewhere; each is a one-line change to `Worded`
 # text (or, in a row's error, to field names), and leaves this list once the rewrites are merged.
-FLAG_WRITERS_FOR_NOW = {"engine.scheduler", "engine.cuda_graphs", "run"}
+FLAG_WRITERS_FOR_NOW = {"engine.scheduler", "engine.kv_manager", "engine.cuda_graphs", "run"}
 # Flags of other programs that a message tells a person to run.
 FOREIGN_FLAGS = {"--local-dir"}   # `hf download REPO --local-dir DIR`
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
