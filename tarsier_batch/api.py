@@ -28,7 +28,7 @@ import torch
 
 from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .engine.model_runner import fused_attention_available
-from .errors import INTERNAL
+from .errors import INTERNAL, Worded
 from .families.base import CaptionModel, Processor
 from .families.loading import load_caption_model, load_processor
 from .inputs.sources import MediaItem
@@ -156,7 +156,7 @@ class Captioner:
         engine, settings = self.engine, self.settings
         config = engine.config
         offload = ", KV offloaded during prefill" if config.offload_kv \
-            else "; --offload-kv has no effect on the CPU" if settings.offload_kv else ""
+            else Worded("; {offload_kv} has no effect on the CPU") if settings.offload_kv else ""
         slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}"
                                                                if len(engine.pools) > 1 else "")
                            for pool in engine.pools)
@@ -170,9 +170,10 @@ class Captioner:
         pruning += ", fused decode attention" if self.settled["fused_attention"] else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
-        return (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
-                f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
-                f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}{offload}{pruning}")
+        described = (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
+                     f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
+                     f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}")
+        return Worded("{described}{offload}{pruning}", described=described, offload=offload, pruning=pruning)
 
     def prompt_reuse(self) -> tuple[int, int, int]:
         """(prompt positions of the rows admitted, how many of them came computed from the prefix cache, how

@@ -62,6 +62,7 @@ from .cli_options import (
     caption_parameters,
     check_output_choice,
     from_values,
+    in_flags,
 )
 from .config import ConfigError, config_defaults
 from .families.catalog import family_named
@@ -139,7 +140,7 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
             ctx.default_map = {**(ctx.default_map or {}),
                                **config_defaults(value, ctx.command, "caption", PATH_SETTINGS)}
         except ConfigError as error:
-            _fail(str(error))
+            _fail(error)
     return value
 
 
@@ -176,11 +177,11 @@ def caption(**given: Any) -> None:
             outcome = run.execute()
         code = _present(outcome, console, options.quiet, log)
     except SettingsError as error:
-        _fail(error.worded(FLAGS))
+        _fail(error)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
-        _fail(str(error))
+        _fail(error)
     except (OutputLockedError, OSError) as error:
-        typer.echo(f"Error: {error}", err=True)
+        typer.echo(f"Error: {in_flags(error)}", err=True)
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
     except LoadingCrashed as error:
         traceback.print_exception(error.__cause__ or error)
@@ -223,7 +224,7 @@ def _output_of(options: CommandOptions) -> OutputTarget | RemoteOutput:
         if not options.streams:
             (output.target if isinstance(output, RemoteOutput) else output).check()
     except (ManifestError, OutputError) as error:
-        _fail(str(error))
+        _fail(error)
     return output
 
 
@@ -233,7 +234,7 @@ def _output(location: str, shard_rows: int | None = None, webdataset: bool = Fal
     try:
         return output_at(location, shard_rows, webdataset)
     except (OutputError, StorageError) as error:
-        _fail(str(error))
+        _fail(error)
 
 
 def _settings(make: Callable[..., T], *args: Any, **values: Any) -> T:
@@ -241,7 +242,7 @@ def _settings(make: Callable[..., T], *args: Any, **values: Any) -> T:
     try:
         return make(*args, **values)
     except SettingsError as error:
-        _fail(error.worded(FLAGS))
+        _fail(error)
 
 
 def _ray_settings(given: dict[str, Any], settings: RunSettings) -> RaySettings | None:
@@ -290,7 +291,7 @@ def _find_items(options: CommandOptions, key: str) -> Manifest | Discovery:
         return sibling_columns(found, options.keep_columns, RESERVED_NAMES) if options.keep_columns is not None \
             else found
     except (InputNotFoundError, ManifestError, OSError) as error:
-        _fail(str(error))
+        _fail(error)
 
 
 def _dry_run(run: CaptionRun) -> int:
@@ -298,12 +299,13 @@ def _dry_run(run: CaptionRun) -> int:
     try:
         lines, counts = run.describe()
     except (OutputError, SettingsMismatchError) as error:
-        _fail(str(error))
-    sys.stdout.writelines(f"{action}\t{path}\t{reason}\n" for action, path, reason in lines)
+        _fail(error)
+    sys.stdout.writelines(f"{action}\t{path}\t{in_flags(reason)}\n" for action, path, reason in lines)
     by_action: dict[str, Counter[str]] = {}
     for (action, kind), count in counts.items():
         by_action.setdefault(action, Counter())[kind] += count
-    summary = "; ".join(f"{action} {sum(kinds.values())} ({', '.join(f'{n} {kind}' for kind, n in kinds.items())})"
+    summary = "; ".join(f"{action} {sum(kinds.values())} "
+                        f"({', '.join(f'{n} {in_flags(kind)}' for kind, n in kinds.items())})"
                         for action, kinds in by_action.items())
     typer.echo(f"tarsier: dry run, nothing loaded or written: {summary or 'nothing to do'}", err=True)
     return EXIT_OK
@@ -317,12 +319,12 @@ class _CliReporter:
 
     def info(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(f"tarsier: {message}", highlight=False, markup=False)
-        self.log(message)
+            self.console.print(f"tarsier: {in_flags(message)}", highlight=False, markup=False)
+        self.log(in_flags(message))
 
     def warning(self, message: str) -> None:
-        self.console.print(f"tarsier: {message}", highlight=False, markup=False)
-        self.log(message)
+        self.console.print(f"tarsier: {in_flags(message)}", highlight=False, markup=False)
+        self.log(in_flags(message))
 
     def loading(self, model: str) -> AbstractContextManager[object]:
         _quiet_library_logs()
@@ -348,10 +350,10 @@ def _present(outcome: RunOutcome, console: Console, quiet: bool, log: LineLog) -
         console.print(Traceback.from_exception(type(outcome.error), outcome.error, outcome.error.__traceback__))
     if not finished or not quiet:
         if finished and outcome.summary and console.is_terminal:
-            print_summary(console, outcome.summary)
+            print_summary(console, [(name, in_flags(value)) for name, value in outcome.summary])
         else:
-            console.print(f"tarsier: {outcome.message}", highlight=False, markup=False)
-    log(outcome.message)
+            console.print(f"tarsier: {in_flags(outcome.message)}", highlight=False, markup=False)
+    log(in_flags(outcome.message))
     return EXIT_CODES[outcome.status]
 
 
@@ -421,8 +423,8 @@ def inspect_command(
         _fail("give --model or --family, not both")
     try:
         chosen = family_named(family) if family else family_for(model or DEFAULT_MODEL)
-    except ValueError as error:
-        _fail(str(error))
+    except ValueError as error:   # named as this command's own flags
+        _fail(error, {"model": "--model", "family": "--family"})
     failed = 0
     for index, path in enumerate(member for path in files for member in _members_if_shard(path)):
         found = inspect_file(path, chosen, frames)
@@ -439,7 +441,7 @@ def _members_if_shard(path: str) -> list[str]:
     try:
         found = discover([path])
     except InputNotFoundError as error:
-        _fail(str(error))
+        _fail(error)
     for problem in found.unreadable:
         typer.echo(f"warning: cannot read {problem}", err=True)
     return [item.path for item in found.items]
@@ -477,7 +479,7 @@ def merge_command(
     try:
         merged = merge_outputs(folder, output)
     except (MergeError, OutputError, OutputLockedError, OutputWriteError, OSError) as error:
-        _fail(str(error))
+        _fail(error)
     typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {merged.written} "
                f"({plural(merged.rows, 'row')}, {merged.failed} failed)", err=True)
 
@@ -515,7 +517,7 @@ def report_command(
     try:
         check_results_path(results)
     except OutputError as error:
-        _fail(str(error))
+        _fail(error)
     console = Console(stderr=True, soft_wrap=True)
     start = time.perf_counter()
     progress = Progress(TextColumn("extracting frames"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -528,7 +530,7 @@ def report_command(
                                  on_strips=lambda done: progress.advance(task, done),
                                  on_total=lambda total: progress.update(task, total=total))
     except (OutputError, OSError) as error:
-        _fail(str(error))
+        _fail(error)
     console.print(f"tarsier: wrote {out} ({plural(count, 'item')}, {out.stat().st_size / 2**20:.1f} MB) in "
                   f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
 
@@ -553,7 +555,7 @@ def eval_demo_command(
     try:
         result = evaluate_demo(n, seed, model, tuple(context.args))
     except RuntimeError as error:
-        _fail(str(error))
+        _fail(error)
     for name, expected, got in result.mistakes[:20]:
         typer.echo(f"{name}: expected {expected!r}, got {got!r}")
     typer.echo(f"reversed_accuracy={result.reversed_accuracy:.3f} n={result.n}")
@@ -576,7 +578,7 @@ def make_tiny_model_command(
     try:
         family_named(family)
     except ValueError as error:
-        _fail(str(error))
+        _fail(error)
     if directory.exists() and any(directory.iterdir()):
         _fail(f"{directory} exists and is not empty")
     from . import make_tiny_model
@@ -584,7 +586,7 @@ def make_tiny_model_command(
     try:
         typer.echo(make_tiny_model(directory, size, seed, family))
     except ValueError as error:
-        _fail(str(error))
+        _fail(error)
 
 
 def _stdin_paths(inputs: list[str], null_separated: bool = False) -> list[str]:
@@ -600,8 +602,9 @@ def _stdin_paths(inputs: list[str], null_separated: bool = False) -> list[str]:
     return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
 
 
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"Error: {message}", err=True)
+def _fail(said: object, flags: dict[str, str] = FLAGS) -> NoReturn:
+    """Stop the command with a message (a library's error or note names settings by field: worded by `flags`)."""
+    typer.echo(f"Error: {in_flags(said, flags)}", err=True)
     raise typer.Exit(EXIT_USAGE)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Optional
 
 import typer
 
+from .errors import worded
 from .settings import (
     GROUPS,
     OUT_FORMATS,
@@ -28,7 +29,7 @@ from .settings import (
     words,
 )
 
-__all__ = ["FLAGS", "OUT_FORMATS", "PATH_SETTINGS", "SHARD_ROWS", "CommandOptions", "caption_parameters",
+__all__ = ["FLAGS", "OUT_FORMATS", "in_flags", "PATH_SETTINGS", "SHARD_ROWS", "CommandOptions", "caption_parameters",
            "check_output_choice", "from_values"]
 
 # In this order within a group: the run's settings, then the command's own options, then Ray's.
@@ -79,5 +80,10 @@ def _value_type(found: Declared) -> Any:
 
 # The settings' fields as the command line names them, for `SettingsError.worded`.
 FLAGS = words(*SOURCES)
+
+
+def in_flags(said: object, flags: dict[str, str] = FLAGS) -> str:
+    """A library's note or error (the library names settings by field) as the command line says it: by flag."""
+    return worded(said, flags)
 # Keys whose relative paths in a --config file are relative to that file's folder.
 PATH_SETTINGS = frozenset(found.key for found in caption_declarations() if found.setting.path)

@@ -14,6 +14,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
+from .errors import Worded
+
 if TYPE_CHECKING:
     from .outputs.results import CaptionResult
 
@@ -236,11 +238,12 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
     if stats.already_done:
         rows.append(("done earlier", str(stats.already_done)))
     if stats.missing_kept:
-        rows.append(("files gone", f"{stats.missing_kept} rows kept (--prune-missing drops them)"))
+        rows.append(("files gone", Worded("{count} rows kept ({prune_missing} drops them)", count=stats.missing_kept)))
     if stats.missing_pruned:
-        rows.append(("files gone", f"{stats.missing_pruned} rows dropped (--prune-missing)"))
+        rows.append(("files gone", Worded("{count} rows dropped ({prune_missing})", count=stats.missing_pruned)))
     if stats.left_for_later:
-        rows.append(("left for later", f"{stats.left_for_later} (--limit); run again to caption them"))
+        rows.append(("left for later",
+                     Worded("{count} ({limit}); run again to caption them", count=stats.left_for_later)))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
              ("wall time", _wall_time(stats)),
              ("throughput", _throughput(stats))]
@@ -282,7 +285,10 @@ def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:
 
 
 def summary_line(rows: list[tuple[str, str]]) -> str:
-    return "done: " + "; ".join(f"{name} {value}" for name, value in rows)
+    """`done: name value; ...`, naming settings as its values do (`Worded`)."""
+    template = "done: " + "; ".join(f"{{name{index}}} {{value{index}}}" for index in range(len(rows)))
+    values = {f"{part}{index}": text for index, row in enumerate(rows) for part, text in zip(("name", "value"), row)}
+    return Worded(template, **values)
 
 
 def plural(number: int, noun: str) -> str:

@@ -183,8 +183,8 @@ def make_awkward_inputs(folder: Path) -> dict[Path, Ok | Fails]:
     Image.new("RGB", (20000, 10), (10, 200, 30)).save(folder / "strip_20000x10.png")
     add(folder / "strip_20000x10.png", Ok("image", (20000, 10), "pillow", 1))
     Image.new("1", (20000, 15000)).save(folder / "bomb.png")  # 300 Mpx of zeros: a few KB on disk
-    add(folder / "bomb.png", Fails("image too large: 20000x15000 = 300 Mpx, above the 250 Mpx limit "
-                                   "(--max-image-pixels)", "too_large"))
+    add(folder / "bomb.png", Fails("image too large: 20000x15000 = 300 Mpx, above max_image_pixels "
+                                   "(250 Mpx)", "too_large"))
 
     for name in ["with space.mp4", "new\nline.mp4", "ünï ☃.mp4", "-leading-dash.mp4", "pipe:0.mp4"]:
         shutil.copy(good_mp4, folder / name)

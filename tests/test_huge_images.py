@@ -64,6 +64,6 @@ def test_the_96_mpx_jpeg_captions(panorama: Path, tiny_model_dir: Path, tmp_path
 
 def test_an_image_above_the_limit_fails_undecoded_naming_the_option() -> None:
     with pytest.raises(ValueError, match=r"^image too large: 300x200 = 0.06 Mpx, "
-                                         r"above the 0.001 Mpx limit \(--max-image-pixels\)$"):
+                                         r"above max_image_pixels \(0.001 Mpx\)$"):
         load_media(str(SAMPLE_DATA / "still.png"), MediaType.IMAGE, 1, max_image_pixels=1000)
     assert load_media(str(SAMPLE_DATA / "still.png"), MediaType.IMAGE, 1, max_image_pixels=None).width == 300

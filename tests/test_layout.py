@@ -7,6 +7,7 @@ new import against the grain fails here, not as a circular-import error at some 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,51 @@ def test_every_public_name_is_on_the_python_api_page() -> None:
     page = (PACKAGE.parent / "docs" / "python-api.md").read_text()
     missing = [name for name in tarsier_batch.__all__ if name != "__version__" and f"`{name}" not in page]
     assert not missing, missing
+
+
+# Where a `--flag` may be written: the settings' declarations and the command line (its options, its
+# config file). Everywhere else the library names a setting by its field (`Worded`), and the command
+# line words it as a flag, so that a Python caller reads field names and a row names no flag.
+FLAG_WRITERS = {"settings", "cli", "cli_options", "config",
+                # runs `tarsier caption` as a person would: a command line is flags by nature
+                "demo.evaluate"}
+# Still naming flags while these modules are being rewritten elsewhere; each is a one-line change to `Worded`
+# text (or, in a row's error, to field names), and leaves this list once the rewrites are merged.
+FLAG_WRITERS_FOR_NOW = {"engine.scheduler", "engine.kv_manager", "engine.cuda_graphs", "run"}
+# Flags of other programs that a message tells a person to run.
+FOREIGN_FLAGS = {"--local-dir"}   # `hf download REPO --local-dir DIR`
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the docstring constants of a module, its classes and functions."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _flags_written(path: Path) -> list[tuple[int, str]]:
+    """(line, flag) of each flag in the string literals of `path`, docstrings aside."""
+    tree = ast.parse(path.read_text())
+    docstrings = _docstrings(tree)
+    return [(node.lineno, flag) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            for flag in FLAG.findall(node.value) if flag not in FOREIGN_FLAGS]
+
+
+def test_only_the_settings_declarations_and_the_command_line_write_flags() -> None:
+    allowed = FLAG_WRITERS | FLAG_WRITERS_FOR_NOW
+    written = [f"{path.relative_to(PACKAGE.parent)}:{line}: {flag}" for module, path in sorted(MODULES.items())
+               if module not in allowed and _unit(module) not in allowed for line, flag in _flags_written(path)]
+    assert not written, "\n".join(written)
+
+
+def test_the_flag_check_finds_a_flag_in_code_and_none_in_a_docstring(tmp_path: Path) -> None:
+    module = tmp_path / "module.py"
+    module.write_text('"""Given as --frames."""\n\n\ndef f() -> str:\n    """With --top-p."""\n'
+                      '    return f"raise --kv-cache-gb or pass --local-dir; models--org--name"\n')
+    assert _flags_written(module) == [(6, "--kv-cache-gb")]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tarsier_batch import Captioner, CaptionSettings, SamplingParams
+from tarsier_batch.cli_options import in_flags
 from tarsier_batch.inputs.sources import InputNotFoundError, discover
 from tarsier_batch.model.checkpoints import ModelNotFoundError, resolve_model
 
@@ -90,8 +91,9 @@ def test_offline_hub_id_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp
     # no traffic leaves this test, and no real cache is consulted.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(ModelNotFoundError, match="--model DIR"):
+    with pytest.raises(ModelNotFoundError, match="pass model DIR$") as offline:   # the library names the field
         resolve_model("omni-research/Tarsier-7b")
+    assert in_flags(offline.value).endswith("pass --model DIR")                   # the command line, its flag
     with pytest.raises(ModelNotFoundError, match="not a checkpoint directory"):
         resolve_model("./no/such/dir")
 

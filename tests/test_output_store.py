@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tarsier_batch.cli_options import in_flags
 from tarsier_batch.inputs.sources import MediaItem
 from tarsier_batch.media import MediaType
 from tarsier_batch.outputs.formats import OutputTarget
@@ -148,7 +149,8 @@ def test_settings_mismatch_names_each_difference() -> None:
     message = str(error.value)
     assert "r.parquet holds rows made with other settings" in message
     assert "prompt (default) there, 'Say hi.' now" in message and "frames 8 there, 16 now" in message
-    assert "--overwrite" in message
+    assert "pass overwrite to caption everything again, or choose another out" in message   # fields, not flags
+    assert "pass --overwrite to caption everything again, or choose another --out" in in_flags(error.value)
     with pytest.raises(SettingsMismatchError, match="seed 0 there, 7 now"):
         check_settings({"r": {**SETTINGS, "temperature": 0.7}}, {"temperature": 0.7, "seed": 7})
 

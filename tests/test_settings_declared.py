@@ -5,17 +5,21 @@ unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from pathlib import Path
 
 import pytest
 import typer.main
 
 from tarsier_batch.cli import FLAGS, app
-from tarsier_batch.cli_options import PATH_SETTINGS, SOURCES, caption_declarations
+from tarsier_batch.cli_options import PATH_SETTINGS, SOURCES, caption_declarations, in_flags
 from tarsier_batch.config import ConfigError, config_defaults
+from tarsier_batch.errors import Worded
 from tarsier_batch.inputs.prompt_sets import Question
 from tarsier_batch.inputs.segments import Segmenting
 from tarsier_batch.inputs.sharding import Shard
+from tarsier_batch.outputs.formats import OutputError, OutputTarget
+from tarsier_batch.progress import summary_line
 from tarsier_batch.settings import (
     CaptionSettings,
     CommandOptions,
@@ -74,6 +78,29 @@ def test_errors_name_fields_and_the_command_words_them_as_its_flags() -> None:
         from_values(RaySettings, {"ray": "auto", "ray_workers": "3-1"})
     assert str(refused.value).startswith("actors '3-1'")
     assert refused.value.worded(FLAGS).startswith("--ray-workers '3-1'")
+
+
+def test_the_library_names_fields_in_its_other_errors_and_notes_and_the_command_words_them(tmp_path: Path) -> None:
+    folder = tmp_path / "{odd} name"   # braces in a value are the value's, not placeholders
+    folder.mkdir()
+    with pytest.raises(OutputError) as refused:
+        OutputTarget(folder).check()
+    assert str(refused.value) == (f"out {folder} is a directory; give a file name such as {folder}/results.parquet, "
+                                  f"or use out_dir with shard_rows")
+    assert in_flags(refused.value) == (f"--out {folder} is a directory; give a file name such as "
+                                       f"{folder}/results.parquet, or use --out-dir with --shard-rows")
+    # A parser's error becomes a SettingsError naming the setting alike; both survive a process boundary.
+    with pytest.raises(SettingsError) as parsed:
+        from_values(RunSettings, {"shard": "4/2"})
+    again = pickle.loads(pickle.dumps(parsed.value))
+    assert str(again).startswith("shard 4/2: I must be 0 to N-1")
+    assert in_flags(again).startswith("--shard 4/2: I must be 0 to N-1")
+    # A note built of notes (the summary's line) words the settings inside each part.
+    line = summary_line([("files gone", Worded("{count} rows kept ({prune_missing} drops them)", count=2)),
+                         ("output", "{x}.parquet")])
+    assert str(line) == "done: files gone 2 rows kept (prune_missing drops them); output {x}.parquet"
+    assert in_flags(line) == "done: files gone 2 rows kept (--prune-missing drops them); output {x}.parquet"
+    assert in_flags("plain text {x}") == "plain text {x}"
 
 
 def test_flag_values_become_settings_through_their_declarations() -> None:

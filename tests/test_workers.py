@@ -153,7 +153,7 @@ def test_a_crash_costs_one_item_and_a_fresh_worker_takes_the_next(job: DecodeJob
     assert crash.error_kind == "crashed"
     # std::bad_alloc aborts: with a memory limit, the likely cause is named.
     assert abort.error == ("the decoder crashed (SIGABRT), probably out of memory "
-                           "(limit 2 GiB per worker, --decode-memory-gb)")
+                           "(decode_memory_gb: 2 GiB per worker)")
     assert abort.error_kind == "out_of_memory"
     for fine, index in ((after_crash, 1), (after_abort, 3)):
         assert fine.error is None and fine.error_kind is None and fine.prompt is not None and fine.index == index
@@ -162,7 +162,7 @@ def test_a_crash_costs_one_item_and_a_fresh_worker_takes_the_next(job: DecodeJob
 def test_a_hang_times_out_and_the_next_item_decodes(job: DecodeJob, faulty: dict[str, MediaItem]) -> None:
     with DecodePool(job, workers=1, timeout_s=1.5) as pool:
         hang, after = pool.submit(0, faulty["hang-me"]), pool.submit(1, faulty["fine"])
-        assert hang.result().error == "decoding took longer than 1.5 s (--decode-timeout); the worker was stopped"
+        assert hang.result().error == "decoding took longer than decode_timeout_s (1.5 s); the worker was stopped"
         assert hang.result().error_kind == "timeout"
         assert after.result().error is None and after.result().prompt is not None
 
@@ -170,7 +170,7 @@ def test_a_hang_times_out_and_the_next_item_decodes(job: DecodeJob, faulty: dict
 def test_running_out_of_memory_costs_one_item(job: DecodeJob, faulty: dict[str, MediaItem]) -> None:
     with DecodePool(job, workers=1, timeout_s=60, memory_limit_bytes=1 * GiB) as pool:
         oom, after = pool.submit(0, faulty["eat-me"]).result(), pool.submit(1, faulty["fine"]).result()
-    assert oom.error == "decoding ran out of memory (limit 1 GiB per worker, --decode-memory-gb)"
+    assert oom.error == "decoding ran out of memory (decode_memory_gb: 1 GiB per worker)"
     assert oom.error_kind == "out_of_memory"
     assert after.error is None and after.prompt is not None
 
@@ -307,7 +307,7 @@ def test_allocation_failures_inside_decoders_name_the_limit(monkeypatch: pytest.
     monkeypatch.setattr(workers, "_job", DecodeJob(NoMemory(), 8, None))  # type: ignore[arg-type]
     monkeypatch.setattr(workers, "_memory_limit", 3 * GiB // 2)
     decoded = pickle.loads(workers._decode_in_worker(0, faulty["fine"]))
-    assert decoded.error == ("decoding ran out of memory (limit 1.5 GiB per worker, --decode-memory-gb): "
+    assert decoded.error == ("decoding ran out of memory (decode_memory_gb: 1.5 GiB per worker): "
                              "cannot decode video: pyav: Cannot allocate memory")
     assert decoded.error_kind == "out_of_memory"
 

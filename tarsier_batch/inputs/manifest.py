@@ -14,6 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pyarrow as pa
 
 from .. import storage
+from ..errors import Worded
 from ..media import MediaType, Span, media_type_of
 from .prompt_sets import PromptSetError, row_prompt_set
 from .sources import Discovery, KeyMode
@@ -60,7 +61,8 @@ def read_manifest(path: Path | str, key_mode: KeyMode, reserved: frozenset[str],
             with storage.fetch(str(path)) as copy:
                 table = _read_table(Path(copy.path), shown)
         except (OSError, storage.StorageError) as error:
-            raise ManifestError(f"cannot read --manifest {shown}: {storage.redact_text(str(error))}") from None
+            raise ManifestError(Worded("cannot read {manifest} {shown}: {error}", shown=shown,
+                                        error=storage.redact_text(str(error)))) from None
         return _manifest_of(table, shown, key_mode, reserved, path_column, keep_columns,
                             lambda value: _beside_url(str(path), value))
     check_manifest_path(path)
@@ -168,15 +170,15 @@ def sibling_columns(discovery: Discovery, keep_columns: str, reserved: frozenset
     """The items of WebDataset shards with their siblings' texts (by extension: `json`, `txt`, ...) kept as columns:
     "all" or comma-separated extensions. A kept extension named like an output column gets the prefix input_."""
     if not any(item.member is not None for item in discovery.items):
-        raise ManifestError("--keep-columns needs --manifest (its columns) or WebDataset shards among the inputs "
-                            "(their sibling files)")
+        raise ManifestError(Worded("{keep_columns} needs {manifest} (its columns) or WebDataset shards among the "
+                                   "inputs (their sibling files)"))
     found = sorted({name for item in discovery.items for name in item.columns})
     wanted = found if keep_columns.strip() == "all" else [name.strip() for name in keep_columns.split(",")
                                                           if name.strip()]
     unknown = [name for name in wanted if name not in found]
     if unknown:
-        raise ManifestError(f"--keep-columns: no member of the shards has the sibling {', '.join(unknown)} "
-                            f"(found: {', '.join(found) or 'none'})")
+        raise ManifestError(Worded("{keep_columns}: no member of the shards has the sibling {unknown} (found: {found})",
+                                   unknown=", ".join(unknown), found=", ".join(found) or "none"))
     renamed = {name: RENAMED_PREFIX + name for name in wanted if name in reserved}
     items = [replace(item, columns={renamed.get(name, name): item.columns.get(name) for name in wanted})
              for item in discovery.items]
@@ -189,10 +191,10 @@ def check_manifest_path(path: Path | str) -> None:
     when it is read)."""
     name = storage.url_name(str(path)) if storage.is_url(str(path)) else str(path)
     if PurePosixPath(name).suffix.lower() not in MANIFEST_SUFFIXES:
-        raise ManifestError(f"--manifest {storage.redact(str(path))}: unknown kind; name it .csv, .tsv, .jsonl or "
-                            f".parquet")
+        raise ManifestError(Worded("{manifest} {path}: unknown kind; name it .csv, .tsv, .jsonl or .parquet",
+                                   path=storage.redact(str(path))))
     if not storage.is_url(str(path)) and not Path(path).is_file():
-        raise ManifestError(f"--manifest {path}: no such file")
+        raise ManifestError(Worded("{manifest} {path}: no such file", path=path))
 
 
 def _read_table(path: Path, shown: str) -> pa.Table:
@@ -214,7 +216,8 @@ def _read_table(path: Path, shown: str) -> pa.Table:
 
         return pq.read_table(path)
     except (OSError, pa.ArrowException) as error:
-        raise ManifestError(f"cannot read --manifest {shown}: {' '.join(str(error).split())}") from error
+        raise ManifestError(Worded("cannot read {manifest} {shown}: {error}", shown=shown,
+                                   error=" ".join(str(error).split()))) from error
 
 
 def _csv_options(suffix: str) -> Any:
@@ -235,13 +238,15 @@ def _path_column(table: pa.Table, asked: str | None, path: Path) -> str:
     names = table.column_names
     if asked is not None:
         if asked not in names:
-            raise ManifestError(f"--path-column {asked!r} is not a column of {path} (columns: {', '.join(names)})")
+            raise ManifestError(Worded("{path_column} {asked!r} is not a column of {path} (columns: {names})",
+                                       asked=asked, path=path, names=", ".join(names)))
         return asked
     for name in PATH_COLUMNS:
         if name in names:
             return name
-    raise ManifestError(f"{path} has none of the columns {', '.join(PATH_COLUMNS)}; name the column of file "
-                        f"paths with --path-column (columns: {', '.join(names)})")
+    raise ManifestError(Worded("{path} has none of the columns {known}; name the column of file paths with "
+                               "{path_column} (columns: {names})", path=path, known=", ".join(PATH_COLUMNS),
+                               names=", ".join(names)))
 
 
 def _kept_columns(table: pa.Table, asked: str | None, path: Path) -> list[str]:
@@ -253,5 +258,6 @@ def _kept_columns(table: pa.Table, asked: str | None, path: Path) -> list[str]:
     wanted = [name.strip() for name in asked.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in names]
     if unknown:
-        raise ManifestError(f"--keep-columns: {', '.join(unknown)} not in {path} (columns: {', '.join(names)})")
+        raise ManifestError(Worded("{keep_columns}: {unknown} not in {path} (columns: {names})",
+                                   unknown=", ".join(unknown), path=path, names=", ".join(names)))
     return list(dict.fromkeys(wanted))

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ..errors import Worded
 from ..media import MediaType, Span
 from ..version import install_extra_command
 from .sources import MediaItem
@@ -90,25 +91,27 @@ class Segmenting:
         head, *options = text.strip().split(",")
         mode, _, length = head.partition(":")
         if mode not in ("whole", "fixed", "scenes"):
-            raise SegmentsError(f"--segments {text!r}: {_SPECS}")
+            raise SegmentsError(Worded("{segments} {text!r}: {specs}", text=text, specs=_SPECS))
         if mode == "whole":
             if length or options:
-                raise SegmentsError(f"--segments whole takes nothing more (got {text!r})")
+                raise SegmentsError(Worded("{segments} whole takes nothing more (got {text!r})", text=text))
             return cls()
         if (mode == "fixed") != bool(length):
-            raise SegmentsError(f"--segments {text!r}: " + ("give the window's length, as in fixed:10s"
-                                                            if mode == "fixed" else "scenes takes no ':LENGTH'"))
+            raise SegmentsError(Worded("{segments} {text!r}: {wrong}", text=text,
+                                       wrong="give the window's length, as in fixed:10s" if mode == "fixed"
+                                       else "scenes takes no ':LENGTH'"))
         allowed = ("overlap", "min") if mode == "fixed" else ("threshold", "min", "max")
         values: dict[str, float] = {}
         for option in options:
             name, equals, value = (part.strip() for part in option.partition("="))
             if not equals or name not in allowed:
-                raise SegmentsError(f"--segments {text!r}: {option!r} is not one of "
-                                    f"{', '.join(name + '=' for name in allowed)}")
+                raise SegmentsError(Worded("{segments} {text!r}: {option!r} is not one of {allowed}", text=text,
+                                           option=option, allowed=", ".join(name + "=" for name in allowed)))
             try:
                 values[name] = float(value) if name == "threshold" else parse_duration(value)
             except ValueError:
-                raise SegmentsError(f"--segments {text!r}: threshold={value!r} is not a number") from None
+                raise SegmentsError(Worded("{segments} {text!r}: threshold={value!r} is not a number", text=text,
+                                           value=value)) from None
         if mode == "fixed":
             return cls("fixed", parse_duration(length), values.get("overlap", 0.0),
                        values.get("min", DEFAULT_MIN_S["fixed"]))
@@ -126,7 +129,8 @@ class Segmenting:
     def check_available(self) -> None:
         """Scenes need PySceneDetect (the `scenes` extra): refuse now, not in every worker."""
         if self.mode == "scenes" and importlib.util.find_spec("scenedetect") is None:
-            raise SegmentsError(f"--segments scenes needs PySceneDetect: {install_extra_command('scenes')}")
+            raise SegmentsError(Worded("{segments} scenes needs PySceneDetect: {install}",
+                                       install=install_extra_command("scenes")))
 
     def spans(self, facts: VideoFacts) -> list[Span]:
         """The spans of a video with these facts."""

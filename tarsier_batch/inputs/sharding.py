@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import printable
+from ..errors import Worded, printable
 from ..storage import is_url, redact
 from .sources import MediaItem, row_id_of
 from .tars import split_member_path
@@ -39,11 +39,11 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         match = _SHARD_TEXT.fullmatch(text.strip())
         if not match:
-            raise ShardError(f"--shard {text!r}: give I/N, shard I (from 0) of N, e.g. --shard 0/8")
+            raise ShardError(Worded("{shard} {text!r}: give I/N, shard I (from 0) of N, e.g. {shard} 0/8", text=text))
         index, count = int(match.group(1)), int(match.group(2))
         if count < 1 or index >= count:
-            raise ShardError(f"--shard {text}: I must be 0 to N-1 (shards are numbered from 0, "
-                             f"as in sbatch --array=0-{max(count, 1) - 1})")
+            raise ShardError(Worded("{shard} {text}: I must be 0 to N-1 (shards are numbered from 0, as Slurm numbers "
+                                    "the tasks of an array 0-{last})", text=text, last=max(count, 1) - 1))
         return cls(index, count)
 
     def __str__(self) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import storage
-from ..errors import one_line, printable
+from ..errors import Worded, one_line, printable
 from ..media import MediaType, Span, media_type_of
 from . import tars
 from .prompt_sets import Question
@@ -207,8 +207,9 @@ def _expand_entry(entry: str, recursive: bool, unreadable: list[str], from_stdin
     """What one input names: (path or URL, the object's facts when a listing gave them)."""
     if storage.is_url(entry):
         if key_mode == "sha256":
-            raise InputNotFoundError(f"--key sha256 reads every file to hash it; for {storage.redact(entry)} the "
-                                     f"store's ETag identifies the content: use --key path")
+            raise InputNotFoundError(Worded("{key} sha256 reads every file to hash it; for {entry} the store's "
+                                            "ETag identifies the content: use {key} path",
+                                            entry=storage.redact(entry)))
         return [found for url in _braced(entry) for found in _expand_url(url, recursive, from_stdin)]
     return [(path, None) for pattern in _braced(entry) for path in _expand(pattern, recursive, unreadable, from_stdin)]
 
@@ -251,8 +252,9 @@ def _add_shard(found: Discovery, shard: str, key_mode: KeyMode | None, cache_dir
     """The media members of a WebDataset shard as items, in tar order; other members counted as skipped unless they
     are a media member's siblings."""
     if key_mode == "sha256":
-        raise InputNotFoundError(f"--key sha256 does not apply to the members of {storage.redact(shard)}: use "
-                                 f"--key path (a member's key is the shard's version, its name and its size)")
+        raise InputNotFoundError(Worded("{key} sha256 does not apply to the members of {shard}: use {key} path "
+                                        "(a member's key is the shard's version, its name and its size)",
+                                        shard=storage.redact(shard)))
     try:
         index = tars.list_shard(shard, cache_dir if cache_dir is not None else tars.default_cache_dir())
     except FileNotFoundError:

@@ -79,8 +79,8 @@ def open_image(path: str, max_pixels: int | None) -> Image.Image:
     width, height = image.size
     if max_pixels is not None and width * height > max_pixels:
         image.close()
-        raise ItemError(TOO_LARGE, f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above the "
-                         f"{max_pixels / 1e6:.3g} Mpx limit (--max-image-pixels)")
+        raise ItemError(TOO_LARGE, f"image too large: {width}x{height} = {width * height / 1e6:.3g} Mpx, above "
+                         f"max_image_pixels ({max_pixels / 1e6:.3g} Mpx)")
     return image
 
 

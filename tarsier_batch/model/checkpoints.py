@@ -6,6 +6,7 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import Worded
 from ..families.catalog import model_families
 from ..storage import cache_home
 
@@ -66,8 +67,8 @@ def model_reference_problem(reference: str) -> str | None:
     by_lower = {name.lower(): name for name in known}   # 'Demo' is a near miss of 'demo' too
     close = difflib.get_close_matches(reference.lower(), list(by_lower), n=1)
     hint = f"did you mean {by_lower[close[0]]!r}?" if close else "see 'tarsier models'"
-    return (f"--model {reference!r} is not a checkpoint directory, a Hugging Face id (org/name) or a built-in "
-            f"model; {hint}")
+    return Worded("{model} {reference!r} is not a checkpoint directory, a Hugging Face id (org/name) or a built-in "
+                  "model; {hint}", reference=reference, hint=hint)
 
 
 def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
@@ -112,12 +113,14 @@ def download_problem(repo_id: str, error: BaseException) -> str:
     if isinstance(error, RepositoryNotFoundError):
         return (f"there is no model {repo_id!r} on the Hugging Face hub (check the name; see 'tarsier models'; "
                 f"a private one needs 'hf auth login' or HF_TOKEN)")
-    offline = (f"download it on a machine that is online with 'hf download {repo_id} --local-dir DIR', copy DIR "
-               f"here and pass --model DIR")
+    offline = Worded("download it on a machine that is online with 'hf download {repo} --local-dir DIR', copy DIR "
+                     "here and pass {model} DIR", repo=repo_id)
     if isinstance(error, (LocalEntryNotFoundError, ConnectionError, TimeoutError)) or "Connect" in type(error).__name__:
         cause = error.__cause__ or error.__context__ or error
-        return f"cannot reach the Hugging Face hub to download {repo_id!r} ({_first_line(cause)}); {offline}"
-    return f"could not download {repo_id!r} from the Hugging Face hub ({_first_line(error)}); {offline}"
+        return Worded("cannot reach the Hugging Face hub to download {repo!r} ({cause}); {offline}", repo=repo_id,
+                      cause=_first_line(cause), offline=offline)
+    return Worded("could not download {repo!r} from the Hugging Face hub ({cause}); {offline}", repo=repo_id,
+                  cause=_first_line(error), offline=offline)
 
 
 def _first_line(error: BaseException) -> str:

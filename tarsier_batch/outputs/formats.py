@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, ClassVar, TextIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ..errors import Worded
 from ..inputs.tars import split_member_path, wds_key
 from ..settings import SettingsError
 from .schema import PROVENANCE_KEY, SUMMARY_KEY
@@ -94,20 +95,23 @@ class OutputTarget:
         """Answer a wrong --out or --out-dir before any work."""
         if self.is_folder:
             if self.path.exists() and not self.path.is_dir():
-                raise OutputError(f"--out-dir {self.path} is a file; give a folder for the shards")
+                raise OutputError(Worded("{out_dir} {path} is a file; give a folder for the shards", path=self.path))
             strangers = [entry.name for entry in self.path.iterdir()
                          if not entry.name.startswith(".") and not self.kind.owns(entry.name)] \
                 if self.path.is_dir() else []
             if strangers:
-                raise OutputError(f"--out-dir {self.path} holds other files ({', '.join(sorted(strangers)[:3])}); "
-                                  f"give an empty or new folder, or the folder of an earlier sharded run")
+                raise OutputError(Worded("{out_dir} {path} holds other files ({names}); give an empty or new folder, "
+                                         "or the folder of an earlier sharded run", path=self.path,
+                                         names=", ".join(sorted(strangers)[:3])))
             return
         if self.path.is_dir():
-            raise OutputError(f"--out {self.path} is a directory; give a file name such as "
-                              f"{self.path / 'results.parquet'}, or use --out-dir with --shard-rows")
+            raise OutputError(Worded("{out} {path} is a directory; give a file name such as {example}, or use "
+                                     "{out_dir} with {shard_rows}", path=self.path,
+                                     example=self.path / "results.parquet"))
         if self.path.suffix.lower() not in FORMATS:
-            raise OutputError(f"--out {self.shown}: unknown format {self.path.suffix or '(no suffix)'!r}; "
-                              f"name it .parquet, .jsonl or .csv, or use '-o -' for JSON Lines on stdout")
+            raise OutputError(Worded("{out} {shown}: unknown format {suffix!r}; name it .parquet, .jsonl or .csv, or "
+                                     "use '{out} -' for JSON Lines on stdout", shown=self.shown,
+                                     suffix=self.path.suffix or "(no suffix)"))
 
     def check_settings(self, settings: RunSettings) -> None:
         """Refuse, before any work, settings this output cannot honour."""
@@ -362,13 +366,14 @@ class WebDatasetShards(OutputFormat):
         for path in paths:
             split = split_member_path(path)
             if split is None:
-                raise OutputError(f"--out-format webdataset writes captions beside WebDataset shards: {path} is not "
-                                  f"a member of a .tar shard")
+                raise OutputError(Worded("{out_format} webdataset writes captions beside WebDataset shards: {path} is "
+                                         "not a member of a .tar shard", path=path))
             shard, member = split
             key = (shard, _sample_key(member))
             if key in seen and seen[key] != member:
-                raise OutputError(f"--out-format webdataset: {shard} holds {seen[key]} and {member}, one "
-                                  f"WebDataset sample ({key[1]}); their captions cannot both be {key[1]}.json")
+                raise OutputError(Worded("{out_format} webdataset: {tar} holds {seen} and {member}, one WebDataset "
+                                         "sample ({sample}); their captions cannot both be {sample}.json",
+                                         tar=shard, seen=seen[key], member=member, sample=key[1]))
             seen[key] = member
 
 
@@ -384,7 +389,7 @@ def shard_names(shards: list[str]) -> dict[str, str]:
 def _shard_of(path: str) -> str:
     split = split_member_path(path)
     if split is None:   # the run checked its inputs (`check_rows`): an earlier output of other inputs
-        raise OutputError(f"--out-format webdataset: the row of {path} comes from no .tar shard")
+        raise OutputError(Worded("{out_format} webdataset: the row of {path} comes from no .tar shard", path=path))
     return split[0]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from ..errors import Worded
 from ..storage import filesystem, redact, with_retries
 
 LEASE_ENV = "TARSIER_LOCK_LEASE_S"
@@ -49,8 +50,8 @@ class OutputLock:
             except BlockingIOError:
                 holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
                 os.close(fd)
-                raise OutputLockedError(f"another run is writing {self.out} "
-                                        f"({holder}); wait for it to finish or use another --out") from None
+                raise OutputLockedError(Worded("another run is writing {path} ({holder}); wait for it to finish or "
+                                               "use another {out}", path=self.out, holder=holder)) from None
             if _same_file(fd, self.path):
                 break
             # The holder finished and removed the file between our open and our lock: the lock we

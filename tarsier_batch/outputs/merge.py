@@ -17,7 +17,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import one_line
+from ..errors import Worded, one_line
 from ..inputs.sources import row_id_of
 from .formats import WDS_META, WEBDATASET_SHARDS, OutputTarget, parquet_metadata
 from .lock import OutputLock
@@ -112,8 +112,9 @@ def merge_shards(folder: Path) -> Merged:
     found = sorted(path for path in folder.iterdir() if not path.name.startswith(".") and (
         path.suffix.lower() == ".parquet" and path.is_file() or (path / WDS_META).is_file()))
     if not found:
-        raise MergeError(f"{folder} holds no shard outputs; write each shard with --shard I/N --out "
-                         f"{folder}/shard-I.parquet (or --out-dir {folder}/shard-I --out-format webdataset)")
+        raise MergeError(Worded("{folder} holds no shard outputs; write each shard with {shard} I/N {out} "
+                                "{folder}/shard-I.parquet (or {out_dir} {folder}/shard-I {out_format} webdataset)",
+                                folder=folder))
     if len({path.is_dir() for path in found}) > 1:
         raise MergeError(f"{folder} holds .parquet files and WebDataset folders: keep one run's shard outputs")
     outputs = [_read_shard(path) for path in found]
@@ -153,8 +154,8 @@ def _read_shard(path: Path) -> ShardOutput:
         raise MergeError(f"cannot read {path}: {one_line(error)}") from error
     shard = provenance.get("shard")
     if not shard:
-        raise MergeError(f"{path.name} is not the output of a tarsier caption --shard run; "
-                         f"keep only the shards' outputs in the folder")
+        raise MergeError(Worded("{name} is not the output of a tarsier caption {shard} run; keep only the shards' "
+                                "outputs in the folder", name=path.name))
     output = ShardOutput(path, table, provenance, summary)
     items = len(output.rows)
     if len(shard["positions"]) != items:

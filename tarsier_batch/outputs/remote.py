@@ -33,7 +33,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import one_line
+from ..errors import Worded, one_line
 from ..storage import READ_ONLY_SCHEMES, cache_home, filesystem, is_url, redact, redact_text, scheme, with_retries
 from .formats import META_SUFFIX, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
@@ -79,15 +79,16 @@ class RemoteOutput:
                  webdataset: bool = False):
         self.url, self.shown = url, redact(url)
         folder = bool(shard_rows) or webdataset
-        flag = "--out-dir" if folder else "--out"
+        setting = Worded("{out_dir}" if folder else "{out}")
         if scheme(url) in READ_ONLY_SCHEMES:
-            raise OutputError(f"{flag} {self.shown}: {scheme(url)}:// is read-only; write to s3://, gs://, az:// "
-                              f"or a local path")
+            raise OutputError(Worded("{setting} {shown}: {scheme}:// is read-only; write to s3://, gs://, az:// or a "
+                                     "local path", setting=setting, shown=self.shown, scheme=scheme(url)))
         self.fs, path = filesystem(url)
         self.parent, _, name = path.rstrip("/").rpartition("/")
         if not self.parent or not name:
-            raise OutputError(f"{flag} {self.shown} names a bucket; give an object in it, such as "
-                              f"{self.shown.rstrip('/')}/{'captions' if folder else 'captions.parquet'}")
+            raise OutputError(Worded("{setting} {shown} names a bucket; give an object in it, such as {example}",
+                                     setting=setting, shown=self.shown, example=self.shown.rstrip("/") + "/" +
+                                     ("captions" if folder else "captions.parquet")))
         self.staging = staging or staging_root() / hashlib.sha256(self.shown.encode()).hexdigest()[:16]
         self.target = OutputTarget(self.staging / name, shard_rows, url=self.shown, webdataset=webdataset)
         self.lock = RemoteLock(url)
@@ -222,8 +223,8 @@ class RemoteOutput:
                 entry["name"])
         if strangers:
             names = ", ".join(sorted(name.rpartition("/")[2] for name in strangers)[:3])
-            raise OutputError(f"--out-dir {self.shown} holds other objects ({names}); give an empty or new prefix, "
-                              f"or the prefix of an earlier sharded run")
+            raise OutputError(Worded("{out_dir} {shown} holds other objects ({names}); give an empty or new prefix, "
+                                     "or the prefix of an earlier sharded run", shown=self.shown, names=names))
         return sorted(shards)
 
     def _download(self, key: str) -> None:
@@ -239,8 +240,8 @@ def _is_object(fs: Any, key: str, shown: str) -> bool:
     except FileNotFoundError:
         return False
     if info.get("type") == "directory":
-        raise OutputError(f"--out {shown} is a prefix holding objects; give an object name such as "
-                          f"{shown.rstrip('/')}/results.parquet, or use --out-dir")
+        raise OutputError(Worded("{out} {shown} is a prefix holding objects; give an object name such as "
+                                 "{prefix}/results.parquet, or use {out_dir}", shown=shown, prefix=shown.rstrip("/")))
     return True
 
 

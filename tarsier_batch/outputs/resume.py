@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import Worded
 from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind
 from .store import StoredRows
 
@@ -33,9 +34,10 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
                        for name in now
                        if _differs(name, old.get(name), now[name]) and not (greedy and name in SAMPLING_ONLY)]
         if differences:
-            raise SettingsMismatchError(
-                f"{where} holds rows made with other settings ({'; '.join(differences)}); run with the same "
-                f"settings to continue it, pass --overwrite to caption everything again, or choose another --out")
+            raise SettingsMismatchError(Worded(
+                "{where} holds rows made with other settings ({differences}); run with the same settings to "
+                "continue it, pass {overwrite} to caption everything again, or choose another {out}", where=where,
+                differences="; ".join(differences)))
 
 
 def _difference(name: str, old: Any, now: Any) -> str:
@@ -202,7 +204,7 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
         if path in plan.done:
             add("skip", path, "done earlier" if row is not None else "same content done earlier")
         elif path in later:
-            add("later", path, "beyond --limit")
+            add("later", path, Worded("beyond {limit}"))
         elif path in shared_with:
             add("caption", path, f"same content as {shared_with[path]}", "same content as another")
         elif path in todo:
@@ -221,5 +223,5 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
         if path in kept:
             add("keep", path, "not in this run, row kept" if exists(path) else "file gone, row kept")
         elif path not in plan.done and path not in todo and path not in shared_with and path not in later:
-            add("drop", path, "file gone (--prune-missing)")
+            add("drop", path, Worded("file gone ({prune_missing})"))
     return lines, counts

@@ -30,7 +30,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import one_line
+from ..errors import Worded, one_line
 from ..inputs.sources import row_id_of
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from .formats import OutputError, OutputTarget, read_results, with_metadata
@@ -223,14 +223,15 @@ def _read_output(target: OutputTarget, schema: pa.Schema) -> tuple[pa.Table, dic
     try:
         table, provenance, _ = read_results(target, schema)
     except (OSError, pa.ArrowException, ValueError, KeyError) as error:
-        raise OutputError(f"{target.shown} exists but is not readable {target.format} results of tarsier-batch "
-                          f"({one_line(error)}); pass --overwrite to replace it") from error
+        raise OutputError(Worded("{shown} exists but is not readable {format} results of tarsier-batch ({error}); "
+                                 "pass {overwrite} to replace it", shown=target.shown, format=target.format,
+                                 error=one_line(error))) from error
     if not provenance:   # no provenance at all: another tool's file, or a typo naming one
-        raise OutputError(f"{target.shown} exists and is not the output of a tarsier run (it has no run "
-                          f"provenance), so it cannot be continued; pass --overwrite to replace it")
+        raise OutputError(Worded("{shown} exists and is not the output of a tarsier run (it has no run provenance), "
+                                 "so it cannot be continued; pass {overwrite} to replace it", shown=target.shown))
     if "settings" not in provenance or "key" not in table.column_names:
-        raise OutputError(f"{target.shown} exists but was written by an older version of tarsier-batch, so it cannot "
-                          f"be continued; pass --overwrite to replace it")
+        raise OutputError(Worded("{shown} exists but was written by an older version of tarsier-batch, so it cannot "
+                                 "be continued; pass {overwrite} to replace it", shown=target.shown))
     return table, provenance
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import storage
-from ..errors import one_line, printable
+from ..errors import Worded, one_line, printable
 from ..families.catalog import TARSIER, FamilyInfo, family_of_config, model_families
 from ..inputs import tars
 from ..inputs.copies import readable_copy
@@ -97,8 +97,8 @@ def family_for(model: str) -> FamilyInfo:
     config = Path(model).expanduser() / "config.json"
     if config.is_file():
         return family_of_config(json.loads(config.read_text(encoding="utf-8")), str(config))
-    raise ValueError(f"--model {model!r}: not a built-in model, a known checkpoint or a checkpoint folder; "
-                     f"use --family tarsier or tarsier2")
+    raise ValueError(Worded("{model} {name!r}: not a built-in model, a known checkpoint or a checkpoint folder; "
+                            "use {family} tarsier or tarsier2", name=model))
 
 
 def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,

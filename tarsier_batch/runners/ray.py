@@ -33,6 +33,7 @@ import numpy as np
 
 from .. import storage
 from ..api import Captioner, decode_pool
+from ..errors import Worded
 from ..families.generation_config import read_repetition_penalty
 from ..families.loading import load_processor
 from ..inputs.sources import MediaItem
@@ -81,8 +82,8 @@ class RayBackend:
                      runtime_env={"env_vars": {**{name: value for name, value in os.environ.items()
                                                   if name.startswith("TARSIER")}, **storage.environment()}})
         if ray_settings.gpus_per_actor > 0 and ray.cluster_resources().get("GPU", 0) == 0:
-            raise RayResourceError(f"the Ray cluster at {address} has no GPUs; pass --device cpu (or "
-                                   f"--ray-gpus-per-worker 0) to caption on its CPUs")
+            raise RayResourceError(Worded("the Ray cluster at {address} has no GPUs; pass {device} cpu (or "
+                                          "{gpus_per_actor} 0) to caption on its CPUs", address=address))
         self.model = resolve_model(settings.model, weights=False)   # the actors load the weights, not this process
         frames = settings.frames or load_processor(self.model.path).default_frames
         penalty = settings.sampling.repetition_penalty

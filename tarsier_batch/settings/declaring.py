@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import Worded, worded
+
 # The order `tarsier caption --help` and the flags page list the groups in.
 GROUPS = ("output", "inputs", "run", "model", "prompt", "rows", "engine", "sampling", "media", "resume", "display",
           "ray")
@@ -30,21 +32,22 @@ class SettingsError(ValueError):
     """A setting, or a combination of settings, that cannot work.
 
     The message names settings by their field names (`top_p`); `worded` names them in a caller's
-    own words (`--top-p`). Its template holds each name as `{field}`.
+    own words (`--top-p`). Its template holds each name as `{field}` (a `Worded` template).
     """
 
     def __init__(self, template: str):
         self.template = template
-        super().__init__(self.worded({}))
+        super().__init__(Worded(template))
 
     def worded(self, words: Mapping[str, str]) -> str:
         """The message with each setting named as `words` says (a field it lacks keeps its name)."""
-        return self.template.format_map(_Words(words))
+        return worded(self, words)
 
-
-class _Words(dict):  # type: ignore[type-arg]
-    def __missing__(self, name: str) -> str:
-        return name
+    @classmethod
+    def of(cls, error: Exception) -> SettingsError:
+        """A parser's or a check's error as a SettingsError, naming settings as `error` does."""
+        message = error.args[0] if len(error.args) == 1 else None
+        return cls(message if isinstance(message, Worded) else shown(error))
 
 
 def shown(value: Any) -> str:
@@ -179,7 +182,7 @@ def _parsed(declaration: Setting, value: Any) -> Any:
     except SettingsError:
         raise
     except ValueError as error:   # a parser's own error names the setting in its message
-        raise SettingsError(shown(error)) from None
+        raise SettingsError.of(error) from None
 
 
 def fingerprint(settings: Any) -> dict[str, Any]:

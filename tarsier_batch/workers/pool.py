@@ -344,7 +344,7 @@ class DecodePool:
             return Decoded(index, item, seconds, error=STOPPED, error_kind=INTERNAL)
         if isinstance(error, (FutureTimeout, TimeoutError)):  # pebble raises the former (the same class from 3.11)
             kind = TIMEOUT
-            message = f"decoding took longer than {self.timeout_s:g} s (--decode-timeout); the worker was stopped"
+            message = f"decoding took longer than decode_timeout_s ({self.timeout_s:g} s); the worker was stopped"
         elif _is_out_of_memory(error):
             kind, message = OUT_OF_MEMORY, _out_of_memory(self.memory_limit_bytes, self.isolate)
         elif isinstance(error, ProcessExpired):
@@ -377,7 +377,7 @@ def _is_out_of_memory(error: BaseException) -> bool:
 
 def _out_of_memory(limit: int | None, isolated: bool = True) -> str:
     if limit:
-        return f"decoding ran out of memory (limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)"
+        return f"decoding ran out of memory (decode_memory_gb: {limit / 2**30:g} GiB per worker)"
     return "decoding ran out of memory" + ("" if isolated else " (in this process: no per-worker limit)")
 
 
@@ -393,7 +393,7 @@ def _crash(exitcode: object, limit: int | None) -> tuple[str, str]:
         return OUT_OF_MEMORY, "the decoder was killed (SIGKILL), probably by the system running out of memory"
     if exitcode == -signal.SIGABRT and limit:  # C++ aborts when an allocation fails (std::bad_alloc)
         return OUT_OF_MEMORY, (f"the decoder crashed ({name}), probably out of memory "
-                               f"(limit {limit / 2**30:g} GiB per worker, --decode-memory-gb)")
+                               f"(decode_memory_gb: {limit / 2**30:g} GiB per worker)")
     return CRASHED, f"the decoder crashed ({name})"
 
 
