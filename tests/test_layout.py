@@ -203,9 +203,6 @@ def test_every_public_name_is_on_the_python_api_page() -> None:
 FLAG_WRITERS = {"settings", "cli", "cli_options", "config",
                 # runs `tarsier caption` as a person would: a command line is flags by nature
                 "demo.evaluate"}
-# Still naming flags while these modules are being rewritten elsewhere; each is a one-line change to `Worded`
-# text (or, in a row's error, to field names), and leaves this list once the rewrites are merged.
-FLAG_WRITERS_FOR_NOW = {"engine.scheduler", "engine.kv_manager", "engine.cuda_graphs", "run"}
 # Flags of other programs that a message tells a person to run.
 FOREIGN_FLAGS = {"--local-dir"}   # `hf download REPO --local-dir DIR`
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -232,7 +229,7 @@ def _flags_written(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_declarations_and_the_command_line_write_flags() -> None:
-    allowed = FLAG_WRITERS | FLAG_WRITERS_FOR_NOW
+    allowed = FLAG_WRITERS
     written = [f"{path.relative_to(PACKAGE.parent)}:{line}: {flag}" for module, path in sorted(MODULES.items())
                if module not in allowed and _unit(module) not in allowed for line, flag in _flags_written(path)]
     assert not written, "\n".join(written)

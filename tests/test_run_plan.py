@@ -109,9 +109,9 @@ def test_a_kept_column_of_another_name_goes_into_the_rows() -> None:
 
 @pytest.mark.parametrize(("caption", "note"), [
     (CaptionSettings(model="m", prompt_set=(A, B), prune_vision=0.5, prune_method="fastv"),
-     "note: with --prune-method fastv each question prefills its whole prompt"),
+     "note: with prune_method fastv each question prefills its whole prompt"),
     (CaptionSettings(model="m", prompt_set=(A, B), offload_kv=True),
-     "note: with --offload-kv each question prefills its whole prompt"),
+     "note: with offload_kv each question prefills its whole prompt"),
     (CaptionSettings(model="m", prompt_set=(A, B), prune_vision=0.5, prune_method="temporal"), None),
     (CaptionSettings(model="m", prompt_set=(A,), prune_vision=0.5, prune_method="fastv"), None),
     (CaptionSettings(model="m", prompt_set=(A, B)), None),

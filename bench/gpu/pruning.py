@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import workload
-from real_size import engine_pass, prefill_flops, prefill_pass
+from real_size import engine_pass, prefill_flops, prefill_pass, prefix_cache_off
 
 from tarsier_batch.families.temporal import drop_static_vision
 
@@ -34,14 +34,10 @@ def run_pruning(bench: Bench) -> None:
     info["ratio"] = RATIO
     info["positions"] = {"whole": sum(prompt.length for prompt in whole),
                          "pruned": sum(prompt.length for prompt in pruned)}
-    scheduler = engine.scheduler
-    kept, scheduler.prefix_cache = scheduler.prefix_cache, False
-    try:
+    with prefix_cache_off(engine):
         engine_pass(engine, pruned[:2], 2)   # a warm-up: a fresh engine records its CUDA graphs here
         runs = {name: engine_pass(engine, prompts, profile.new_tokens)
                 for name, prompts in (("whole", whole), ("pruned", pruned))}
-    finally:
-        scheduler.prefix_cache = kept
     for name, run in runs.items():
         run.pop("ids")
         info[name] = run

@@ -19,6 +19,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -69,15 +71,23 @@ def engine_pass(engine: Engine, prompts: list[ProcessedPrompt], new_tokens: int)
             "prefix_cache_hit_rate": round(engine.prefix_counts.hit_rate, 4), "ids": [row.output_ids for row in rows]}
 
 
-def prefill_pass(engine: Engine, prompts: list[ProcessedPrompt]) -> dict:
-    """`prompts` prefilled (one token each) with the prefix cache off: each prompt computed whole, even where
-    an earlier pass left its pages computed."""
+@contextmanager
+def prefix_cache_off(engine: Engine) -> Iterator[None]:
+    """Within: every prompt computed whole, even where an earlier pass left its pages computed (distinct files,
+    which a user's run captions, never find each other's pages)."""
     kv = engine.kv
     kept, kv.prefix_cache = kv.prefix_cache, False
     try:
-        run = engine_pass(engine, prompts, 1)
+        yield
     finally:
         kv.prefix_cache = kept
+
+
+def prefill_pass(engine: Engine, prompts: list[ProcessedPrompt]) -> dict:
+    """`prompts` prefilled (one token each) with the prefix cache off: each prompt computed whole, even where
+    an earlier pass left its pages computed."""
+    with prefix_cache_off(engine):
+        run = engine_pass(engine, prompts, 1)
     run.pop("ids")
     run.pop("prefix_cache_hit_rate")
     return run

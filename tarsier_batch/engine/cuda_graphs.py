@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..errors import Worded
+
 
 class CudaGraphError(RuntimeError):
     """Recording a CUDA graph failed: the process's CUDA state cannot be trusted for more steps."""
@@ -91,9 +93,9 @@ class StepGraphs:
                 output.copy_(self.function(*arguments))
         except Exception as error:
             cause = error.__context__ or error   # a failed recording's own error is often "a previous error"
-            raise CudaGraphError(f"recording a decode step as a CUDA graph failed ({type(cause).__name__}: "
-                                 f"{str(cause).splitlines()[0] if str(cause) else ''}); run with "
-                                 f"--no-cuda-graphs") from error
+            raise CudaGraphError(Worded("recording a decode step as a CUDA graph failed ({cause}); run with "
+                                        "{cuda_graphs}", cause=f"{type(cause).__name__}: "
+                                        f"{str(cause).splitlines()[0] if str(cause) else ''}")) from error
         if self.pool is None:
             self.pool = graph.pool()
         return _Recorded(graph, static, output)

@@ -77,7 +77,7 @@ class KVManager:
                 return (f"needs {seq.max_length(late)} tokens of KV cache for {layers} ({gib:.2f} GiB: prompt "
                         f"{seq.prompt.length - (seq.pruned if late else 0)} + {seq.max_new_tokens} new), more than "
                         f"the cache holds ({cache.capacity_tokens} tokens); "
-                        f"raise --kv-cache-gb or lower --frames / --max-new-tokens")
+                        f"raise kv_cache_gb or lower frames / max_new_tokens")
         return None
 
     def row_kv(self, seq: Sequence) -> RowKV:

@@ -90,7 +90,7 @@ class CaptionRun:
         try:
             settings.segments.check_available()
         except SegmentsError as error:
-            raise SettingsError(str(error)) from None
+            raise SettingsError.of(error) from None
         self.stream = out if hasattr(out, "write") else None
         output = None if self.stream is not None else \
             out if isinstance(out, (OutputTarget, RemoteOutput)) else output_at(out)  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
+from ..errors import Worded
 from ..inputs.prompt_sets import PromptSetError, Question, check_prompt_set
 from ..inputs.sources import Discovery, MediaItem, row_source_exists
 from ..outputs.formats import OutputTarget
@@ -130,7 +131,7 @@ def _check_kept_columns(questions: tuple[Question, ...], kept_fields: tuple[pa.F
     taken = [kept.name for kept in kept_fields if kept.name in answer_columns]
     if taken:
         raise SettingsError(f"the manifest's kept column {taken[0]!r} is also a column of {{prompt_set}}; "
-                            f"rename the question or leave the column out of --keep-columns")
+                            f"rename the question or leave the column out of {{keep_columns}}")
 
 
 def _notes(settings: RunSettings) -> tuple[str, ...]:
@@ -139,9 +140,10 @@ def _notes(settings: RunSettings) -> tuple[str, ...]:
     if len(caption.prompt_set) < 2:
         return ()
     if caption.pruning and caption.prune_method == "fastv":
-        return ("note: with --prune-method fastv each question prefills its whole prompt (fastv ranks the vision "
-                "tokens by the question's last token, so no prefix is shared); --prune-method temporal shares it",)
+        return (Worded("note: with {prune_method} fastv each question prefills its whole prompt (fastv ranks the "
+                       "vision tokens by the question's last token, so no prefix is shared); {prune_method} temporal "
+                       "shares it"),)
     if caption.offload_kv:
-        return ("note: with --offload-kv each question prefills its whole prompt (an offloaded prefill keeps the "
-                "shared prefix off the device)",)
+        return (Worded("note: with {offload_kv} each question prefills its whole prompt (an offloaded prefill "
+                       "keeps the shared prefix off the device)"),)
     return ()
