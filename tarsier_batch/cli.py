@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import inspect
 import os
-import signal
 import sys
 import traceback
-from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, NoReturn, Optional, TextIO, TypeVar
+from typing import Annotated, Any, Literal, Optional, TypeVar
 
 import click
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.traceback import Traceback
 
 from . import (
     DEFAULT_MODEL,
@@ -38,12 +33,10 @@ from . import (
     PromptSetError,
     Question,
     RaySettings,
-    RunOutcome,
     RunReporter,
     RunSettings,
     SettingsError,
     SettingsMismatchError,
-    Status,
     StorageError,
     __version__,
     discover,
@@ -54,7 +47,6 @@ from . import (
     read_prompt_set,
 )
 from .cli_options import (
-    FLAGS,
     OUT_FORMATS,
     PATH_SETTINGS,
     SHARD_ROWS,
@@ -64,6 +56,20 @@ from .cli_options import (
     from_values,
     in_flags,
 )
+from .cli_run import (
+    EXIT_CRASHED,
+    EXIT_LOCKED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    EXIT_USAGE,
+    CommandReporter,
+    dry_run,
+    fail,
+    open_log,
+    present,
+    stdin_paths,
+    stop_signals,
+)
 from .config import ConfigError, config_defaults
 from .families.catalog import family_named
 from .inputs.manifest import check_manifest_path, sibling_columns
@@ -71,19 +77,13 @@ from .inputs.sources import is_shard
 from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, model_reference_problem
 from .outputs.remote import RemoteOutput
 from .outputs.schema import RESERVED_NAMES
-from .progress import LineLog, Reporter, RunStats, make_reporters, plural, print_summary
-from .run import Terminated
+from .progress import LineLog, plural
 from .version import install_extra_command
 
 T = TypeVar("T")
 
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
-
-EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
-EXIT_LOCKED = 75  # EX_TEMPFAIL: try again later
-EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as a shell reports a writer whose reader went away
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 app = typer.Typer(
@@ -140,7 +140,7 @@ def _apply_config(ctx: typer.Context, param: click.Parameter, value: Optional[Pa
             ctx.default_map = {**(ctx.default_map or {}),
                                **config_defaults(value, ctx.command, "caption", PATH_SETTINGS)}
         except ConfigError as error:
-            _fail(error)
+            fail(error)
     return value
 
 
@@ -156,15 +156,15 @@ def caption(**given: Any) -> None:
     settings = _settings(from_values, RunSettings,
                          {**given, "prompt_set": _prompt_set(options.prompts, options.ask or [])})
     if (problem := model_reference_problem(settings.caption.model)) is not None:   # before torch is imported
-        _fail(problem)
+        fail(problem)
     ray_settings = _ray_settings(given, settings)
     if not options.streams:   # checked again by the run, for its other callers
         _settings((output.target if isinstance(output, RemoteOutput) else output).check_settings, settings)
     found = _find_items(options, settings.key)
     console = Console(stderr=True, soft_wrap=True)
-    log_handle = _open_log(options.log_file)
+    log_handle = open_log(options.log_file)
     log = LineLog(file=log_handle)
-    reporter = _CliReporter(console, options.quiet, log)
+    reporter = CommandReporter(console, options.quiet, log)
     try:
         run = CaptionRun(found, sys.stdout if options.streams else output, settings, reporter,
                          load=_on_ray(ray_settings, reporter) if ray_settings else None,
@@ -172,14 +172,14 @@ def caption(**given: Any) -> None:
                          else " ".join(options.inputs or []))
         nothing = run.no_media()
         if options.dry_run:
-            raise typer.Exit(_dry_run(run) if nothing is None else _present(nothing, console, options.quiet, log))
-        with _stop_signals():
+            raise typer.Exit(dry_run(run) if nothing is None else present(nothing, console, options.quiet, log))
+        with stop_signals():
             outcome = run.execute()
-        code = _present(outcome, console, options.quiet, log)
+        code = present(outcome, console, options.quiet, log)
     except SettingsError as error:
-        _fail(error)
+        fail(error)
     except (OutputError, SettingsMismatchError, ModelNotFoundError, ValueError) as error:
-        _fail(error)
+        fail(error)
     except (OutputLockedError, OSError) as error:
         typer.echo(f"Error: {in_flags(error)}", err=True)
         raise typer.Exit(EXIT_LOCKED if isinstance(error, OutputLockedError) else EXIT_USAGE) from None
@@ -200,18 +200,6 @@ caption.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
 app.command(epilog=EXAMPLES, no_args_is_help=True)(caption)
 
 
-def _open_log(path: Path | None) -> TextIO | None:
-    """The --log-file, opened to append; its folder is made, as --out's is (shards/shard-0.log beside
-    shards/shard-0.parquet)."""
-    if path is None:
-        return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "a", encoding="utf-8")
-    except OSError as error:
-        _fail(f"--log-file {path}: {error.strerror or error}")
-
-
 def _output_of(options: CommandOptions) -> OutputTarget | RemoteOutput:
     """The output the options name, checked before anything is read, loaded or imported (with the manifest's
     path)."""
@@ -224,7 +212,7 @@ def _output_of(options: CommandOptions) -> OutputTarget | RemoteOutput:
         if not options.streams:
             (output.target if isinstance(output, RemoteOutput) else output).check()
     except (ManifestError, OutputError) as error:
-        _fail(error)
+        fail(error)
     return output
 
 
@@ -234,7 +222,7 @@ def _output(location: str, shard_rows: int | None = None, webdataset: bool = Fal
     try:
         return output_at(location, shard_rows, webdataset)
     except (OutputError, StorageError) as error:
-        _fail(error)
+        fail(error)
 
 
 def _settings(make: Callable[..., T], *args: Any, **values: Any) -> T:
@@ -242,7 +230,7 @@ def _settings(make: Callable[..., T], *args: Any, **values: Any) -> T:
     try:
         return make(*args, **values)
     except SettingsError as error:
-        _fail(error)
+        fail(error)
 
 
 def _ray_settings(given: dict[str, Any], settings: RunSettings) -> RaySettings | None:
@@ -255,7 +243,7 @@ def _ray_settings(given: dict[str, Any], settings: RunSettings) -> RaySettings |
     if ray is not None:
         _settings(ray.check_run, settings)
         if importlib.util.find_spec("ray") is None:
-            _fail(f"--ray needs Ray, an optional extra: {install_extra_command('ray')}")
+            fail(f"--ray needs Ray, an optional extra: {install_extra_command('ray')}")
     return ray
 
 
@@ -273,11 +261,11 @@ def _prompt_set(path: Path | None, asks: list[str]) -> tuple[Question, ...]:
     try:
         from_file = read_prompt_set(path) if path is not None else ()
     except PromptSetError as error:
-        _fail(f"--prompts: {error}")
+        fail(f"--prompts: {error}")
     try:
         return from_file + parse_asks(asks)
     except PromptSetError as error:
-        _fail(f"--ask {error}")
+        fail(f"--ask {error}")
 
 
 def _find_items(options: CommandOptions, key: str) -> Manifest | Discovery:
@@ -286,98 +274,12 @@ def _find_items(options: CommandOptions, key: str) -> Manifest | Discovery:
     try:
         if options.manifest is not None:
             return read_manifest(options.manifest, key, RESERVED_NAMES, options.path_column, options.keep_columns)
-        found = discover(inputs, options.recursive, _stdin_paths(inputs, options.null_separated), key)
+        found = discover(inputs, options.recursive, stdin_paths(inputs, options.null_separated), key)
         # Without a manifest, the kept columns are the shards' sibling files (`key.json` beside `key.mp4`).
         return sibling_columns(found, options.keep_columns, RESERVED_NAMES) if options.keep_columns is not None \
             else found
     except (InputNotFoundError, ManifestError, OSError) as error:
-        _fail(error)
-
-
-def _dry_run(run: CaptionRun) -> int:
-    """Print one line per input (what would happen and why) on stdout, the counts on stderr."""
-    try:
-        lines, counts = run.describe()
-    except (OutputError, SettingsMismatchError) as error:
-        _fail(error)
-    sys.stdout.writelines(f"{action}\t{path}\t{in_flags(reason)}\n" for action, path, reason in lines)
-    by_action: dict[str, Counter[str]] = {}
-    for (action, kind), count in counts.items():
-        by_action.setdefault(action, Counter())[kind] += count
-    summary = "; ".join(f"{action} {sum(kinds.values())} "
-                        f"({', '.join(f'{n} {in_flags(kind)}' for kind, n in kinds.items())})"
-                        for action, kinds in by_action.items())
-    typer.echo(f"tarsier: dry run, nothing loaded or written: {summary or 'nothing to do'}", err=True)
-    return EXIT_OK
-
-
-class _CliReporter:
-    """A run's reports on stderr (a spinner and a live display on a terminal) and in the --log-file."""
-
-    def __init__(self, console: Console, quiet: bool, log: LineLog):
-        self.console, self.quiet, self.log = console, quiet, log
-
-    def info(self, message: str) -> None:
-        if not self.quiet:
-            self.console.print(f"tarsier: {in_flags(message)}", highlight=False, markup=False)
-        self.log(in_flags(message))
-
-    def warning(self, message: str) -> None:
-        self.console.print(f"tarsier: {in_flags(message)}", highlight=False, markup=False)
-        self.log(in_flags(message))
-
-    def loading(self, model: str) -> AbstractContextManager[object]:
-        _quiet_library_logs()
-        if self.console.is_terminal and not self.quiet:
-            return self.console.status(f"loading {escape(model)}", spinner="dots")
-        return nullcontext()
-
-    def progress(self, stats: RunStats) -> list[Reporter]:
-        return make_reporters(stats, self.console, self.quiet, self.log.file)
-
-
-EXIT_CODES = {Status.DONE: EXIT_OK, Status.NO_MEDIA: EXIT_OK, Status.SOME_FAILED: EXIT_SOME_FAILED,
-              Status.INTERRUPTED: EXIT_INTERRUPTED, Status.TERMINATED: EXIT_TERMINATED,
-              Status.STDOUT_CLOSED: EXIT_BROKEN_PIPE, Status.CRASHED: EXIT_CRASHED}
-
-
-def _present(outcome: RunOutcome, console: Console, quiet: bool, log: LineLog) -> int:
-    """Show how the run ended; returns the exit code."""
-    if outcome.status is Status.STDOUT_CLOSED:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
-    finished = outcome.status in (Status.DONE, Status.SOME_FAILED) and outcome.stats is not None
-    if outcome.error is not None and not quiet and not isinstance(outcome.error, OutputWriteError):
-        console.print(Traceback.from_exception(type(outcome.error), outcome.error, outcome.error.__traceback__))
-    if not finished or not quiet:
-        if finished and outcome.summary and console.is_terminal:
-            print_summary(console, [(name, in_flags(value)) for name, value in outcome.summary])
-        else:
-            console.print(f"tarsier: {in_flags(outcome.message)}", highlight=False, markup=False)
-    log(in_flags(outcome.message))
-    return EXIT_CODES[outcome.status]
-
-
-@contextmanager
-def _stop_signals() -> Iterator[None]:
-    """The first Ctrl-C or SIGTERM stops the run cleanly (finished rows are saved); a second exits at once.
-
-    Exiting at once cannot corrupt anything a reader sees: every file is written under a
-    temporary name and renamed when complete; a later run resumes from the saved parts.
-    """
-    def exit_now(signum: int, frame: object) -> None:
-        os._exit(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_TERMINATED)
-
-    def stop(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGINT, exit_now)
-        signal.signal(signal.SIGTERM, exit_now)
-        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated
-
-    previous = {number: signal.signal(number, stop) for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
+        fail(error)
 
 
 @app.command()
@@ -420,11 +322,11 @@ def inspect_command(
     from .review.inspection import family_for
 
     if model is not None and family is not None:
-        _fail("give --model or --family, not both")
+        fail("give --model or --family, not both")
     try:
         chosen = family_named(family) if family else family_for(model or DEFAULT_MODEL)
     except ValueError as error:   # named as this command's own flags
-        _fail(error, {"model": "--model", "family": "--family"})
+        fail(error, {"model": "--model", "family": "--family"})
     failed = 0
     for index, path in enumerate(member for path in files for member in _members_if_shard(path)):
         found = inspect_file(path, chosen, frames)
@@ -441,7 +343,7 @@ def _members_if_shard(path: str) -> list[str]:
     try:
         found = discover([path])
     except InputNotFoundError as error:
-        _fail(error)
+        fail(error)
     for problem in found.unreadable:
         typer.echo(f"warning: cannot read {problem}", err=True)
     return [item.path for item in found.items]
@@ -479,7 +381,7 @@ def merge_command(
     try:
         merged = merge_outputs(folder, output)
     except (MergeError, OutputError, OutputLockedError, OutputWriteError, OSError) as error:
-        _fail(error)
+        fail(error)
     typer.echo(f"tarsier: merged {plural(merged.shards, 'shard')} into {merged.written} "
                f"({plural(merged.rows, 'row')}, {merged.failed} failed)", err=True)
 
@@ -513,11 +415,11 @@ def report_command(
     from .review import check_results_path
 
     if out.is_dir():
-        _fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
+        fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
     try:
         check_results_path(results)
     except OutputError as error:
-        _fail(error)
+        fail(error)
     console = Console(stderr=True, soft_wrap=True)
     start = time.perf_counter()
     progress = Progress(TextColumn("extracting frames"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -530,7 +432,7 @@ def report_command(
                                  on_strips=lambda done: progress.advance(task, done),
                                  on_total=lambda total: progress.update(task, total=total))
     except (OutputError, OSError) as error:
-        _fail(error)
+        fail(error)
     console.print(f"tarsier: wrote {out} ({plural(count, 'item')}, {out.stat().st_size / 2**20:.1f} MB) in "
                   f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
 
@@ -555,7 +457,7 @@ def eval_demo_command(
     try:
         result = evaluate_demo(n, seed, model, tuple(context.args))
     except RuntimeError as error:
-        _fail(error)
+        fail(error)
     for name, expected, got in result.mistakes[:20]:
         typer.echo(f"{name}: expected {expected!r}, got {got!r}")
     typer.echo(f"reversed_accuracy={result.reversed_accuracy:.3f} n={result.n}")
@@ -578,41 +480,15 @@ def make_tiny_model_command(
     try:
         family_named(family)
     except ValueError as error:
-        _fail(error)
+        fail(error)
     if directory.exists() and any(directory.iterdir()):
-        _fail(f"{directory} exists and is not empty")
+        fail(f"{directory} exists and is not empty")
     from . import make_tiny_model
 
     try:
         typer.echo(make_tiny_model(directory, size, seed, family))
     except ValueError as error:
-        _fail(error)
-
-
-def _stdin_paths(inputs: list[str], null_separated: bool = False) -> list[str]:
-    """The paths on standard input if an input is `-`: one per line (blank lines ignored) or NUL-separated.
-
-    Read as bytes: a file name that is not valid UTF-8 still names its file.
-    """
-    if "-" not in inputs:
-        return []
-    data = sys.stdin.buffer.read()
-    if null_separated:
-        return [os.fsdecode(path) for path in data.split(b"\0") if path]
-    return [os.fsdecode(line.rstrip(b"\r")) for line in data.split(b"\n") if line.strip()]
-
-
-def _fail(said: object, flags: dict[str, str] = FLAGS) -> NoReturn:
-    """Stop the command with a message (a library's error or note names settings by field: worded by `flags`)."""
-    typer.echo(f"Error: {in_flags(said, flags)}", err=True)
-    raise typer.Exit(EXIT_USAGE)
-
-
-def _quiet_library_logs() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        fail(error)
 
 
 if __name__ == "__main__":

@@ -299,8 +299,8 @@ def test_signals_save_finished_rows_and_say_how_to_resume(many: Path, tiny_model
 
 def test_second_signal_exits_at_once(tmp_path: Path) -> None:
     script = ("import os, signal, time\n"
-              "from tarsier_batch.cli import _stop_signals\n"
-              "with _stop_signals():\n"
+              "from tarsier_batch.cli_run import stop_signals\n"
+              "with stop_signals():\n"
               "    try:\n"
               "        os.kill(os.getpid(), signal.SIGTERM)\n"
               "        time.sleep(60)\n"
