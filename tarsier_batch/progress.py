@@ -34,6 +34,8 @@ class RunStats:
     total: int
     skipped: int = 0
     already_done: int = 0
+    failed_earlier: int = 0   # of `already_done`, rows that hold an error (not retried without --retry-errors)
+    failed_inputs: int = 0    # inputs that gave no rows: unreadable folders, named inputs without media
     missing_kept: int = 0
     missing_pruned: int = 0
     left_for_later: int = 0   # beyond --limit
@@ -98,7 +100,9 @@ class RunStats:
 
     def as_dict(self) -> dict[str, float | int]:
         return {"total": self.total, "captioned": self.captioned, "failed": self.failed,
-                "already_done": self.already_done, "missing_kept": self.missing_kept,
+                "already_done": self.already_done,
+                "failed_earlier": self.failed_earlier, "failed_inputs": self.failed_inputs,
+                "missing_kept": self.missing_kept,
                 "missing_pruned": self.missing_pruned, "skipped": self.skipped, "left_for_later": self.left_for_later,
                 "generated_tokens": self.generated_tokens, "prompt_positions": self.prompt_positions,
                 "reused_prompt_positions": self.reused_positions, "shared_prompt_positions": self.shared_positions,
@@ -235,7 +239,12 @@ def progress_line(stats: RunStats) -> str:
 
 def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tuple[str, str]]:
     rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed))]
-    if stats.already_done:
+    if stats.failed_inputs:
+        rows.append(("failed inputs", f"{stats.failed_inputs} (unreadable or without media, named above)"))
+    if stats.failed_earlier:
+        rows.append(("done earlier", Worded("{done}, {failed} of them failed; {retry_errors} tries them again",
+                                            done=stats.already_done, failed=stats.failed_earlier)))
+    elif stats.already_done:
         rows.append(("done earlier", str(stats.already_done)))
     if stats.missing_kept:
         rows.append(("files gone", Worded("{count} rows kept ({prune_missing} drops them)", count=stats.missing_kept)))

@@ -118,6 +118,9 @@ class Discovery:
     skipped: Counter[str] = field(default_factory=Counter)  # unsupported files by extension
     skipped_paths: list[str] = field(default_factory=list)  # the same files, for --dry-run
     unreadable: list[str] = field(default_factory=list)     # "folder: reason"
+    # Inputs named on the command line (not read from stdin) that hold no media: most likely a wrong path or a
+    # folder whose disk is not mounted, a failed input as an unreadable folder is.
+    without_media: list[str] = field(default_factory=list)
 
     @property
     def skipped_count(self) -> int:
@@ -178,11 +181,13 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
     found = Discovery()
     seen: set[str] = set()
     for entry, from_stdin in _entries(inputs, piped or []):
+        items, unreadable, repeated = len(found.items), len(found.unreadable), False
         for path, facts in _expand_entry(entry, recursive, found.unreadable, from_stdin, key_mode):
             if not storage.is_url(path):
                 path = os.path.abspath(path)
             # A URL signed twice (other signatures, the same object) is one input: its row path is the redacted URL.
             if storage.redact(path) in seen:
+                repeated = repeated or _names_media(path)
                 continue
             seen.add(storage.redact(path))
             if is_shard(path):
@@ -191,7 +196,14 @@ def discover(inputs: list[str], recursive: bool = True, piped: list[str] | None 
                 found.add_object(path, facts, key_mode)
             else:
                 found.add(path, key_mode)
+        if not from_stdin and not repeated and len(found.items) == items and len(found.unreadable) == unreadable:
+            found.without_media.append(storage.redact(entry))
     return found
+
+
+def _names_media(path: str) -> bool:
+    """Whether `path` (a path, URL or shard) is named like something that gives items."""
+    return is_shard(path) or media_type_of(storage.url_name(path) if storage.is_url(path) else path) is not None
 
 
 def is_shard(path: str) -> bool:

@@ -11,6 +11,7 @@ no place for it: a small `<out>.meta.json` beside the file holds it instead.
 from __future__ import annotations
 
 import csv
+import errno
 import fnmatch
 import hashlib
 import io
@@ -42,6 +43,20 @@ WDS_META = "tarsier.meta.json"   # a WebDataset output folder's provenance (tars
 
 class OutputError(Exception):
     """`--out` cannot be used: a directory, an unknown suffix, or a file this tool did not write."""
+
+
+# What to do when the output's folder refuses a write, by errno: the reason alone names no fix.
+_NO_SPACE = "free space on its disk and run the same command again"
+_NOT_ALLOWED = "make its folder writable, or write the output elsewhere"
+_FIXES = {errno.ENOSPC: _NO_SPACE, errno.EDQUOT: _NO_SPACE, errno.EFBIG: _NO_SPACE,
+          errno.EACCES: _NOT_ALLOWED, errno.EPERM: _NOT_ALLOWED, errno.EROFS: _NOT_ALLOWED,
+          errno.ENOENT: "its folder cannot be made: write the output in a folder that exists",
+          errno.ENOTDIR: "a part of its folder is a file: write the output in a folder"}
+
+
+def what_to_do(error: OSError) -> str:
+    """The fix for a write beside the output that failed with `error`."""
+    return _FIXES.get(error.errno or 0, "check its folder and run the same command again")
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,13 @@ class OutputTarget:
             raise OutputError(Worded("{out} {shown}: unknown format {suffix!r}; name it .parquet, .jsonl or .csv, or "
                                      "use '{out} -' for JSON Lines on stdout", shown=self.shown,
                                      suffix=self.path.suffix or "(no suffix)"))
+
+    def unwritable(self, error: OSError) -> OutputError:
+        """The error of an output whose folder refuses a write: the output as given, the reason and the fix (never
+        the name of a file of ours beside it)."""
+        return OutputError(Worded("cannot write {setting} {shown}: {reason}; {fix}",
+                                  setting=Worded("{out_dir}" if self.is_folder else "{out}"), shown=self.shown,
+                                  reason=error.strerror or str(error), fix=what_to_do(error)))
 
     def check_settings(self, settings: RunSettings) -> None:
         """Refuse, before any work, settings this output cannot honour."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import os
 import queue
 import shutil
 import tempfile
@@ -63,6 +64,10 @@ def output_at(location: str | Path, shard_rows: int | None = None,
     With `shard_rows`, a folder (or prefix) of Parquet shards; with `webdataset`, of WebDataset shards."""
     if isinstance(location, str) and is_url(location):
         return RemoteOutput(location, shard_rows, webdataset=webdataset)
+    if isinstance(location, str) and location.endswith(("/", os.sep)) and not (shard_rows or webdataset):
+        raise OutputError(Worded("{out} {location} names a folder; give a file in it, such as {example}, or "
+                                 "{out_dir} {location} for shards", location=location,
+                                 example=f"{location}results.parquet"))
     return OutputTarget(Path(location), shard_rows, webdataset=webdataset)
 
 

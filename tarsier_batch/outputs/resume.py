@@ -79,6 +79,11 @@ class Plan:
     earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
+    def failed_rows(self) -> int:
+        """Of the rows that need no work, those that hold an error (kept as they are without `retry_errors`)."""
+        return sum(row.get("error") is not None for row in self.done.values())
+
+    @property
     def items_to_caption(self) -> int:
         return len(self.todo) + sum(len(more) for more in self.sharing.values())
 

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from ..errors import Worded, one_line
 from ..inputs.sources import row_id_of
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
-from .formats import OutputError, OutputTarget, read_results, with_metadata
+from .formats import OutputError, OutputTarget, read_results, what_to_do, with_metadata
 from .schema import OutputColumns, is_long, with_layout
 
 SETTINGS_FILE = "settings.json"
@@ -162,7 +162,7 @@ class ResultStore:
             write_atomically(part, lambda path: pq.write_table(table, path))
         except OSError as error:
             raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_shown}: "
-                                   f"{error.strerror or error}") from error
+                                   f"{error.strerror or error}; {what_to_do(error)}") from error
         self._written(part)
         self.saved_rows += len(rows)
         self._last_save = self._clock()

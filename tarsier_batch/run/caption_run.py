@@ -121,6 +121,9 @@ class CaptionRun:
             inputs = discover(listed, key_mode=key_mode)
         for problem in inputs.unreadable:
             self.reporter.warning(f"warning: cannot read {problem}")
+        if inputs.items:   # otherwise the run's outcome says that the inputs hold no media
+            for named in inputs.without_media:
+                self.reporter.warning(f"warning: no supported media in {named}")
         return inputs, kept_fields, source
 
     @property
@@ -133,7 +136,14 @@ class CaptionRun:
         if self.plan.all_items:
             return None
         message = f"no supported media in {self.source} ({plural(self.discovery.skipped_count, 'other file')} skipped)"
-        return RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty else Status.NO_MEDIA, message)
+        return RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty or self.failed_inputs else Status.NO_MEDIA,
+                          message)
+
+    @property
+    def failed_inputs(self) -> int:
+        """Inputs that gave no rows although they should have: folders that could not be read, and inputs named
+        (not piped) that hold no media."""
+        return len(self.discovery.unreadable) + len(self.discovery.without_media)
 
     def describe(self) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], int]]:
         """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
@@ -202,9 +212,16 @@ class CaptionRun:
                                           f"{self.remote.lock.taken_over}: its lease ran out (a run that died?)")
                 yield
         else:
-            target.path.parent.mkdir(parents=True, exist_ok=True)
-            with OutputLock(target.path):
+            lock = OutputLock(target.path)
+            try:
+                target.path.parent.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except OSError as error:   # the first write beside the output: a folder that refuses it says so here
+                raise target.unwritable(error) from None
+            try:
                 yield
+            finally:
+                lock.release()
 
     def _cut_into_segments(self, load_meanwhile: bool = False) -> None:
         """With `--segments`, each video of the run becomes its spans (once): what cutting needs of a video (its
@@ -246,7 +263,8 @@ class CaptionRun:
         for problem in stored.unreadable_parts:
             self.reporter.warning(f"warning: unreadable part file {problem}")
         stats = RunStats(total=plan.items_to_caption, skipped=self.discovery.skipped_count,
-                         already_done=len(plan.done), missing_kept=plan.missing_kept,
+                         already_done=len(plan.done), failed_earlier=plan.failed_rows,
+                         failed_inputs=self.failed_inputs, missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later,
                          prefix_cache=self.settings.caption.prefix_cache)
         sink = self.store or JsonLinesStream(plan.captioned_ids(self.items), self.stream, self.columns)  # type: ignore[arg-type]
@@ -373,7 +391,8 @@ class CaptionRun:
             written = f"{store.out_shown} ({counted}{', unchanged' if unchanged else ''})"
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
         summary = summary_rows(stats, written, skipped)
-        return RunOutcome(Status.SOME_FAILED if stats.failed else Status.DONE, summary_line(summary), stats, summary)
+        return RunOutcome(Status.SOME_FAILED if stats.failed or stats.failed_inputs else Status.DONE,
+                          summary_line(summary), stats, summary)
 
 
 def _thrown(results: Generator[Any, None, None], stop: BaseException) -> Iterator[Any]:

@@ -1,0 +1,160 @@
+"""What a cron job sees: inputs that give no rows, earlier errors and an output that refuses writes each change the
+exit code or say so in one line, naming what the user gave and what to do."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from tarsier_batch.cli import app
+from tarsier_batch.outputs.formats import OutputTarget
+from tarsier_batch.outputs.schema import OutputColumns
+from tarsier_batch.outputs.store import OutputWriteError, ResultStore
+
+runner = CliRunner()
+
+
+def caption(*args: str):
+    return runner.invoke(app, ["caption", *args])
+
+
+@pytest.fixture
+def clip(shared_media: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    shutil.copy(shared_media / "clip_5f.gif", folder / "clip.gif")
+    return folder / "clip.gif"
+
+
+def refuse_listing(monkeypatch: pytest.MonkeyPatch, locked: Path) -> None:
+    """`locked` cannot be listed, as a folder without read permission (tests run as root, who reads any folder)."""
+    real_scandir = os.scandir
+
+    def scandir(path: object = ".") -> object:
+        if not isinstance(path, int) and os.fspath(path) == str(locked):   # type: ignore[arg-type]
+            raise PermissionError(errno.EACCES, "Permission denied", str(locked))
+        return real_scandir(path)   # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
+def test_an_unreadable_folder_named_alone_exits_1_naming_it(tiny_model_dir: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    refuse_listing(monkeypatch, locked)
+    done = caption(str(locked), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
+    assert done.exit_code == 1
+    assert f"tarsier: warning: cannot read {locked}: Permission denied\n" in done.output
+    assert not (tmp_path / "r.parquet").exists()
+
+
+def test_a_named_folder_without_media_exits_1(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An empty mount point looks like a folder without media: a cron job must see it."""
+    (tmp_path / "notes.txt").write_text("hello")
+    done = caption(str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
+    assert done.exit_code == 1
+    assert done.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other file skipped)"
+
+
+def test_paths_piped_without_media_still_exit_0_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """`find -newer ... | tarsier caption -` finding nothing new is a quiet night, not a failure."""
+    args = ["caption", "-", "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
+    quiet = runner.invoke(app, args, input=f"{tmp_path / 'notes.txt'}\n")
+    assert quiet.exit_code == 0 and "no supported media in -" in quiet.output
+    assert runner.invoke(app, [*args, "--fail-on-empty"], input="").exit_code == 1
+
+
+def test_an_unreadable_subfolder_and_an_empty_named_folder_are_failed_inputs(
+        tiny_model_dir: Path, clip: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    locked = clip.parent / "locked"
+    locked.mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refuse_listing(monkeypatch, locked)
+    out = tmp_path / "r.parquet"
+    done = caption(str(clip.parent), str(empty), "--model", str(tiny_model_dir), "--out", str(out),
+                   "--max-new-tokens", "2")
+    assert done.exit_code == 1, done.output
+    assert f"tarsier: warning: cannot read {locked}: Permission denied\n" in done.output
+    assert f"tarsier: warning: no supported media in {empty}\n" in done.output
+    assert "; failed inputs 2 (unreadable or without media, named above);" in done.output
+    assert [row["error"] for row in pq.read_table(out).to_pylist()] == [None]   # the readable clip is captioned
+
+
+def test_a_rerun_counts_the_errors_its_output_holds(tiny_model_dir: Path, clip: Path, tmp_path: Path) -> None:
+    for name in ("bad.mp4", "worse.png"):
+        (clip.parent / name).write_text("not media\n")
+    args = [str(clip.parent), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"),
+            "--max-new-tokens", "2"]
+    assert caption(*args).exit_code == 1
+    again = caption(*args)
+    assert again.exit_code == 0   # this run's items: none failed (the summary says what the output holds)
+    assert "; done earlier 3, 2 of them failed; --retry-errors tries them again;" in again.output
+
+
+@pytest.mark.parametrize("out, reason, fix", [
+    ("file/sub/r.parquet", "Not a directory", "a part of its folder is a file: write the output in a folder"),
+    ("/sys/tarsier-test/r.parquet", None, None),   # root cannot make a folder there: EPERM/EACCES, or ENOENT
+])
+def test_an_output_folder_that_refuses_writes_is_one_line(tiny_model_dir: Path, clip: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, out: str,
+                                                          reason: str | None, fix: str | None) -> None:
+    if out.startswith("/sys") and not os.path.isdir("/sys/kernel"):
+        pytest.skip("no sysfs here")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "file").write_text("a file, not a folder")
+    done = caption(str(clip), "--model", str(tiny_model_dir), "--out", out)
+    assert done.exit_code == 2
+    line, = done.output.splitlines()
+    assert line.startswith(f"Error: cannot write --out {out}: ")
+    assert ".lock" not in line and ".tarsier" not in line   # never a file of ours the user did not name
+    if reason is not None:
+        assert line == f"Error: cannot write --out {out}: {reason}; {fix}"
+    else:
+        assert line.endswith(("; make its folder writable, or write the output elsewhere",
+                              "; its folder cannot be made: write the output in a folder that exists"))
+
+
+def test_a_read_only_output_folder_names_the_output_not_the_lock(tiny_model_dir: Path, clip: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder mounted read-only: opening the lock file beside --out is the first write, refused with EROFS."""
+    from tarsier_batch.outputs import lock
+
+    def read_only_open(path: object, *args: object) -> int:
+        raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))   # type: ignore[arg-type]
+
+    monkeypatch.setattr(lock.os, "open", read_only_open)
+    out = tmp_path / "r.parquet"
+    done = caption(str(clip), "--model", str(tiny_model_dir), "--out", str(out))
+    assert done.exit_code == 2
+    assert done.output == (f"Error: cannot write --out {out}: Read-only file system; make its folder writable, or "
+                           f"write the output elsewhere\n")
+
+
+def test_an_output_named_as_a_folder_that_does_not_exist_says_so(tmp_path: Path) -> None:
+    done = caption(str(tmp_path), "--out", "newdir/")
+    assert done.exit_code == 2
+    assert done.output == ("Error: --out newdir/ names a folder; give a file in it, such as newdir/results.parquet, "
+                           "or --out-dir newdir/ for shards\n")
+
+
+def test_a_full_disk_says_to_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=100)
+    store.begin({"settings": {}}, fresh=False)
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pq, "write_table", disk_full)
+    store.add({"path": "/a"})
+    with pytest.raises(OutputWriteError) as raised:
+        store.flush()
+    assert str(raised.value) == (f"cannot save 1 finished rows in {store.work_shown}: No space left on device; "
+                                 f"free space on its disk and run the same command again")
