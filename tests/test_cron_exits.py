@@ -63,14 +63,6 @@ def test_a_named_folder_without_media_exits_1(tiny_model_dir: Path, tmp_path: Pa
     assert done.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other file skipped)"
 
 
-def test_paths_piped_without_media_still_exit_0_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`find -newer ... | tarsier caption -` finding nothing new is a quiet night, not a failure."""
-    args = ["caption", "-", "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
-    quiet = runner.invoke(app, args, input=f"{tmp_path / 'notes.txt'}\n")
-    assert quiet.exit_code == 0 and "no supported media in -" in quiet.output
-    assert runner.invoke(app, [*args, "--fail-on-empty"], input="").exit_code == 1
-
-
 def test_an_unreadable_subfolder_and_an_empty_named_folder_are_failed_inputs(
         tiny_model_dir: Path, clip: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     locked = clip.parent / "locked"

@@ -154,13 +154,15 @@ def test_second_run_on_the_same_output_exits_75(tiny_model_dir: Path, folder: Pa
     assert not out.exists()
 
 
-def test_empty_input_is_fine_for_cron_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_piped_paths_without_media_are_fine_for_cron_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Paths from stdin (`find -newer ...`) holding no media are a quiet night; a folder named on the command line
+    without media is a failed input (tests/test_cron_exits.py)."""
     (tmp_path / "notes.txt").write_text("hello")
-    args = [str(tmp_path), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
-    quiet = caption(*args)
+    args = ["caption", "-", "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet")]
+    quiet = runner.invoke(app, args, input=f"{tmp_path / 'notes.txt'}\n")
     assert quiet.exit_code == 0
-    assert quiet.output.strip() == f"tarsier: no supported media in {tmp_path} (1 other file skipped)"
-    assert caption(*args, "--fail-on-empty").exit_code == 1
+    assert quiet.output.strip() == "tarsier: no supported media in - (1 other file skipped)"
+    assert runner.invoke(app, [*args, "--fail-on-empty"], input=f"{tmp_path / 'notes.txt'}\n").exit_code == 1
     assert not (tmp_path / "r.parquet").exists()
 
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch import CaptionRun, CaptionSettings, RunSettings, SamplingParams, SettingsError, Status, discover
-from tarsier_batch.cli import FLAGS, app
+from tarsier_batch.cli import app
+from tarsier_batch.cli_options import FLAGS
 from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
 from tarsier_batch.outputs.schema import PROVENANCE_KEY
 from tarsier_batch.progress import RunStats
@@ -231,10 +232,12 @@ def test_a_script_without_its_main_guard_is_told_why_before_any_work(tmp_path: P
 
 def test_a_dry_run_over_inputs_without_media_says_so(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("no media here")
-    args = ["caption", str(tmp_path), "-o", str(tmp_path / "r.parquet"), "--dry-run"]
-    for extra, code in (([], 0), (["--fail-on-empty"], 1)):
-        done = runner.invoke(app, [*args, *extra])
-        assert done.exit_code == code and f"no supported media in {tmp_path} (1 other file skipped)" in done.output
+    out = ["-o", str(tmp_path / "r.parquet"), "--dry-run"]
+    named = runner.invoke(app, ["caption", str(tmp_path), *out])   # a named input without media is a failed input
+    assert named.exit_code == 1 and f"no supported media in {tmp_path} (1 other file skipped)" in named.output
+    for extra, code in (([], 0), (["--fail-on-empty"], 1)):   # piped paths without media: a quiet night
+        done = runner.invoke(app, ["caption", "-", *out, *extra], input=f"{tmp_path / 'notes.txt'}\n")
+        assert done.exit_code == code and "no supported media in - (1 other file skipped)" in done.output
 
 
 def test_a_stop_between_two_results_saves_them_and_ends_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:

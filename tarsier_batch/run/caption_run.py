@@ -8,10 +8,10 @@ settings, plans what is new, loads the model (only if something is), captions wh
 finished rows in part files, and writes the output once, atomically. Running it again over the
 same output continues it. Progress goes to a `RunReporter`; how the run ended comes back as a
 `RunOutcome`, never by printing or exiting. Problems the caller can fix (a bad setting, an output
-of another kind, other settings than the stored rows', a missing model) raise before anything is
-written: `SettingsError`, `OutputError`, `SettingsMismatchError`, `ModelNotFoundError`, `ValueError`,
-`fork_server.UnguardedScriptError` (a script without its `__main__` guard); another run writing
-the same output raises `OutputLockedError`.
+of another kind or in a folder that refuses writes, other settings than the stored rows', a missing
+model) raise before anything is written: `SettingsError`, `OutputError`, `SettingsMismatchError`,
+`ModelNotFoundError`, `ValueError`, `fork_server.UnguardedScriptError` (a script without its `__main__`
+guard); another run writing the same output raises `OutputLockedError`.
 """
 
 
@@ -109,7 +109,8 @@ class CaptionRun:
     def _found(self, inputs: Iterable[str | Path] | Discovery | Manifest, key_mode: str, source: str | None
                ) -> tuple[Discovery, tuple[pa.Field, ...], str | None]:
         """The inputs' items (discovered, when they are paths), a manifest's kept columns, and what names the
-        inputs in messages; warns of manifest columns renamed and folders that could not be read."""
+        inputs in messages; warns of manifest columns renamed, folders that could not be read and named inputs
+        without media."""
         kept_fields: tuple[pa.Field, ...] = ()
         if isinstance(inputs, Manifest):
             for name, renamed in inputs.renamed.items():

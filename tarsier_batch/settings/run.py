@@ -52,7 +52,9 @@ class RunSettings:
         None, group="run", metavar="N", at_least=1, show_default=False,
         help="Caption at most N items this run (the first that need it); a later run does the rest.")
     fail_on_empty: bool = setting(False, group="resume",
-                                  help="Exit 1 when the inputs hold no media (default: exit 0 with a message).")
+                                  help="Exit 1 when paths from stdin or a manifest hold no media (default: exit 0 "
+                                       "with a message); an input named on the command line without media always "
+                                       "does.")
     flush_rows: int = setting(FLUSH_ROWS, group="resume", metavar="N", at_least=1,
                               help="Save finished rows to disk every this many rows...")
     flush_seconds: float = setting(
