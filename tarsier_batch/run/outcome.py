@@ -12,7 +12,7 @@ class Status(str, Enum):
     """How a run ended."""
 
     DONE = "done"                      # every item of the run was captioned (or there was nothing to do)
-    SOME_FAILED = "some_failed"        # some items failed; their rows carry an error
+    SOME_FAILED = "some_failed"        # some items failed (their rows carry an error), or some inputs gave none
     NO_MEDIA = "no_media"              # the inputs hold no media
     INTERRUPTED = "interrupted"        # KeyboardInterrupt (Ctrl-C): finished rows are saved
     TERMINATED = "terminated"          # `Terminated` (SIGTERM): finished rows are saved
