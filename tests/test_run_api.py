@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch import CaptionRun, CaptionSettings, RunSettings, SamplingParams, SettingsError, Status, discover
-from tarsier_batch.cli import FLAGS, app
+from tarsier_batch.cli import app
+from tarsier_batch.cli_options import FLAGS
 from tarsier_batch.outputs.lock import OutputLock, OutputLockedError
 from tarsier_batch.outputs.schema import PROVENANCE_KEY
 from tarsier_batch.progress import RunStats

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from tarsier_batch.cli import FLAGS, app
-from tarsier_batch.cli_options import PATH_SETTINGS, SOURCES, caption_declarations, in_flags
+from tarsier_batch.cli import app
+from tarsier_batch.cli_options import FLAGS, PATH_SETTINGS, SOURCES, caption_declarations, in_flags
 from tarsier_batch.config import ConfigError, config_defaults
 from tarsier_batch.errors import Worded
 from tarsier_batch.inputs.prompt_sets import Question
