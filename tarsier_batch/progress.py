@@ -237,7 +237,10 @@ def progress_line(stats: RunStats) -> str:
             f"ETA {_duration(stats.eta_s)}")
 
 
-def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tuple[str, str]]:
+def summary_rows(stats: RunStats, written: str, skipped_detail: str,
+                 notes: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
+    """The closing summary's (name, value) rows; `notes` are what the run found of its inputs (videos without a
+    scene cut), shown after the skipped files."""
     rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed))]
     if stats.failed_inputs:
         rows.append(("failed inputs", f"{stats.failed_inputs} (unreadable or without media, named above)"))
@@ -254,6 +257,7 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str) -> list[tup
         rows.append(("left for later",
                      Worded("{count} ({limit}); run again to caption them", count=stats.left_for_later)))
     rows += [("skipped", f"{stats.skipped}{f' ({skipped_detail})' if skipped_detail else ''}"),
+             *(notes or []),
              ("wall time", _wall_time(stats)),
              ("throughput", _throughput(stats))]
     if stats.prompt_positions and stats.shared_positions:

@@ -274,9 +274,52 @@ def test_scenes_are_found_at_the_cuts_and_each_samples_its_own_shot(long_video: 
 
 def test_a_threshold_no_cut_reaches_gives_one_shot(long_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "one.parquet"
-    assert caption(str(long_video), "--segments", "scenes,threshold=250", "--model", str(tiny_model_dir),
-                   "-o", str(out)).exit_code == 0
+    whole = caption(str(long_video), "--segments", "scenes,threshold=250,max=none", "--model", str(tiny_model_dir),
+                    "-o", str(out))
+    assert whole.exit_code == 0, whole.output
     assert [(row["segment"], row["start_s"], row["end_s"]) for row in rows_of(out)] == [(0, 0.0, 65.0)]
+    assert "no scene cut 1 video: one row each;" in whole.output
+
+
+@pytest.fixture(scope="module")
+def uncut_video(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """70 s at 5 fps of one shot (a lecture, a dashcam): nothing for the detector to cut."""
+    return write_numbered_video(tmp_path_factory.mktemp("uncut") / "lecture.mp4", 70, fps=5)
+
+
+def spans_of(out: Path) -> list[tuple[int, float, float]]:
+    return [(row["segment"], row["start_s"], row["end_s"]) for row in rows_of(out)]
+
+
+def test_a_video_without_a_cut_is_split_into_rows_of_at_most_30_seconds_and_the_summary_says_so(
+        uncut_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "lecture.parquet"
+    done = caption(str(uncut_video), "--segments", "scenes", "--model", str(tiny_model_dir), "-o", str(out))
+    assert done.exit_code == 0, done.output
+    spans = spans_of(out)
+    assert [segment for segment, _, _ in spans] == [0, 1, 2]
+    assert spans[0][1] == 0.0 and spans[-1][2] == 70.0
+    assert all(end - start <= 30.0 for _, start, end in spans)
+    assert all(before[2] == after[1] for before, after in zip(spans, spans[1:]))   # in order, nothing left out
+    assert "no scene cut 1 video: split evenly into parts of at most 30 s;" in done.output
+    frames = [row["frame_indices"] for row in rows_of(out)]   # each row samples its own third of the 350 frames
+    assert frames[0][-1] < frames[1][0] and frames[1][-1] < frames[2][0] and frames[2][-1] <= 349
+
+
+def test_a_longest_of_ones_own_or_none_is_kept(uncut_video: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    shorter = caption(str(uncut_video), "--segments", "scenes,max=10s", "--model", str(tiny_model_dir),
+                      "-o", str(tmp_path / "ten.parquet"))
+    assert shorter.exit_code == 0, shorter.output
+    assert [(start, end) for _, start, end in spans_of(tmp_path / "ten.parquet")] == \
+        [(10.0 * number, 10.0 * number + 10) for number in range(7)]
+    assert "split evenly into parts of at most 10 s" in shorter.output
+    whole = caption(str(uncut_video), "--segments", "scenes,max=none", "--model", str(tiny_model_dir),
+                    "-o", str(tmp_path / "whole.parquet"))
+    assert whole.exit_code == 0 and spans_of(tmp_path / "whole.parquet") == [(0, 0.0, 70.0)]
+    # The longest is part of the output's settings: the default does not continue an output of whole shots.
+    mixed = caption(str(uncut_video), "--segments", "scenes", "--model", str(tiny_model_dir),
+                    "-o", str(tmp_path / "whole.parquet"))
+    assert mixed.exit_code != 0 and "max=none' there" in mixed.output, mixed.output
 
 
 def test_scenes_without_pyscenedetect_stop_at_once_with_the_install_line(tmp_path: Path,

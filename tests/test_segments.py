@@ -6,6 +6,7 @@ import pytest
 
 from tarsier_batch.inputs.segments import Segmenting, SegmentsError, VideoFacts, parse_duration
 from tarsier_batch.media import Span
+from tarsier_batch.outputs.resume import SettingsMismatchError, check_settings
 
 
 def spans(spec: str, duration_s: float) -> list[tuple[float, float]]:
@@ -61,7 +62,8 @@ def test_what_is_not_a_duration_says_so(text: str) -> None:
     ("scenes:3", "scenes takes no ':LENGTH'"),
     ("scenes,threshold=high", "is not a number"),
     ("scenes,threshold=0", "must be above 0"),
-    ("scenes,max=0s", "longer than 0 s"),
+    ("scenes,max=0s", "longer than 0 s \\(max=none keeps shots whole\\)"),
+    ("scenes,max=off", "is not a duration"),
     ("scenes,overlap=2s", "is not one of threshold=, min=, max="),
 ])
 def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
@@ -70,16 +72,19 @@ def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
 
 
 def test_the_canonical_spec_reads_back_as_the_same_segmenting() -> None:
-    for text in ["whole", "fixed:10s", "fixed:1m,overlap=2.5s,min=0s", "scenes", "scenes,threshold=40,min=1s,max=30s"]:
+    for text in ["whole", "fixed:10s", "fixed:1m,overlap=2.5s,min=0s", "scenes", "scenes,threshold=40,min=1s,max=30s",
+                 "scenes,max=none"]:
         segmenting = Segmenting.parse(text)
         assert Segmenting.parse(str(segmenting)) == segmenting
     assert str(Segmenting.parse("fixed:10")) == "fixed:10s,overlap=0s,min=2s"
-    assert str(Segmenting.parse("scenes")) == "scenes,threshold=27,min=0.5s"
+    assert str(Segmenting.parse("scenes")) == "scenes,threshold=27,min=0.5s,max=30s"
+    assert str(Segmenting.parse("scenes,max=none")) == "scenes,threshold=27,min=0.5s,max=none"
+    assert Segmenting("scenes").max_s == Segmenting.parse("scenes").max_s == 30   # in Python as on the command line
 
 
 def test_shots_are_the_spans_between_cuts_and_long_ones_split_evenly() -> None:
     facts = VideoFacts(65.0, (4.0, 30.0, 64.0))
-    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(facts)] == \
+    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes,max=none").spans(facts)] == \
         [(0, 4), (4, 30), (30, 64), (64, 65)]
     split = Segmenting.parse("scenes,max=10s").spans(facts)
     assert [(round(span.start_s, 6), round(span.end_s, 6)) for span in split] == \
@@ -91,7 +96,43 @@ def test_shots_are_the_spans_between_cuts_and_long_ones_split_evenly() -> None:
 def test_a_last_shot_shorter_than_min_joins_the_shot_before() -> None:
     # The detector keeps `min` between cuts only: a cut 0.1 s before the end would leave a 0.1 s shot.
     facts = VideoFacts(65.0, (4.0, 30.0, 64.9))
-    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(facts)] == \
+    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes,max=none").spans(facts)] == \
         [(0, 4), (4, 30), (30, 65)]
     assert Segmenting.parse("scenes,min=0").spans(facts)[-1] == Span(64.9, 65)
     assert Segmenting.parse("scenes,min=2s").spans(VideoFacts(3.0, (1.5,))) == [Span(0, 3)]
+
+
+def test_shots_are_at_most_30_seconds_by_default_a_video_without_a_cut_included() -> None:
+    ten_minutes = Segmenting.parse("scenes").spans(VideoFacts(600.0))
+    assert len(ten_minutes) == 20 and ten_minutes[0].start_s == 0 and ten_minutes[-1].end_s == 600
+    assert all(abs(span.end_s - span.start_s - 30) < 1e-9 for span in ten_minutes)
+    assert all(before.end_s == after.start_s for before, after in zip(ten_minutes, ten_minutes[1:]))
+    assert [(span.start_s, span.end_s) for span in Segmenting.parse("scenes").spans(VideoFacts(65.0, (4.0, 30.0)))] \
+        == [(0, 4), (4, 30), (30, 47.5), (47.5, 65)]
+    assert Segmenting.parse("scenes,max=none").spans(VideoFacts(600.0)) == [Span(0, 600)]
+    assert len(Segmenting.parse("scenes,max=1m").spans(VideoFacts(600.0))) == 10
+
+
+def test_a_video_without_a_cut_is_told_when_longer_than_a_row_may_be() -> None:
+    scenes, whole_shots = Segmenting.parse("scenes"), Segmenting.parse("scenes,max=none")
+    assert scenes.found_no_cut(VideoFacts(70.0)) and whole_shots.found_no_cut(VideoFacts(70.0))
+    cut_once = VideoFacts(70.0, (35.0,))
+    assert not scenes.found_no_cut(cut_once) and not whole_shots.found_no_cut(cut_once)
+    assert not scenes.found_no_cut(VideoFacts(20.0))   # one short shot: a row as any shot
+    assert whole_shots.found_no_cut(VideoFacts(20.0))
+    assert scenes.found_no_cut(VideoFacts(70.0, (0.0, 70.0)))   # cuts at its ends cut nothing
+    assert scenes.without_cuts() == "split evenly into parts of at most 30 s"
+    assert whole_shots.without_cuts() == "one row each"
+
+
+def test_a_scenes_output_stored_before_the_default_longest_continues_only_with_shots_kept_whole() -> None:
+    # Its rows are whole shots: continuing it with the default 30 s would put split shots beside them.
+    stored = {"old.parquet": {"segments": "scenes,threshold=27,min=0.5s"}}
+    with pytest.raises(SettingsMismatchError, match="max=none' there, 'scenes,threshold=27,min=0.5s,max=30s' now"):
+        check_settings(stored, {"segments": str(Segmenting.parse("scenes"))})
+    check_settings(stored, {"segments": str(Segmenting.parse("scenes,max=none"))})
+    check_settings({"new.parquet": {"segments": "scenes,threshold=27,min=0.5s,max=30s"}},
+                   {"segments": str(Segmenting.parse("scenes"))})
+    with pytest.raises(SettingsMismatchError):
+        check_settings({"split.parquet": {"segments": "scenes,threshold=27,min=0.5s,max=10s"}},
+                       {"segments": str(Segmenting.parse("scenes"))})

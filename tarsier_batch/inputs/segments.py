@@ -9,7 +9,9 @@ cuts) into the spans (`media.Span`) whose rows the run makes.
     scenes                                  a row per shot, cut where the picture changes (PySceneDetect's
                                             content detector, the `scenes` extra)
     scenes,threshold=27,min=0.5s,max=30s    its threshold (default 27: higher finds fewer cuts), the shortest
-                                            shot (default 0.5 s), and shots longer than `max` split evenly
+                                            shot (default 0.5 s), and shots longer than `max` (default 30 s)
+                                            split evenly
+    scenes,max=none                         shots kept whole however long (a video without a cut: one row)
 
 A file shorter than one window, and an image, gives one row.
 """
@@ -31,9 +33,14 @@ from .sources import MediaItem
 Mode = Literal["whole", "fixed", "scenes"]
 DEFAULT_MIN_S = {"fixed": 2.0, "scenes": 0.5}
 DEFAULT_THRESHOLD = 27.0   # PySceneDetect's own default for its content detector
+# The longest scene row: a lecture, a dashcam or a screen recording has no hard cut, and 8 frames over 10 minutes
+# caption nothing of it. 30 s keeps a frame every 4 s at the default 8 frames (Tarsier's training clips run seconds
+# to tens of seconds), while a shot of a cut film (a few seconds) is not split.
+DEFAULT_MAX_S = 30.0
+NO_MAX = "none"
 _DURATION = re.compile(r"^(?:(?P<h>\d+(?:\.\d*)?)h)?(?:(?P<m>\d+(?:\.\d*)?)m)?(?:(?P<s>\d+(?:\.\d*)?)s?)?$")
 _SPECS = "give whole, fixed:10s (windows of 10 s; options overlap=2s, min=2s) or scenes (options threshold=27, " \
-         "min=0.5s, max=30s)"
+         f"min=0.5s, max=30s or max={NO_MAX})"
 
 
 class SegmentsError(ValueError):
@@ -67,7 +74,7 @@ class Segmenting:
     overlap_s: float = 0.0        # fixed: how much of a window the next one repeats
     min_s: float = 0.0            # fixed: a shorter last window joins the one before; scenes: the shortest shot
     threshold: float = DEFAULT_THRESHOLD   # scenes: how much the picture must change for a cut
-    max_s: float | None = None    # scenes: a longer shot is split evenly into parts of at most this
+    max_s: float | None = DEFAULT_MAX_S   # scenes: a longer shot splits evenly into parts of at most this (None: kept)
 
     def __post_init__(self) -> None:
         if self.min_s < 0:
@@ -82,12 +89,12 @@ class Segmenting:
             if self.threshold <= 0:
                 raise SegmentsError("threshold= must be above 0")
             if self.max_s is not None and self.max_s <= 0:
-                raise SegmentsError("max= must be longer than 0 s")
+                raise SegmentsError(f"max= must be longer than 0 s (max={NO_MAX} keeps shots whole)")
 
     @classmethod
     def parse(cls, text: str) -> Segmenting:
         """`whole`, `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]` or `scenes[,threshold=N][,min=LENGTH]
-        [,max=LENGTH]`; raises SegmentsError."""
+        [,max=LENGTH|none]`; raises SegmentsError."""
         head, *options = text.strip().split(",")
         mode, _, length = head.partition(":")
         if mode not in ("whole", "fixed", "scenes"):
@@ -102,11 +109,15 @@ class Segmenting:
                                        else "scenes takes no ':LENGTH'"))
         allowed = ("overlap", "min") if mode == "fixed" else ("threshold", "min", "max")
         values: dict[str, float] = {}
+        longest: float | None = DEFAULT_MAX_S
         for option in options:
             name, equals, value = (part.strip() for part in option.partition("="))
             if not equals or name not in allowed:
                 raise SegmentsError(Worded("{segments} {text!r}: {option!r} is not one of {allowed}", text=text,
                                            option=option, allowed=", ".join(name + "=" for name in allowed)))
+            if name == "max":
+                longest = None if value == NO_MAX else parse_duration(value)
+                continue
             try:
                 values[name] = float(value) if name == "threshold" else parse_duration(value)
             except ValueError:
@@ -116,14 +127,14 @@ class Segmenting:
             return cls("fixed", parse_duration(length), values.get("overlap", 0.0),
                        values.get("min", DEFAULT_MIN_S["fixed"]))
         return cls("scenes", min_s=values.get("min", DEFAULT_MIN_S["scenes"]),
-                   threshold=values.get("threshold", DEFAULT_THRESHOLD), max_s=values.get("max"))
+                   threshold=values.get("threshold", DEFAULT_THRESHOLD), max_s=longest)
 
     def __str__(self) -> str:
         if self.mode == "fixed":
             return f"fixed:{self.window_s:g}s,overlap={self.overlap_s:g}s,min={self.min_s:g}s"
         if self.mode == "scenes":
-            return f"scenes,threshold={self.threshold:g},min={self.min_s:g}s" + \
-                (f",max={self.max_s:g}s" if self.max_s is not None else "")
+            return f"scenes,threshold={self.threshold:g},min={self.min_s:g}s,max=" + \
+                (f"{self.max_s:g}s" if self.max_s is not None else NO_MAX)
         return "whole"
 
     def check_available(self) -> None:
@@ -146,6 +157,20 @@ class Segmenting:
         if self.max_s is None:
             return shots
         return [part for shot in shots for part in _even_parts(shot, self.max_s)]
+
+    def found_no_cut(self, facts: VideoFacts) -> bool:
+        """Scenes: the detector found no cut in a video longer than a row may be (of any length when shots are kept
+        whole). Such a file (a lecture, a dashcam) gives even parts or one long row rather than shots: the run's
+        summary counts them."""
+        assert self.mode == "scenes"
+        if any(0 < cut < facts.duration_s for cut in facts.cuts_s):
+            return False
+        return self.max_s is None or facts.duration_s > self.max_s
+
+    def without_cuts(self) -> str:
+        """What became of a video without a cut, for the summary."""
+        assert self.mode == "scenes"
+        return "one row each" if self.max_s is None else f"split evenly into parts of at most {self.max_s:g} s"
 
     def fixed_spans(self, duration_s: float) -> list[Span]:
         """The windows of a video `duration_s` long: from 0, one every `window - overlap` seconds, the last one
@@ -187,3 +212,12 @@ def _even_parts(span: Span, longest_s: float) -> list[Span]:
     step = (span.end_s - span.start_s) / count
     ends = [span.start_s + number * step for number in range(1, count)] + [span.end_s]
     return [Span(start, end) for start, end in zip([span.start_s, *ends[:-1]], ends)]
+
+
+def as_stored_now(spec: str) -> str:
+    """A canonical spec stored with an output, as this version writes the same segmenting: a scenes spec without
+    `max=` was written when long shots were kept whole, so it reads as `max=none` (and a run continuing such an
+    output with the default longest is refused rather than mixing whole shots with split ones)."""
+    if spec.startswith("scenes") and ",max=" not in spec:
+        return f"{spec},max={NO_MAX}"
+    return spec

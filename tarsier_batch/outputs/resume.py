@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import Worded
+from ..inputs.segments import as_stored_now
 from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind
 from .store import StoredRows
 
@@ -29,6 +30,8 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
     for where, old in stored.items():
         if isinstance(old.get("prompt_set"), list):   # outputs of the first prompt sets kept the names alone
             old = {**old, "prompt_set": dict.fromkeys(old["prompt_set"])}
+        if isinstance(old.get("segments"), str):
+            old = {**old, "segments": as_stored_now(old["segments"])}
         greedy = old.get("temperature") == 0 and now.get("temperature", 0) == 0
         differences = [_difference(name, old.get(name), now[name])
                        for name in now

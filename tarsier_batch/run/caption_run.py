@@ -105,6 +105,7 @@ class CaptionRun:
         self.store = self._store(self.plan.target) if self.plan.target is not None else None
         self.outcome: RunOutcome | None = None   # how the run ended, once it has
         self._segmented = False   # the videos were cut into their windows (--segments fixed)
+        self._no_cut = 0          # videos the scene detector found no cut in (`Segmenting.found_no_cut`)
 
     def _found(self, inputs: Iterable[str | Path] | Discovery | Manifest, key_mode: str, source: str | None
                ) -> tuple[Discovery, tuple[pa.Field, ...], str | None]:
@@ -243,6 +244,8 @@ class CaptionRun:
             if known is not None and known.by_frames:
                 self.reporter.warning(f"warning: {redact(item.path)}: its timestamps are missing or jump; its "
                                       f"segments are counted in frames at its frame rate ({known.duration_s:g} s)")
+        if segmenting.mode == "scenes":
+            self._no_cut = sum(known is not None and segmenting.found_no_cut(known) for known in facts)
         self.discovery = replace(self.discovery, items=segmenting.split(
             self.items, {item.row_id: known for item, known in zip(videos, facts)}))
         self._segmented = True
@@ -391,7 +394,9 @@ class CaptionRun:
                 f"{plural(len(rows), 'item')}, a row per question"
             written = f"{store.out_shown} ({counted}{', unchanged' if unchanged else ''})"
         skipped = ", ".join(f"{count} {suffix}" for suffix, count in sorted(self.discovery.skipped.items()))
-        summary = summary_rows(stats, written, skipped)
+        notes = [("no scene cut", f"{plural(self._no_cut, 'video')}: {self.settings.segments.without_cuts()}")] \
+            if self._no_cut else []
+        summary = summary_rows(stats, written, skipped, notes)
         return RunOutcome(Status.SOME_FAILED if stats.failed or stats.failed_inputs else Status.DONE,
                           summary_line(summary), stats, summary)
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..inputs.segments import Segmenting
+from ..inputs.segments import DEFAULT_MAX_S, NO_MAX, Segmenting
 from ..inputs.sharding import Shard
 from .caption import CaptionSettings
 from .declaring import SettingsError, fingerprint, setting, shown
@@ -67,7 +67,8 @@ class RunSettings:
         help="Rows per video, each sampled like a file of its own: 'whole' (one per file); 'fixed:10s', a row per "
              "10 s window (',overlap=2s': windows repeat 2 s; ',min=2s': a shorter last window joins the one "
              "before); 'scenes', a row per shot (the scenes extra; ',threshold=27': higher finds fewer cuts, "
-             "',min=0.5s': the shortest shot, ',max=30s': longer shots split evenly).")
+             "',min=0.5s': the shortest shot, ',max=30s': longer shots, a video without a cut included, split "
+             f"evenly, {DEFAULT_MAX_S:g} s by default; ',max={NO_MAX}' keeps them whole).")
 
     def __post_init__(self) -> None:
         if self.key not in KEY_MODES:
