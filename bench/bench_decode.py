@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "bench" / "gpu")]
+sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "bench" / "gpu")]
 
+from measured_on import measured_on  # noqa: E402
 from video_files import GOP, VideoSpec, make_videos  # noqa: E402
 
 from tarsier_batch.media import MediaType, frame_indices, load_media  # noqa: E402
@@ -84,7 +85,7 @@ def main() -> None:
         spec = VideoSpec(Path(scratch) / "clip.mp4", args.seconds, 1920, 1080, 30, 1)
         facts = make_videos([spec])
         figures = measure(spec.path, args.frames, args.repeats)
-    print(json.dumps({"benchmark": "bench/bench_decode.py", "seconds": args.seconds, "gop": GOP,
+    print(json.dumps({**measured_on(), "benchmark": "bench/bench_decode.py", "seconds": args.seconds, "gop": GOP,
                       "mbit_per_s": facts["mbit_per_s"], "repeats": args.repeats, **figures}, indent=1))
 
 
