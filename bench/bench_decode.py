@@ -24,8 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench"), str(REPO / "bench" / "gpu")]
 
-from measured_on import measured_on  # noqa: E402
 from video_files import GOP, VideoSpec, make_videos  # noqa: E402
+
+from measured_on import measured_on  # noqa: E402
 
 from tarsier_batch.media import MediaType, frame_indices, load_media  # noqa: E402
 
