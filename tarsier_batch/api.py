@@ -157,9 +157,12 @@ class Captioner:
         config = engine.config
         offload = ", KV offloaded during prefill" if config.offload_kv \
             else Worded("; {offload_kv} has no effect on the CPU") if settings.offload_kv else ""
-        slots = " + ".join(f"{pool.capacity_tokens} tokens" + (f" in {_layer_range(pool.layers)}"
-                                                               if len(engine.pools) > 1 else "")
+        slots = " + ".join(f"{pool.capacity_tokens:,} tokens" + (f" in {_layer_range(pool.layers)}"
+                                                                 if len(engine.pools) > 1 else "")
                            for pool in engine.pools)
+        # On the CPU the pages are reserved untouched and committed as rows fill them, so the peak estimate
+        # (which counts the pages the rows will fill) is far below the reservation; on a GPU both are allocated.
+        reserved = "reserved, used as rows fill it" if self.device.type == "cpu" else "allocated"
         pruning = (f", {config.prune.ratio:g} of the vision tokens dropped after layer {config.prune.layer} "
                    f"(not the official output)" if config.prune is not None else "")
         if settings.temporal_pruning:
@@ -172,7 +175,7 @@ class Captioner:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
         described = (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
                      f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
-                     f"({engine.kv_bytes / 2**30:.2f} GiB), {plural(self.workers, 'decoding worker')}")
+                     f"({engine.kv_bytes / 2**30:.2f} GiB {reserved}), {plural(self.workers, 'decoding worker')}")
         return Worded("{described}{offload}{pruning}", described=described, offload=offload, pruning=pruning)
 
     def prompt_reuse(self) -> tuple[int, int, int]:
