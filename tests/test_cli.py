@@ -50,6 +50,7 @@ def media_in(*folders: Path) -> list[Path]:
     return sorted(path for folder in folders for path in folder.rglob("*") if media_type_of(path))
 
 
+@pytest.mark.smoke
 def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     from conftest import SAMPLE_DATA
 
@@ -100,6 +101,7 @@ def test_captions_shared_media_and_sample_data(tiny_model_dir: Path, shared_medi
                                       str(os.stat(rows[0]["path"]).st_mtime_ns)])
 
 
+@pytest.mark.smoke
 def test_corrupt_file_becomes_an_error_row_and_exit_1(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     folder = tmp_path / "in"
     folder.mkdir()

@@ -115,3 +115,16 @@ def test_every_task_page_has_runnable_blocks() -> None:
     reference = {"index.md", "benchmarks.md", "changelog.md", "development.md"}
     pages = {page.name for page in (REPO / "docs").glob("*.md")} - reference
     assert pages == {page.name for page in TASK_PAGES}
+
+
+def test_the_readme_gives_a_smoke_command_that_covers_each_layer_and_the_full_one() -> None:
+    """A contributor's first look: README's Tests section has a quick command and the whole suite's, and the quick
+    one selects tests of the engine's exactness for both families, the command line and a re-run."""
+    section = re.search(r"^## Tests\n(.*?)^## ", (REPO / "README.md").read_text(), re.S | re.M).group(1)
+    commands = re.findall(r"^(\.venv/bin/python -m pytest -q[^#\n]*?)\s*(?:#|$)", section, re.M)
+    assert commands == [".venv/bin/python -m pytest -q -m smoke", ".venv/bin/python -m pytest -q"]
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-m", "smoke"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stdout[-2000:]
+    files = {line.split("::")[0] for line in listed.stdout.splitlines() if "::" in line}
+    assert {"tests/test_engine.py", "tests/test_tarsier2.py", "tests/test_cli.py", "tests/test_resume_cli.py"} <= files

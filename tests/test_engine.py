@@ -65,6 +65,7 @@ def ids(rows: list[Sequence]) -> list[list[int]]:
     return [row.output_ids for row in rows]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("chunk", [1, 5, 21, 64, 0])
 def test_chunked_prefill_equals_unchunked(tiny_model: TarsierCaptionModel, prompts: list[ProcessedPrompt],
                                           reference: list[list[int]], chunk: int) -> None:
@@ -100,6 +101,7 @@ def test_chunks_through_the_cuda_attention_path_equal_unchunked(tiny_model: Tars
     assert ids(chunked) == reference[:3]
 
 
+@pytest.mark.smoke
 def test_rows_joining_and_leaving_equal_one_at_a_time(tiny_model: TarsierCaptionModel,
                                                       prompts: list[ProcessedPrompt]) -> None:
     """Three rows at a time over seven prompts of different lengths and token limits."""
@@ -167,6 +169,7 @@ def test_kv_cache_after_prefill_equals_transformers_cache(tiny_model: TarsierCap
         torch.testing.assert_close(values, cached.values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.smoke
 def test_greedy_tokens_match_transformers_generate(tiny_model: TarsierCaptionModel,
                                                    prompts: list[ProcessedPrompt]) -> None:
     language_model = tiny_model.model.language_model

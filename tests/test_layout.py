@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.smoke
+
 PACKAGE = Path(__file__).resolve().parents[1] / "tarsier_batch"
 
 # Lowest first. A module imports only from its own unit (a top-level module, or a folder) and from units

@@ -41,6 +41,7 @@ def folder(shared_media: Path, tmp_path: Path) -> Path:
     return folder
 
 
+@pytest.mark.smoke
 def test_rerun_captions_only_what_is_new_and_keeps_input_order(tiny_model_dir: Path, folder: Path,
                                                                shared_media: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"

@@ -256,6 +256,7 @@ def test_frame_batched_tower_equals_transformers_tower(model: Tarsier2CaptionMod
 
 # -- the engine against transformers and against itself -------------------------------------------
 
+@pytest.mark.smoke
 def test_greedy_tokens_equal_transformers_qwen2_vl_generate(model: Tarsier2CaptionModel,
                                                             prompts: list[ProcessedPrompt],
                                                             reference: list[list[int]]) -> None:
