@@ -84,7 +84,7 @@ def runnable_files(page: Path) -> dict[str, str]:
 TASK_PAGES = sorted(page for page in (REPO / "docs").glob("*.md") if page.name != "index.md" and runnable_blocks(page))
 
 
-def run_page(page: Path, folder: Path) -> None:
+def run_page(page: Path, folder: Path) -> str:
     """Every marked block of the page in one shell, in order, in a folder holding a copy of sample_data and the
     page's files, with this environment's `tarsier` and `python` first on the PATH (as in the environment the
     install section creates)."""
@@ -97,11 +97,16 @@ def run_page(page: Path, folder: Path) -> None:
     done = subprocess.run(["bash", "-c", "set -euo pipefail\n" + "\n".join(blocks)], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
 
 
 @pytest.mark.docs
 def test_the_readmes_runnable_shell_blocks_run_as_written(tmp_path: Path) -> None:
-    run_page(REPO / "README.md", tmp_path)
+    """...and the quick start's output shown (its first block's, before "...") is the first lines they print."""
+    printed = run_page(REPO / "README.md", tmp_path).splitlines()
+    shown = re.search(r"<!-- output -->\n```text\n(.*?)\.\.\.\n```", (REPO / "README.md").read_text(), re.S)
+    expected = shown.group(1).splitlines()
+    assert printed[:len(expected)] == expected
 
 
 @pytest.mark.docs
