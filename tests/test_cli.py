@@ -141,6 +141,15 @@ def test_bad_flag_values_stop_with_exit_2(tiny_model_dir: Path, shared_media: Pa
     assert not out.exists()
 
 
+def test_a_bad_segments_value_names_the_flag_and_the_value(tiny_model_dir: Path, shared_media: Path,
+                                                          tmp_path: Path) -> None:
+    result = run(str(shared_media / "clip_5f.gif"), "--model", str(tiny_model_dir), "--out",
+                 str(tmp_path / "r.parquet"), "--segments", "fixed:30s,overlap=40s")
+    assert result.exit_code == 2
+    assert result.output.strip() == ("Error: --segments 'fixed:30s,overlap=40s': overlap=40s must be shorter than "
+                                     "the window (30s)")
+
+
 def test_existing_output_needs_overwrite(tiny_model_dir: Path, shared_media: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"
     out.write_bytes(b"precious")

@@ -67,8 +67,10 @@ def test_what_is_not_a_duration_says_so(text: str) -> None:
     ("scenes,overlap=2s", "is not one of threshold=, min=, max="),
 ])
 def test_a_bad_spec_says_what_is_allowed(text: str, message: str) -> None:
-    with pytest.raises(SegmentsError, match=message):
+    """...after the setting and the value given, whichever part of the spec is wrong."""
+    with pytest.raises(SegmentsError, match=message) as raised:
         Segmenting.parse(text)
+    assert str(raised.value).startswith(f"segments {text!r}: ")
 
 
 def test_the_canonical_spec_reads_back_as_the_same_segmenting() -> None:

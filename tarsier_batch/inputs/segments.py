@@ -94,35 +94,39 @@ class Segmenting:
     @classmethod
     def parse(cls, text: str) -> Segmenting:
         """`whole`, `fixed:LENGTH[,overlap=LENGTH][,min=LENGTH]` or `scenes[,threshold=N][,min=LENGTH]
-        [,max=LENGTH|none]`; raises SegmentsError."""
+        [,max=LENGTH|none]`; raises SegmentsError naming the setting and the value given."""
+        try:
+            return cls._parse(text)
+        except SegmentsError as error:
+            raise SegmentsError(Worded("{segments} {text!r}: {reason}", text=text, reason=str(error))) from None
+
+    @classmethod
+    def _parse(cls, text: str) -> Segmenting:
         head, *options = text.strip().split(",")
         mode, _, length = head.partition(":")
         if mode not in ("whole", "fixed", "scenes"):
-            raise SegmentsError(Worded("{segments} {text!r}: {specs}", text=text, specs=_SPECS))
+            raise SegmentsError(_SPECS)
         if mode == "whole":
             if length or options:
-                raise SegmentsError(Worded("{segments} whole takes nothing more (got {text!r})", text=text))
+                raise SegmentsError("whole takes nothing more")
             return cls()
         if (mode == "fixed") != bool(length):
-            raise SegmentsError(Worded("{segments} {text!r}: {wrong}", text=text,
-                                       wrong="give the window's length, as in fixed:10s" if mode == "fixed"
-                                       else "scenes takes no ':LENGTH'"))
+            raise SegmentsError("give the window's length, as in fixed:10s" if mode == "fixed"
+                                else "scenes takes no ':LENGTH'")
         allowed = ("overlap", "min") if mode == "fixed" else ("threshold", "min", "max")
         values: dict[str, float] = {}
         longest: float | None = DEFAULT_MAX_S
         for option in options:
             name, equals, value = (part.strip() for part in option.partition("="))
             if not equals or name not in allowed:
-                raise SegmentsError(Worded("{segments} {text!r}: {option!r} is not one of {allowed}", text=text,
-                                           option=option, allowed=", ".join(name + "=" for name in allowed)))
+                raise SegmentsError(f"{option!r} is not one of {', '.join(name + '=' for name in allowed)}")
             if name == "max":
                 longest = None if value == NO_MAX else parse_duration(value)
                 continue
             try:
                 values[name] = float(value) if name == "threshold" else parse_duration(value)
             except ValueError:
-                raise SegmentsError(Worded("{segments} {text!r}: threshold={value!r} is not a number", text=text,
-                                           value=value)) from None
+                raise SegmentsError(f"threshold={value!r} is not a number") from None
         if mode == "fixed":
             return cls("fixed", parse_duration(length), values.get("overlap", 0.0),
                        values.get("min", DEFAULT_MIN_S["fixed"]))
