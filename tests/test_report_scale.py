@@ -197,6 +197,18 @@ def test_report_and_peek_read_the_rows_a_stopped_run_saved_and_change_nothing(tm
     assert listing(out.parent) == before   # no lock file, no part removed, nothing assembled
 
 
+def test_a_resumed_run_that_stopped_shows_the_outputs_rows_and_its_newer_ones(tmp_path: Path) -> None:
+    out = tmp_path / "r.parquet"
+    ResultStore(OutputTarget(out), OutputColumns()).commit(
+        [row("/v/a.mp4"), row("/v/b.mp4", error="cut", kind="undecodable")], PROVENANCE, {"complete": True})
+    stopped_run(out, [row("/v/b.mp4", caption="retried")], [row("/v/c.mp4")])
+    page = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "0"]).exit_code == 0
+    assert [(item["path"], item["caption"]) for item in page_data(page)["items"]] == [
+        ("/v/a.mp4", "a caption"), ("/v/b.mp4", "retried"), ("/v/c.mp4", "a caption")]
+    assert "unfinished run: 3 rows saved so far" in page.read_text() and "failed item" not in page.read_text()
+
+
 def test_a_part_compacted_away_while_it_is_read_is_read_from_the_merged_part(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from tarsier_batch.outputs import unfinished

@@ -35,7 +35,7 @@ class Unfinished:
     """The rows of a run that was stopped, or is still running, as far as its part files go."""
 
     parts: int        # part files read
-    saved_rows: int   # rows in them (the output, if any, holds the others)
+    saved_rows: int   # every row saved so far: the parts', and the output's where an earlier run wrote one
     unreadable: list[str] = field(default_factory=list)
 
     @property
@@ -129,7 +129,7 @@ def _add_saved_parts(results: Results, path: Path, base: pa.Schema) -> None:
         known = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(results.questions),
                               spans=True).read_schema().names
         results.extra_columns = [name for name in saved.rows[0] if name not in base.names and name not in known]
-    results.unfinished = Unfinished(saved.parts, len(saved.rows), saved.unreadable)
+    results.unfinished = Unfinished(saved.parts, len(results.rows), saved.unreadable)
 
 
 def answers(results: Results, row: dict[str, Any]) -> list[str | None]:
