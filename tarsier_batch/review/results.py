@@ -82,7 +82,8 @@ def load_results(path: Path) -> Results:
     lock: those rows come after the output's, an item's newest row winning."""
     check_results_path(path)
     base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
-    results = _read_output(path, base) if path.exists() else Results([], {}, {})
+    written = path.exists() and (OutputTarget.existing(path).exists() or not has_saved_parts(path))
+    results = _read_output(path, base) if written else Results([], {}, {})   # an --out-dir with no shard yet: {}
     if has_saved_parts(path):
         _add_saved_parts(results, path, base)
     return results
