@@ -23,6 +23,7 @@ from tarsier_batch.review import thumbnails
 from tarsier_batch.review.results import Results, figures
 from tarsier_batch.review.selection import select_items
 from tarsier_batch.review.thumbnails import StripJob, make_strip, make_strips
+from test_resume_cli import many  # noqa: F401  (a fixture: twelve small media files)
 
 runner = CliRunner()
 PROVENANCE = {"model": "m", "model_family": "Tarsier2", "settings": {"model": "m"}}
@@ -262,3 +263,29 @@ def test_report_and_peek_read_while_another_process_holds_the_lock(tmp_path: Pat
     finally:
         holder.stdin.close()
         assert holder.wait(timeout=60) == 0
+
+
+@pytest.mark.kill
+def test_peek_and_report_read_a_real_run_while_it_writes_and_after_it_is_killed(
+        many: Path, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811 (the fixture imported above)
+    from test_resume_cli import parts, start, wait_for
+
+    out = tmp_path / "r.parquet"
+    run = start([str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+                 "--batch-size", "2", "--flush-rows", "1", "--quiet"])
+    try:
+        wait_for(lambda: parts(out) >= 1, run, "a part")
+        # The run holds the lock and goes on writing (and may finish) while these read: never an error.
+        during = runner.invoke(app, ["peek", str(out), "--last", "0"])
+        assert during.exit_code == 0 and re.search(r": ([1-9]\d*) rows, ", during.stderr), during.output
+        page = tmp_path / "during.html"
+        assert runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "0"]).exit_code == 0
+    finally:
+        run.kill()
+        run.communicate()
+    if out.exists():
+        pytest.skip("the run finished before it was killed: nothing unfinished to read")
+    saved = sum(pq.read_metadata(part).num_rows for part in (tmp_path / ".r.parquet.tarsier").glob("part-*.parquet"))
+    after = runner.invoke(app, ["peek", str(out), "--last", "1", "--json"])
+    assert f"unfinished run: {saved} rows saved so far" in after.stderr, after.output
+    assert len(after.stdout.splitlines()) == 1 and json.loads(after.stdout)["path"].startswith(str(many))
