@@ -270,22 +270,37 @@ def test_peek_and_report_read_a_real_run_while_it_writes_and_after_it_is_killed(
         many: Path, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811 (the fixture imported above)
     from test_resume_cli import parts, start, wait_for
 
-    out = tmp_path / "r.parquet"
-    run = start([str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
-                 "--batch-size", "2", "--flush-rows", "1", "--quiet"])
-    try:
-        wait_for(lambda: parts(out) >= 1, run, "a part")
-        # The run holds the lock and goes on writing (and may finish) while these read: never an error.
+    def run_writing(out: Path):
+        return start([str(many), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "4",
+                      "--batch-size", "2", "--flush-rows", "1", "--quiet"])
+
+    # Read again and again while the run holds the lock, writes parts and at last assembles its output.
+    out = tmp_path / "read-while-running" / "r.parquet"
+    out.parent.mkdir()
+    run = run_writing(out)
+    wait_for(lambda: parts(out) >= 1, run, "a part")
+    seen = []
+    while run.poll() is None:
         during = runner.invoke(app, ["peek", str(out), "--last", "0"])
-        assert during.exit_code == 0 and re.search(r": ([1-9]\d*) rows, ", during.stderr), during.output
-        page = tmp_path / "during.html"
-        assert runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "0"]).exit_code == 0
-    finally:
-        run.kill()
-        run.communicate()
-    if out.exists():
-        pytest.skip("the run finished before it was killed: nothing unfinished to read")
-    saved = sum(pq.read_metadata(part).num_rows for part in (tmp_path / ".r.parquet.tarsier").glob("part-*.parquet"))
+        assert during.exit_code == 0, during.output
+        seen.append(int(re.search(r": (\d+) rows, ", during.stderr).group(1)))
+    assert run.wait() == 0 and seen == sorted(seen) and seen[0] >= 1   # rows only ever added
+    done = runner.invoke(app, ["peek", str(out), "--last", "0"])
+    assert "12 rows, " in done.stderr and "finished output" in done.stderr, done.output
+    page = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "0"]).exit_code == 0
+
+    # Killed after its first part: what it saved is read, and nothing is changed.
+    out = tmp_path / "killed" / "r.parquet"
+    out.parent.mkdir()
+    run = run_writing(out)
+    wait_for(lambda: parts(out) >= 1, run, "a part")
+    run.kill()
+    run.communicate()
+    assert not out.exists()
+    saved = sum(pq.read_metadata(part).num_rows for part in (out.parent / ".r.parquet.tarsier").glob("part-*.parquet"))
+    before = listing(out.parent)
     after = runner.invoke(app, ["peek", str(out), "--last", "1", "--json"])
     assert f"unfinished run: {saved} rows saved so far" in after.stderr, after.output
     assert len(after.stdout.splitlines()) == 1 and json.loads(after.stdout)["path"].startswith(str(many))
+    assert listing(out.parent) == before
