@@ -71,7 +71,7 @@ def _read_parts(parts: list[Path], columns: OutputColumns) -> tuple[list[dict[st
         try:
             table = pq.read_table(part)
         except FileNotFoundError:
-            raise
+            raise   # compacted away since it was listed: `read_saved_parts` lists again
         except (OSError, pa.ArrowException) as error:   # only if the disk itself lost data: the others still count
             unreadable.append(f"{part.name}: {one_line(error)}")
             continue

@@ -1,4 +1,5 @@
-"""`tarsier report`: one HTML page to review captions, with the frames they were made from."""
+"""`tarsier report`: one HTML page to review captions, with the frames they were made from; also of a run that has
+not finished, from the rows it saved so far."""
 
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The report as one self-contained HTML page: no network, no external file, fast with 10,000 items.
+"""The report as one HTML page: no network, no external file but its strips' folder (`strip_files`), if any.
 
-The header (provenance, figures, histogram, grouped errors) is static HTML. The items travel as
-one JSON block that a small script renders a page at a time, filtered by media type, status
-and text; user text reaches the page only through `textContent`, never as markup. Each item's
-frame strip is a separate inert block, read only when its item is shown, so opening the page
-parses a JSON block of a few MB, not the 100+ MB of images a 10,000-item report holds. The filter
-state lives in the URL's fragment (`#status=failed&type=video&q=cat&page=2`), so a filtered
-view can be bookmarked, and tested.
+The header (provenance, figures, histogram, errors by kind, what the page leaves out) is static
+HTML. The items travel as one JSON block that a small script renders a page at a time, filtered
+by media type, status and text; user text reaches the page only through `textContent`, never as
+markup. Each item's frame strip (a data: URI, or a file's relative path) is a separate inert
+block, read only when its item is shown, so opening the page parses a JSON block of a few MB,
+not the images. The filter state lives in the URL's fragment
+(`#status=failed&type=video&q=cat&page=2`), so a filtered view can be bookmarked, and tested.
 """
 
 from __future__ import annotations
