@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -13,7 +12,6 @@ from typing import Annotated, Any, Literal, Optional, TypeVar
 import click
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from . import (
     DEFAULT_MODEL,
@@ -56,6 +54,7 @@ from .cli_options import (
     from_values,
     in_flags,
 )
+from .cli_review import peek_command, report_command
 from .cli_run import (
     EXIT_CRASHED,
     EXIT_LOCKED,
@@ -386,55 +385,8 @@ def merge_command(
                f"({plural(merged.rows, 'row')}, {merged.failed} failed)", err=True)
 
 
-@app.command("report", no_args_is_help=True)
-def report_command(
-    results: Annotated[Path, typer.Argument(metavar="RESULTS", hidden=True, show_default=False)],
-    out: Annotated[Path, typer.Option(
-        "--out", "-o", metavar="FILE", help="The HTML page to write.", show_default=False)],
-    frames_per_item: Annotated[int, typer.Option(
-        min=0, metavar="N",
-        help="Frames shown per item, evenly chosen from those the caption was made from (0: all).")] = 8,
-    thumb_height: Annotated[int, typer.Option(
-        min=16, max=512, metavar="PX", help="Height of the frame thumbnails.")] = 72,
-    workers: Annotated[Optional[int], typer.Option(
-        min=0, metavar="N", help="Processes extracting frames (0: none, in this process) [default: cores - 1].",
-        show_default=False)] = None,
-    title: Annotated[Optional[str], typer.Option(
-        metavar="TEXT", help="Page title [default: from RESULTS' name].", show_default=False)] = None,
-) -> None:
-    """Write one self-contained HTML page to review RESULTS (a .parquet, .jsonl or .csv file or a folder of shards).
-
-    Per item: the frames the caption was made from (re-extracted from the file at the recorded
-    indices), the caption, prompt, model, tokens and timing; failed items grouped by error;
-    summary figures and a caption-length histogram. Filter by media type, status and text; the
-    page works offline and pages through 10,000 items.
-    """
-    import time
-
-    from . import write_report
-    from .review import check_results_path
-
-    if out.is_dir():
-        fail(f"--out {out} is a directory; give a file name such as {out / 'report.html'}")
-    try:
-        check_results_path(results)
-    except OutputError as error:
-        fail(error)
-    console = Console(stderr=True, soft_wrap=True)
-    start = time.perf_counter()
-    progress = Progress(TextColumn("extracting frames"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True, disable=not console.is_terminal)
-    task = progress.add_task("frames", total=None)
-    try:
-        with progress:
-            count = write_report(results, out, frames_per_item, thumb_height,
-                                 workers if workers is not None else max(1, (os.cpu_count() or 2) - 1), title,
-                                 on_strips=lambda done: progress.advance(task, done),
-                                 on_total=lambda total: progress.update(task, total=total))
-    except (OutputError, OSError) as error:
-        fail(error)
-    console.print(f"tarsier: wrote {out} ({plural(count, 'item')}, {out.stat().st_size / 2**20:.1f} MB) in "
-                  f"{time.perf_counter() - start:.1f} s", highlight=False, markup=False)
+app.command("report", no_args_is_help=True)(report_command)
+app.command("peek", no_args_is_help=True)(peek_command)
 
 
 @dev_app.command("eval-demo", context_settings={**CONTEXT, "allow_extra_args": True,

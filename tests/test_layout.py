@@ -33,6 +33,7 @@ LAYERS: list[set[str]] = [
     {"runners", "review", "config", "cli_options"},       # Ray; reports and inspection; the CLI's config and options
     {""},                                                 # the public names (the package's __init__)
     {"cli_run"},                                          # around a command's run: reports, exit codes, signals
+    {"cli_review"},                                       # the commands that read results: report, peek
     {"cli"},                                              # the command line: a client of the public names
     {"__main__"},                                         # python -m tarsier_batch
 ]
@@ -203,7 +204,7 @@ def test_every_public_name_is_on_the_python_api_page() -> None:
 # Where a `--flag` may be written: the settings' declarations and the command line (its options, its
 # config file). Everywhere else the library names a setting by its field (`Worded`), and the command
 # line words it as a flag, so that a Python caller reads field names and a row names no flag.
-FLAG_WRITERS = {"settings", "cli", "cli_options", "cli_run", "config",
+FLAG_WRITERS = {"settings", "cli", "cli_options", "cli_run", "cli_review", "config",
                 # runs `tarsier caption` as a person would: a command line is flags by nature
                 "demo.evaluate"}
 # Flags of other programs that a message tells a person to run.

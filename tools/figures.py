@@ -32,7 +32,8 @@ import readme  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PAGES = [REPO / "docs" / name for name in ("index.md", "benchmarks.md", "engine.md", "models.md", "questions.md",
-                                           "captioning.md", "troubleshooting.md")] + [REPO / "bench" / "README.md"]
+                                           "captioning.md", "troubleshooting.md", "pipelines.md")] + \
+    [REPO / "bench" / "README.md"]
 REGION = re.compile(r"<!-- figure (?P<spec>.*?) -->(?P<body>.*?)<!-- /figure -->", re.S)
 
 

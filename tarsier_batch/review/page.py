@@ -1,12 +1,12 @@
-"""The report as one self-contained HTML page: no network, no external file, fast with 10,000 items.
+"""The report as one HTML page: no network, no external file but its strips' folder (`strip_files`), if any.
 
-The header (provenance, figures, histogram, grouped errors) is static HTML. The items travel as
-one JSON block that a small script renders a page at a time, filtered by media type, status
-and text; user text reaches the page only through `textContent`, never as markup. Each item's
-frame strip is a separate inert block, read only when its item is shown, so opening the page
-parses a JSON block of a few MB, not the 100+ MB of images a 10,000-item report holds. The filter
-state lives in the URL's fragment (`#status=failed&type=video&q=cat&page=2`), so a filtered
-view can be bookmarked, and tested.
+The header (provenance, figures, histogram, errors by kind, what the page leaves out) is static
+HTML. The items travel as one JSON block that a small script renders a page at a time, filtered
+by media type, status and text; user text reaches the page only through `textContent`, never as
+markup. Each item's frame strip (a data: URI, or a file's relative path) is a separate inert
+block, read only when its item is shown, so opening the page parses a JSON block of a few MB,
+not the images. The filter state lives in the URL's fragment
+(`#status=failed&type=video&q=cat&page=2`), so a filtered view can be bookmarked, and tested.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..inputs.sources import row_id_of
-from ..progress import plural
 from .results import Figures, Results, answers
+from .sections import error_groups, notes
+from .selection import Selection
 
 PAGE_SIZE = 50
 ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames", "frame_indices", "width", "height",
@@ -26,18 +27,23 @@ ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames",
                "size_bytes")
 
 
-def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str) -> str:
-    """The whole page; `strips` holds, per row, {"uri": ...} or {"problem": ...}."""
-    items = [_item(row, strip, results) for row, strip in zip(results.rows, strips)]
-    files = _timelines(results.rows, items)
+def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str,
+           selection: Selection | None = None) -> str:
+    """The whole page; `strips` holds, per row shown (`selection`'s, default every row), {"uri": ...} (a data:
+    URI, or a path relative to the page) or {"problem": ...}."""
+    shown = [results.rows[index] for index in selection.indices] if selection is not None else results.rows
+    items = [_item(row, strip, results) for row, strip in zip(shown, strips)]
+    files = _timelines(shown, items)
     data = json.dumps({"items": items, "files": files, "pageSize": PAGE_SIZE}, ensure_ascii=False,
                       separators=(",", ":"))
     # Inside <script>, only "</" and "<!--" can end or confuse the block; JSON allows "<\/".
     data = data.replace("</", "<\\/").replace("<!--", "<\\u0021--")
-    # data: URIs are base64 and a fixed prefix: nothing in them can end a block.
+    # data: URIs are base64 and a fixed prefix, and a strip's relative path is percent-encoded: nothing in them
+    # can end a block.
     images = "\n".join(f'<script type="text/plain" id=strip-{index}>{strip["uri"]}</script>'
                        for index, strip in enumerate(strips) if strip.get("uri"))
-    return _TEMPLATE.format(title=html.escape(title), header=_header(results, figures, title), data=data,
+    header = _header(results, figures, title) + notes(results, selection)
+    return _TEMPLATE.format(title=html.escape(title), header=header, data=data,
                             images=images, style=_STYLE, script=_SCRIPT)
 
 
@@ -96,16 +102,7 @@ def _header(results: Results, figures: Figures, title: str) -> str:
                 if figures.words_mean is not None else "n/a")]
     parts = [f"<h1>{html.escape(title)}</h1>", "<div class=facts>",
              _definitions("run", facts), _definitions("figures", numbers), _histogram_svg(figures), "</div>"]
-    if figures.errors:
-        parts.append(f"<details class=errors open><summary>{plural(figures.failed, 'failed item')}, "
-                     f"{plural(len(figures.errors), 'distinct error')} "
-                     f"({html.escape(', '.join(f'{kind} {count}' for kind, count in figures.error_kinds))})"
-                     f"</summary><ul>")
-        for message, paths in figures.errors:
-            shown = "".join(f"<li>{html.escape(path)}</li>" for path in paths[:20])
-            more = f"<li>… and {len(paths) - 20} more</li>" if len(paths) > 20 else ""
-            parts.append(f"<li><b>{len(paths)} ×</b> <code>{html.escape(message)}</code><ul>{shown}{more}</ul></li>")
-        parts.append("</ul></details>")
+    parts.append(error_groups(figures))
     return "\n".join(parts)
 
 
@@ -141,6 +138,7 @@ dl{display:grid;grid-template-columns:max-content auto;gap:2px 10px;margin:0}dt{
 .hist rect{fill:#4a7bd0}.hist text{font-size:10px;fill:#666}
 .errors{background:#fff4f4;border:1px solid #f0c8c8;padding:6px 10px;margin-bottom:12px}
 .errors code{white-space:pre-wrap}
+.note{background:#fffbe6;border:1px solid #e6d9a0;padding:4px 10px;margin:0 0 8px}
 .controls{position:sticky;top:0;background:#fff;padding:8px 0;border-bottom:1px solid #ddd;display:flex;gap:8px;
 flex-wrap:wrap;align-items:center}
 .item{border-bottom:1px solid #eee;padding:10px 0}.item.failed{background:#fff8f8}

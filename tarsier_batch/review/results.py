@@ -11,10 +11,13 @@ from typing import Any
 import pyarrow as pa
 
 from ..errors import UNKNOWN, one_line
+from ..inputs.sources import row_id_of
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
 from ..outputs.schema import OutputColumns, is_long
+from ..outputs.unfinished import has_saved_parts, read_saved_parts
 
 HISTOGRAM_BINS = 12
+EXAMPLES_PER_ERROR_KIND = 3
 
 
 @dataclass
@@ -24,6 +27,20 @@ class Results:
     summary: dict[str, Any]
     extra_columns: list[str] = field(default_factory=list)   # a manifest's kept columns
     questions: list[str] = field(default_factory=list)       # a prompt set's names (each answer in its columns)
+    unfinished: Unfinished | None = None                      # a run that has not written its output (yet)
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """The rows of a run that was stopped, or is still running, as far as its part files go."""
+
+    parts: int        # part files read
+    saved_rows: int   # every row saved so far: the parts', and the output's where an earlier run wrote one
+    unreadable: list[str] = field(default_factory=list)
+
+    @property
+    def note(self) -> str:
+        return f"unfinished run: {self.saved_rows:,} rows saved so far"
 
 
 @dataclass
@@ -39,27 +56,43 @@ class Figures:
     words_mean: float | None
     words_median: float | None
     histogram: list[tuple[int, int, int]]   # (from words, to words, count)
-    errors: list[tuple[str, list[str]]]     # message -> paths, most frequent first
-    error_kinds: list[tuple[str, int]]      # error_kind -> failed items, most frequent first
+    errors: list[ErrorGroup]                # by error_kind, most frequent first
+
+
+@dataclass(frozen=True)
+class ErrorGroup:
+    """The failed items of one `error_kind`: how many, and a few of them (path, message)."""
+
+    kind: str
+    count: int
+    examples: list[tuple[str, str]]
 
 
 def check_results_path(path: Path) -> None:
     """Answer a wrong RESULTS argument before anything is read."""
-    if not path.exists():
-        raise OutputError(f"{path}: no such file or folder")
+    if not path.exists() and not has_saved_parts(path):
+        raise OutputError(f"{path}: no such file or folder (nor the saved rows of a run writing it)")
     if path.is_file() and path.suffix.lower() not in FORMATS:
         raise OutputError(f"{path}: not results of tarsier caption (.parquet, .jsonl, .csv or a folder of shards)")
 
 
 def load_results(path: Path) -> Results:
-    """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance."""
+    """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance; with the rows
+    saved so far by a run writing `path` that has not finished (stopped, or still running), read without its
+    lock: those rows come after the output's, an item's newest row winning."""
     check_results_path(path)
     base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
+    written = path.exists() and (OutputTarget.existing(path).exists() or not has_saved_parts(path))
+    results = _read_output(path, base) if written else Results([], {}, {})   # an --out-dir with no shard yet: {}
+    if has_saved_parts(path):
+        _add_saved_parts(results, path, base)
+    return results
+
+
+def _read_output(path: Path, base: pa.Schema) -> Results:
     try:
         table, provenance, summary = read_results(OutputTarget.existing(path), base)
-        # A merged output whose first shard was empty keeps only the stored settings: the names are there too.
-        questions = [question["name"] for question in provenance.get("prompt_set") or []] or \
-            list((provenance.get("settings") or {}).get("prompt_set") or [])
+        questions = _questions(provenance)
         columns = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(questions), spans=True)
         with_answers = columns.read_schema()
         if questions:   # read again for the answers' columns (text formats keep only the columns asked for)
@@ -73,6 +106,33 @@ def load_results(path: Path) -> Results:
     return Results(rows, provenance, summary, extra, questions)
 
 
+def _questions(provenance: dict[str, Any]) -> list[str]:
+    # A merged output whose first shard was empty keeps only the stored settings: the names are there too.
+    return [question["name"] for question in provenance.get("prompt_set") or []] or \
+        list((provenance.get("settings") or {}).get("prompt_set") or [])
+
+
+def _add_saved_parts(results: Results, path: Path, base: pa.Schema) -> None:
+    """Add the rows of an unfinished run's parts to `results` (the newest row of an item wins) and mark it."""
+    try:
+        saved = read_saved_parts(path, OutputColumns(with_token_ids=True, hashed=True, spans=True))
+    except (OSError, pa.ArrowException, ValueError, KeyError) as error:
+        raise OutputError(f"cannot read the rows saved so far for {path} ({one_line(error)})") from error
+    by_id = {row_id_of(row): row for row in results.rows}
+    for row in saved.rows:
+        by_id.pop(row_id_of(row), None)
+        by_id[row_id_of(row)] = row
+    results.rows = list(by_id.values())
+    if saved.provenance:   # the newest run's
+        results.provenance = saved.provenance
+        results.questions = _questions(saved.provenance)
+    if not results.extra_columns and saved.rows:   # a manifest's kept columns, as the parts hold them
+        known = OutputColumns(with_token_ids=True, hashed=True, questions=tuple(results.questions),
+                              spans=True).read_schema().names
+        results.extra_columns = [name for name in saved.rows[0] if name not in base.names and name not in known]
+    results.unfinished = Unfinished(saved.parts, len(results.rows), saved.unreadable)
+
+
 def answers(results: Results, row: dict[str, Any]) -> list[str | None]:
     """A row's captions: its one caption, or its answer to each question of the prompt set."""
     return [row.get(question) for question in results.questions] if results.questions else [row.get("caption")]
@@ -84,10 +144,6 @@ def figures(results: Results) -> Figures:
     # A question a row was not asked (a manifest row's own set) has no answer: not an answer of no words.
     words = [len(answer.split()) for row in rows if not row.get("error") for answer in answers(results, row)
              if answer is not None]
-    errors: dict[str, list[str]] = {}
-    for row in failed:
-        # Decoders often name the file in their message: without it, one cause is one group.
-        errors.setdefault(row["error"].replace(row["path"], "<file>"), []).append(row["path"])
     summary = results.summary
     elapsed = sum(row.get("elapsed_s") or 0.0 for row in rows)
     token_columns = [question + "_generated_tokens" for question in results.questions] or ["generated_tokens"]
@@ -102,8 +158,18 @@ def figures(results: Results) -> Figures:
         words_mean=statistics.fmean(words) if words else None,
         words_median=statistics.median(words) if words else None,
         histogram=_histogram(words),
-        errors=sorted(errors.items(), key=lambda entry: -len(entry[1])),
-        error_kinds=Counter(row.get("error_kind") or UNKNOWN for row in failed).most_common())
+        errors=error_groups(failed))
+
+
+def error_groups(failed: list[dict[str, Any]]) -> list[ErrorGroup]:
+    """The failed rows by `error_kind` (a message names sizes, offsets and files: a thousand files cut short are
+    a thousand messages but one kind), the largest group first, each with its first few rows as examples."""
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for row in failed:
+        by_kind.setdefault(row.get("error_kind") or UNKNOWN, []).append(row)
+    groups = [ErrorGroup(kind, len(rows), [(row_id_of(row), row["error"]) for row in rows[:EXAMPLES_PER_ERROR_KIND]])
+              for kind, rows in by_kind.items()]
+    return sorted(groups, key=lambda group: (-group.count, group.kind))
 
 
 def _histogram(values: list[int]) -> list[tuple[int, int, int]]:
