@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLVisionBlock
 
 from ..base import KVGeometry, VisionBlock
 from ..decoder import DecoderCaptionModel
@@ -61,7 +62,7 @@ def frame_batched(tower: nn.Module) -> nn.Module:
     """`tower` with its Qwen2-VL blocks run frame-batched (the same modules and weights; Qwen2.5-VL's windowed
     blocks are left as they are)."""
     for block in tower.blocks:
-        if type(block).__name__ == "Qwen2VLVisionBlock":
+        if type(block) is Qwen2VLVisionBlock:
             block.__class__ = FrameBatchedVisionBlock
     return tower
 
