@@ -27,7 +27,7 @@ from tarsier_batch.families.qwen2_vl.processing import (
 )
 from tarsier_batch.families.qwen_vl.patches import temporal_patch_of, with_temporal_copies
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.media import MediaType, even_frame_indices
+from tarsier_batch.media import MediaType, Span, even_frame_indices
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import GenerateLimits, generate_qwen_vl, qwen_vl_for_generation  # noqa: E402
@@ -184,6 +184,25 @@ def test_video_positions_agree_with_transformers_up_to_the_text_after(model: Qwe
     last_time = int(video.positions[0, end - 1]) - start
     assert last_time == int(7 * interval) and video.positions[0, end].item() == start + max(last_time + 1, 6)
     assert theirs[0, 0, end].item() == start + 6
+
+
+def test_a_spans_temporal_positions_follow_the_spans_own_frame_rate(model: QwenVLCaptionModel,
+                                                                   shared_media: Path) -> None:
+    """16 frames of seconds 2-6 of demo_test.mp4 (10.5 s): half a second per temporal patch, whatever the file's
+    length; Qwen2.5-VL's temporal positions then step by 2 positions a second x 0.5 s, Qwen2-VL's by one."""
+    media = model.processor.load_media(str(shared_media / "demo_test.mp4"), MediaType.VIDEO, 16, span=Span(2.0, 6.0))
+    assert media.sampled_seconds == 4.0 and media.duration_s == 10.5
+    prompt = model.processor.process(media, None)
+    starts = [block.start for block in prompt.vision_blocks]
+    times = [int(prompt.positions[0, start]) - int(prompt.positions[0, starts[0]]) for start in starts]
+    assert times == list(range(8))   # 2 x 0.5 = 1 for Qwen2.5-VL, as for Qwen2-VL
+    whole = model.processor.process(model.processor.load_media(str(shared_media / "demo_test.mp4"),
+                                                               MediaType.VIDEO, 16), None)
+    whole_times = [int(whole.positions[0, block.start]) - int(whole.positions[0, whole.vision_blocks[0].start])
+                   for block in whole.vision_blocks]
+    # 16 frames over 10.5 s: 1.3125 s a patch, 2.625 positions (truncated) for Qwen2.5-VL
+    expected = [int(index * 2.625) for index in range(8)] if model.config.variant.time_aligned else list(range(8))
+    assert whole_times == expected
 
 
 # -- the engine against transformers and against itself -------------------------------------------
