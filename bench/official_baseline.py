@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+)
 
 from measured_on import measured_on
 
 from tarsier_batch.families.base import CaptionModel, embed_whole_prompt
 from tarsier_batch.families.loading import load_caption_model
+from tarsier_batch.families.qwen2_vl import QwenVLCaptionModel
 from tarsier_batch.families.tarsier2 import Tarsier2CaptionModel
 from tarsier_batch.families.tarsier2.processing import with_temporal_copies
 from tarsier_batch.families.tiny import make_tiny_model, sizes
@@ -100,21 +107,71 @@ def generate_tarsier2(model: Tarsier2CaptionModel, hf: Qwen2VLForConditionalGene
     """One item through transformers' Qwen2-VL generate: prompt ids, every frame's pixels (duplicated
     into its temporal patch, as the official processor does), the official M-RoPE positions and the
     checkpoint's repetition penalty over prompt and generated ids."""
-    device = model.device
     pixels = torch.cat([with_temporal_copies(frame, model.processor.temporal_patch_size)
-                        for frame in prompt.pixel_values]).to(device)
+                        for frame in prompt.pixel_values])
     _, grid_h, grid_w = prompt.vision_blocks[0].grid
+    vision = {"pixel_values": pixels, "image_grid_thw": torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]])}
+    return _generate_mrope(model, hf, prompt, vision, model.config.image_token_id, 1, True,
+                           GenerateLimits(max_new_tokens, disable_eos, logits_processor))
+
+
+def qwen_vl_for_generation(model: QwenVLCaptionModel) -> Qwen2VLForConditionalGeneration:
+    """transformers' own Qwen2-VL or Qwen2.5-VL (forward, KV cache, generate) around our loaded modules."""
+    classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+    with torch.device("meta"):
+        hf = classes[model.config.variant.model_type](model.config.full)
+    hf.model.visual = model.model.visual
+    hf.model.language_model = model.model.language_model.model
+    hf.lm_head = model.model.language_model.lm_head
+    return hf.eval()
+
+
+def generate_qwen_vl(model: QwenVLCaptionModel, hf: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
+                     limits: GenerateLimits) -> list[int]:
+    """One item through transformers' generate as the model's processor hands it over: an image's patches with
+    its grid, or a clip's temporal patches as one video (`pixel_values_videos`, grid (t, h, w)) over
+    `<|video_pad|>` ids. An image's M-RoPE positions are transformers' own; a video's are the prompt's, since
+    transformers 5 resumes the text after a video at s + max(h, w) where the models' own code resumes one past
+    the block's largest position (`families.qwen_vl.positions`)."""
+    _, grid_h, grid_w = prompt.vision_blocks[0].grid
+    grid = torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]])
+    pixels = torch.cat(list(prompt.pixel_values))
+    config = model.config
+    if int(prompt.token_ids[prompt.vision_blocks[0].start]) == config.image_token_id:
+        return _generate_mrope(model, hf, prompt, {"pixel_values": pixels, "image_grid_thw": grid},
+                               config.image_token_id, 1, False, limits)
+    return _generate_mrope(model, hf, prompt, {"pixel_values_videos": pixels, "video_grid_thw": grid},
+                           config.video_token_id, 2, True, limits)
+
+
+@dataclass(frozen=True)
+class GenerateLimits:
+    """How long generate runs: `max_new_tokens`, and with `disable_eos` never shorter; an extra logits processor."""
+
+    max_new_tokens: int
+    disable_eos: bool = False
+    logits_processor: LogitsProcessorList | None = None
+
+
+def _generate_mrope(model: CaptionModel, hf: Qwen2VLForConditionalGeneration, prompt: ProcessedPrompt,
+                    vision: dict[str, torch.Tensor], pad_id: int, token_type: int, own_positions: bool,
+                    limits: GenerateLimits) -> list[int]:
+    """generate() of a Qwen2-VL-lineage model over the prompt ids and `vision` inputs, greedy, with the
+    checkpoint's repetition penalty; with `own_positions`, the prompt's M-RoPE positions replace transformers'."""
+    device = model.device
     ids = prompt.token_ids[None].to(device)
-    official_positions = prompt.positions[:, None, :].to(device)
-    rope_delta = torch.tensor([[prompt.next_position - prompt.length]], device=device)
-    hf.model.get_rope_index = lambda *args, **kwargs: (official_positions, rope_delta)
+    if own_positions:
+        positions = prompt.positions[:, None, :].to(device)
+        rope_delta = torch.tensor([[prompt.next_position - prompt.length]], device=device)
+        hf.model.get_rope_index = lambda *args, **kwargs: (positions, rope_delta)
+    else:   # transformers' own method, should an earlier call have replaced it
+        vars(hf.model).pop("get_rope_index", None)
     output = hf.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels,
-        image_grid_thw=torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]], device=device),
-        mm_token_type_ids=(ids == model.config.image_token_id).int(), max_new_tokens=max_new_tokens,
+        input_ids=ids, attention_mask=torch.ones_like(ids), **{key: value.to(device) for key, value in vision.items()},
+        mm_token_type_ids=(ids == pad_id).int() * token_type, max_new_tokens=limits.max_new_tokens,
         do_sample=False, repetition_penalty=model.repetition_penalty,
-        eos_token_id=stop_ids(model, model.config.text.vocab_size, disable_eos),
-        pad_token_id=sorted(model.eos_token_ids)[0], logits_processor=logits_processor)
+        eos_token_id=stop_ids(model, model.config.text.vocab_size, limits.disable_eos),
+        pad_token_id=sorted(model.eos_token_ids)[0], logits_processor=limits.logits_processor)
     return output[0, prompt.length:].tolist()
 
 

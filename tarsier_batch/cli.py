@@ -287,7 +287,7 @@ def models() -> None:
     for family in model_families():
         default = " (the default --model)" if DEFAULT_MODEL in family.checkpoints else ""
         typer.echo(f"{family.name}{default}\n"
-                   f"  config.json:  model_type 'llava', text_config.model_type '{family.text_model_type}'\n"
+                   f"  config.json:  {family.config_types}\n"
                    f"  vision:       {family.vision}\n"
                    f"  checkpoints:  {', '.join(family.checkpoints)}\n"
                    f"  frames:       {family.default_frames}\n"

@@ -12,12 +12,14 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+LLAVA_MODEL_TYPE = "llava"  # Tarsier's and Tarsier2's checkpoints are LLaVA-style
+
 
 @dataclass(frozen=True)
 class FamilyInfo:
     key: str                    # used by `tarsier dev make-tiny-model --family`
     name: str
-    text_model_type: str        # config.json: model_type "llava" with this text_config.model_type
+    text_model_type: str        # config.json: with model_type "llava", this text_config.model_type
     vision: str
     default_frames: int
     default_instruction: str
@@ -28,6 +30,22 @@ class FamilyInfo:
     processor_loader: str       # (model_dir) -> Processor, the CPU side alone
     frame_sampler: str          # (frames in the file, frames wanted) -> indices, as the official code samples
     tiny_builder: str           # a module with SIZES and build(out_dir, size, seed): random-weight checkpoints
+    # config.json's model_type: LLaVA-style checkpoints ("llava") are told apart by their text_config's type,
+    # checkpoints in their own layout (Qwen2-VL's) by this alone.
+    model_type: str = "llava"
+
+    def matches(self, model_type: object, text_model_type: object) -> bool:
+        """Whether a config.json of these types is this family's."""
+        if self.model_type != LLAVA_MODEL_TYPE:
+            return model_type == self.model_type
+        return model_type == LLAVA_MODEL_TYPE and text_model_type == self.text_model_type
+
+    @property
+    def config_types(self) -> str:
+        """The config.json types of the family's checkpoints, in words."""
+        if self.model_type != LLAVA_MODEL_TYPE:
+            return f"model_type {self.model_type!r}"
+        return f"model_type {LLAVA_MODEL_TYPE!r} with text_config.model_type {self.text_model_type!r}"
 
     def code(self, part: str) -> Any:
         """One of the family's code entries (`loader`, `processor_loader`, ...), imported."""
@@ -53,11 +71,31 @@ TARSIER2 = FamilyInfo(
     processor_loader="tarsier_batch.families.tarsier2:load_processor",
     frame_sampler="tarsier_batch.media:frame_indices_without_repeats",
     tiny_builder="tarsier_batch.families.tiny.tarsier2")
-_FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER]
+
+
+def _qwen_vl(key: str, name: str, vision: str, checkpoints: tuple[str, ...], tiny_alias: str) -> FamilyInfo:
+    """A Qwen-VL family in its own checkpoint layout (model_type `key`); one package serves them all.
+
+    Tarsier2 is a Qwen2-VL fine-tune but stored LLaVA-style, so a top-level model_type "qwen2_vl" is a plain
+    Qwen2-VL."""
+    return FamilyInfo(
+        key=key, name=name, text_model_type=key, model_type=key, vision=vision, default_frames=16,
+        default_instruction="Describe this video. (images: Describe this image.)", checkpoints=checkpoints,
+        tiny_alias=tiny_alias, loader=f"tarsier_batch.families.qwen2_vl:load_{key}",
+        processor_loader=f"tarsier_batch.families.qwen2_vl:load_{key}_processor",
+        frame_sampler="tarsier_batch.media:even_frame_indices", tiny_builder=f"tarsier_batch.families.tiny.{key}")
+
+
+QWEN2_VL = _qwen_vl("qwen2_vl", "Qwen2-VL",
+                    "Qwen2-VL ViT, dynamic resolution (qwen-vl-utils budgets), two frames per temporal patch",
+                    ("Qwen/Qwen2-VL-7B-Instruct", "Qwen/Qwen2-VL-2B-Instruct"), "tiny-random-qwen2-vl")
+QWEN2_5_VL = _qwen_vl("qwen2_5_vl", "Qwen2.5-VL",
+                      "Qwen2.5-VL ViT (window attention, RMSNorm, SwiGLU), dynamic resolution, time-aligned M-RoPE",
+                      ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct"), "tiny-random-qwen2.5-vl")
+_FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER, QWEN2_VL, QWEN2_5_VL]
 DEFAULT_MODEL = TARSIER2.checkpoints[0]
 # With --prune-vision: the first layer that sees only the kept vision tokens (FastV's choice).
 DEFAULT_PRUNE_LAYER = 2
-MODEL_TYPE = "llava"  # both families' checkpoints are LLaVA-style
 
 
 def register_family(family: FamilyInfo) -> None:
@@ -84,12 +122,10 @@ def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
     model_type = raw.get("model_type")
     text_config = raw.get("text_config")
     text_type = text_config.get("model_type") if isinstance(text_config, dict) else None
-    if model_type == MODEL_TYPE:
-        for family in _FAMILIES:
-            if text_type == family.text_model_type:
-                return family
-    supported = "; ".join(f"{f.name}: model_type {MODEL_TYPE!r} with text_config.model_type {f.text_model_type!r}"
-                          for f in _FAMILIES)
+    for family in _FAMILIES:
+        if family.matches(model_type, text_type):
+            return family
+    supported = "; ".join(f"{f.name}: {f.config_types}" for f in _FAMILIES)
     raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
                      f"{text_type!r}; supported: {supported}")
 

@@ -12,13 +12,14 @@ from .frames import Media
 from .images import MAX_IMAGE_PIXELS, open_image
 from .kinds import MediaType, media_type_of
 from .loading import decoder_versions, load_media
-from .sampling import FrameSampler, frame_indices, frame_indices_without_repeats
+from .sampling import FrameSampler, even_frame_indices, frame_indices, frame_indices_without_repeats
 from .timeline import Span, Timeline, frames_in_span
 from .video import decord_problem, frame_starts, video_timeline
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
     "FrameSampler",
+    "even_frame_indices",
     "Media",
     "MediaType",
     "Span",

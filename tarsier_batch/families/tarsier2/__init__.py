@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..qwen_vl.positions import VisionSpan, mrope_positions
 from .family import Tarsier2CaptionModel, Tarsier2PromptProcessor
 from .modeling import Tarsier2Config, Tarsier2Model
-from .positions import VisionSpan, mrope_positions
 
 
 def load_processor(model_dir: Path) -> Tarsier2PromptProcessor:

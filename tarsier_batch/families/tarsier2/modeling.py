@@ -18,7 +18,7 @@ from torch import nn
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig, Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel
 
-from .vision import BLOCK_STEPS, FrameBatchedVisionBlock
+from ..qwen_vl.network import LanguageModel, compile_frame_batched, frame_batched, tower_features
 
 MODEL_TYPE = "llava"
 TEXT_MODEL_TYPE = "qwen2_vl"
@@ -67,40 +67,20 @@ def _without_loader_keys(raw: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in raw.items() if key not in _LOADER_KEYS}
 
 
-class Qwen2VLLanguageModel(nn.Module):
-    """The decoder and its (untied) output head, named as the checkpoint's `language_model.` keys."""
-
-    def __init__(self, config: Qwen2VLTextConfig):
-        super().__init__()
-        self.model = Qwen2VLTextModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-
 class Tarsier2Model(nn.Module):
     """Vision tower (ViT + patch merger) and language model of a Tarsier2 checkpoint."""
 
     def __init__(self, config: Tarsier2Config):
         super().__init__()
         self.config = config
-        self.vision_tower = Qwen2VisionTransformerPretrainedModel(config.vision)
-        # The same blocks, run frame-batched (`vision.FrameBatchedVisionBlock` only replaces the forward).
-        for block in self.vision_tower.blocks:
-            block.__class__ = FrameBatchedVisionBlock
-        self.language_model = Qwen2VLLanguageModel(config.text)
+        self.vision_tower = frame_batched(Qwen2VisionTransformerPretrainedModel(config.vision))
+        text = config.text
+        self.language_model = LanguageModel(Qwen2VLTextModel(text), text.hidden_size, text.vocab_size)
 
     def compile_vision(self) -> None:
         """Run the vision blocks' work around their attention through torch.compile from now on."""
-        steps = BLOCK_STEPS.compiled()
-        for block in self.vision_tower.blocks:
-            block.steps = steps
+        compile_frame_batched(self.vision_tower)
 
     def vision_features(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches.
-
-        `grids` holds each block's (t, h, w) in patches. Patches of different blocks never attend
-        to each other, and within a block only those of one temporal patch do.
-        """
-        tower = self.vision_tower
-        frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
-        grid_thw = torch.tensor(grids, dtype=torch.long, device=patches.device)
-        return tower(patches.to(tower.get_dtype()), grid_thw=grid_thw, frame_lengths=frame_lengths).pooler_output
+        """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches (`tower_features`)."""
+        return tower_features(self.vision_tower, patches, grids)

@@ -9,19 +9,23 @@ rendered by the checkpoint's own chat template.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
 from PIL import Image
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from ...errors import TOO_LARGE, ItemError
 from ...media import MediaType
 from ..base import LargestItem
+from ..qwen_vl.patches import (
+    FramePatches,
+    chat_template,
+    decode_text,
+    frame_patches,
+    image_processor,
+    with_temporal_copies,
+)
 
 # The official quick start passes its --instruction default for every media type, images included.
 DEFAULT_INSTRUCTION = "Describe the video in detail."
@@ -30,23 +34,6 @@ DEFAULT_INSTRUCTION = "Describe the video in detail."
 # images it is given (a video counts two per frame once its frames are duplicated).
 MAX_PIXELS_PER_FRAME = 460_800
 MAX_PIXELS_PER_SAMPLE = 128 * 384 * 384
-# Qwen2VLImageProcessor's class defaults (transformers 4.47), used when preprocessor_config.json names neither.
-_FALLBACK_MIN_PIXELS, _FALLBACK_MAX_PIXELS = 56 * 56, 28 * 28 * 1280
-
-
-@dataclass(frozen=True)
-class FramePatches:
-    """One frame's encoder input: its patches once (the temporal copy is rebuilt when encoding)."""
-
-    patches: torch.Tensor   # (grid_h * grid_w, channels * patch * patch) float32, in merger order
-    grid_h: int
-    grid_w: int
-
-
-def with_temporal_copies(patches: torch.Tensor, copies: int) -> torch.Tensor:
-    """A frame's kept patches (n, channels * patch * patch) -> the encoder's input, the frame
-    repeated `copies` times in each patch's temporal axis: (n, channels * copies * patch * patch)."""
-    return patches.view(patches.shape[0], 3, 1, -1).expand(-1, -1, copies, -1).reshape(patches.shape[0], -1)
 
 
 def pixel_cap(media_type: MediaType, frame_count: int, temporal_patch_size: int) -> int:
@@ -76,8 +63,8 @@ class Tarsier2Processor:
 
     def __init__(self, model_dir: Path):
         self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_dir))
-        self.chat_template = _chat_template(model_dir, self.tokenizer)
-        self.image_processor = _image_processor(model_dir)
+        self.chat_template = chat_template(model_dir, self.tokenizer)
+        self.image_processor = image_processor(model_dir)
         self.temporal_patch_size: int = self.image_processor.temporal_patch_size
         self.merge_size: int = self.image_processor.merge_size
 
@@ -102,13 +89,7 @@ class Tarsier2Processor:
         frame duplicated; only one copy is kept here (`Tarsier2CaptionModel` rebuilds the other).
         """
         shrunk = shrink_to_pixels(frame, pixel_cap(media_type, frame_count, self.temporal_patch_size))
-        out = self.image_processor(images=shrunk, return_tensors="pt")
-        _, grid_h, grid_w = (int(value) for value in out["image_grid_thw"][0])
-        patches = out["pixel_values"]
-        channels_time_patch = patches.shape[1]
-        one_copy = patches.view(patches.shape[0], 3, self.temporal_patch_size,
-                                channels_time_patch // (3 * self.temporal_patch_size))[:, :, 0]
-        return FramePatches(one_copy.reshape(patches.shape[0], -1).clone(), grid_h, grid_w)
+        return frame_patches(self.image_processor, shrunk)
 
     def prompt_ids(self, media_type: MediaType, vision_tokens: int, instruction: str) -> list[int]:
         """The chat prompt with one vision block of `vision_tokens` image-pad tokens, tokenised.
@@ -125,36 +106,7 @@ class Tarsier2Processor:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
-        known = [token for token in token_ids if token < len(self.tokenizer)]
-        return self.tokenizer.decode(known, skip_special_tokens=True)
+        return decode_text(self.tokenizer, token_ids)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _chat_template(model_dir: Path, tokenizer: PreTrainedTokenizerBase) -> str:
-    """The processor's template (chat_template.json or .jinja), else the tokenizer's, as the official code finds it."""
-    template = _read_json(model_dir / "chat_template.json").get("chat_template")
-    if template is None and (model_dir / "chat_template.jinja").exists():
-        template = (model_dir / "chat_template.jinja").read_text()
-    template = template or tokenizer.chat_template
-    if not template:
-        raise ValueError(f"{model_dir} has no chat template (chat_template.json): cannot build the prompt")
-    return template
-
-
-def _image_processor(model_dir: Path) -> Qwen2VLImageProcessorPil:
-    """Qwen2VLImageProcessor from the checkpoint's preprocessor_config.json.
-
-    The official code (transformers 4.47) reads the top-level `min_pixels`/`max_pixels`; the
-    Tarsier2 files may only carry them in `size {min_pixels, max_pixels}`, which is honoured too.
-    """
-    raw = _read_json(model_dir / "preprocessor_config.json")
-    size = raw.get("size") if isinstance(raw.get("size"), dict) else {}
-    min_pixels = raw.get("min_pixels", size.get("min_pixels", _FALLBACK_MIN_PIXELS))
-    max_pixels = raw.get("max_pixels", size.get("max_pixels", _FALLBACK_MAX_PIXELS))
-    settings = {key: raw[key] for key in ("patch_size", "temporal_patch_size", "merge_size", "image_mean",
-                                          "image_std", "resample", "rescale_factor", "do_rescale",
-                                          "do_normalize", "do_convert_rgb") if key in raw}
-    return Qwen2VLImageProcessorPil(min_pixels=int(min_pixels), max_pixels=int(max_pixels), **settings)
+__all__ = ["FramePatches", "Tarsier2Processor", "pixel_cap", "shrink_to_pixels", "with_temporal_copies"]

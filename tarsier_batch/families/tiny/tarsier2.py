@@ -91,19 +91,19 @@ MIN_PIXELS = 56 * 56
 def build(out_dir: Path, size: str, seed: int) -> None:
     """Write a random-weight Tarsier2 checkpoint of `size` (a key of SIZES) into `out_dir`."""
     geometry = SIZES[size]
-    tokenizer = _build_tokenizer()
+    tokenizer = build_tokenizer()
     tokenizer.save_pretrained(str(out_dir))
     write_merges_as_strings(out_dir / "tokenizer.json")
-    _write_tokenizer_config_for_older_readers(out_dir / "tokenizer_config.json")
+    write_tokenizer_config_for_older_readers(out_dir / "tokenizer_config.json")
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     raw = _config_dict(geometry, ids, vocab=round_up(len(tokenizer), 64))
-    _write_json(out_dir / "config.json", raw)
-    _write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
-    _write_json(out_dir / "processor_config.json", {
+    write_json(out_dir / "config.json", raw)
+    write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+    write_json(out_dir / "processor_config.json", {
         "processor_class": "TarsierProcessor", "image_token": "<|image_pad|>", "patch_size": 14, "merge_size": 2,
         "temporal_patch_size": 2, "max_seq_len": 8192})
-    _write_json(out_dir / "preprocessor_config.json", _preprocessor_dict(geometry["max_pixels"]))
-    _write_json(out_dir / "generation_config.json", {
+    write_json(out_dir / "preprocessor_config.json", _preprocessor_dict(geometry["max_pixels"]))
+    write_json(out_dir / "generation_config.json", {
         "bos_token_id": ids["<|endoftext|>"], "pad_token_id": ids["<|endoftext|>"],
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "repetition_penalty": REPETITION_PENALTY})
     torch.manual_seed(seed)
@@ -111,7 +111,7 @@ def build(out_dir: Path, size: str, seed: int) -> None:
     save_weights(model, out_dir)
 
 
-def _build_tokenizer() -> PreTrainedTokenizerBase:
+def build_tokenizer() -> PreTrainedTokenizerBase:
     """A Qwen2-style byte-level BPE trained on the built-in text, then the Qwen2-VL special tokens."""
     trainer_model = Tokenizer(models.BPE())
     trainer_model.pre_tokenizer = pre_tokenizers.Sequence([
@@ -130,12 +130,12 @@ def _build_tokenizer() -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def _write_tokenizer_config_for_older_readers(path: Path) -> None:
+def write_tokenizer_config_for_older_readers(path: Path) -> None:
     """Name the special tokens as transformers 4.x does (`additional_special_tokens`), as the real files do."""
     config = json.loads(path.read_text())
     config.pop("backend", None)
     config["additional_special_tokens"] = config.pop("extra_special_tokens", [])
-    _write_json(path, config)
+    write_json(path, config)
 
 
 def _config_dict(geometry: dict[str, Any], ids: dict[str, int], vocab: int) -> dict[str, Any]:
@@ -198,5 +198,5 @@ def _preprocessor_dict(max_pixels: int) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,73 @@
+"""Qwen2-VL / Qwen2.5-VL input as their official usage builds it: qwen-vl-utils' frame sizes, the checkpoint's
+image processor, and the prompt of the checkpoint's chat template with each vision pad expanded.
+
+qwen-vl-utils resizes every image to a multiple of 28 within its pixel budget and every video frame within a
+per-frame share of a whole-video budget (so long clips get smaller frames), then the checkpoint's processor
+cuts the frames into 14 x 14 patches, two consecutive video frames to a temporal patch (an image fills its
+temporal patch with two copies of itself). Frames are resized here with Pillow's bicubic filter; qwen-vl-utils
+resizes video frames with torchvision's antialiased bicubic, which is not installed here and differs in the
+last bits of some pixels.
+"""
+
+from __future__ import annotations
+
+import math
+
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from ...errors import TOO_LARGE, ItemError
+from ...media import MediaType
+from ...media.sampling import TEMPORAL_PATCH_FRAMES
+
+# qwen-vl-utils' budgets (vision_process.py): sides are multiples of 28 (a merged 2 x 2 block of 14-px patches).
+SIZE_FACTOR = 28
+IMAGE_MIN_PIXELS = 4 * 28 * 28
+IMAGE_MAX_PIXELS = 16384 * 28 * 28
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)   # the whole clip's budget, shared by its frames
+# qwen-vl-utils' default sampling rate, used as the rate of clips whose duration is unknown.
+DEFAULT_FPS = 2.0
+# The instructions of the models' own examples.
+DEFAULT_VIDEO_INSTRUCTION = "Describe this video."
+DEFAULT_IMAGE_INSTRUCTION = "Describe this image."
+
+
+def video_frame_max_pixels(frame_count: int) -> int:
+    """The most pixels one of `frame_count` video frames may keep: its share of the clip's budget, within the
+    per-frame bounds."""
+    share = VIDEO_TOTAL_PIXELS / frame_count * TEMPORAL_PATCH_FRAMES
+    return int(max(min(VIDEO_MAX_PIXELS, share), int(VIDEO_MIN_PIXELS * 1.05)))
+
+
+def pixel_bounds(media_type: MediaType, frame_count: int) -> tuple[int, int]:
+    """(min, max) pixels of one frame after qwen-vl-utils' resize."""
+    if media_type is MediaType.IMAGE:
+        return IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS
+    return VIDEO_MIN_PIXELS, video_frame_max_pixels(frame_count)
+
+
+def resize_for_model(frame: Image.Image, media_type: MediaType, frame_count: int) -> Image.Image:
+    """A frame resized to sides of multiples of 28 within its pixel bounds (qwen-vl-utils' `smart_resize`)."""
+    min_pixels, max_pixels = pixel_bounds(media_type, frame_count)
+    width, height = frame.size
+    try:
+        new_height, new_width = smart_resize(height, width, factor=SIZE_FACTOR, min_pixels=min_pixels,
+                                             max_pixels=max_pixels)
+    except ValueError as error:   # an aspect ratio above 200: the file's, not ours
+        raise ItemError(TOO_LARGE, str(error)) from None
+    if (new_width, new_height) == (width, height):
+        return frame
+    return frame.resize((new_width, new_height), Image.Resampling.BICUBIC)
+
+
+def seconds_per_temporal_patch(frame_count: int, duration_s: float | None) -> float:
+    """How many seconds of the clip one temporal patch spans: two frames at the rate they were sampled at."""
+    fps = frame_count / duration_s if duration_s else DEFAULT_FPS
+    return TEMPORAL_PATCH_FRAMES / fps
+
+
+def temporal_patches(frame_count: int) -> int:
+    """Temporal patches of `frame_count` video frames (an odd last frame is repeated to fill its patch)."""
+    return math.ceil(frame_count / TEMPORAL_PATCH_FRAMES)
