@@ -41,6 +41,8 @@ class Figures:
     histogram: list[tuple[int, int, int]]   # (from words, to words, count)
     errors: list[tuple[str, list[str]]]     # message -> paths, most frequent first
     error_kinds: list[tuple[str, int]]      # error_kind -> failed items, most frequent first
+    warned: int = 0                         # items captioned from a damaged file (`warnings`)
+    warning_kinds: list[tuple[str, int]] = field(default_factory=list)   # kind -> items, most first, then by name
 
 
 def check_results_path(path: Path) -> None:
@@ -103,7 +105,10 @@ def figures(results: Results) -> Figures:
         words_median=statistics.median(words) if words else None,
         histogram=_histogram(words),
         errors=sorted(errors.items(), key=lambda entry: -len(entry[1])),
-        error_kinds=Counter(row.get("error_kind") or UNKNOWN for row in failed).most_common())
+        error_kinds=Counter(row.get("error_kind") or UNKNOWN for row in failed).most_common(),
+        warned=sum(bool(row.get("warnings")) for row in rows),
+        warning_kinds=sorted(Counter(kind for row in rows for kind in row.get("warnings") or ()).items(),
+                             key=lambda pair: (-pair[1], pair[0])))
 
 
 def _histogram(values: list[int]) -> list[tuple[int, int, int]]:
