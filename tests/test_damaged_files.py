@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from typer.testing import CliRunner
 from awkward_media import numbered, write_video
 from tarsier_batch.cli import app
 from tarsier_batch.inputs.sources import MediaItem
-from tarsier_batch.media import MediaType, Span, load_media
+from tarsier_batch.media import WARNING_KINDS, MediaType, Span, load_media
 from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.results import CaptionResult
 from tarsier_batch.outputs.schema import OutputColumns
@@ -72,8 +73,8 @@ def test_a_cut_file_and_a_zeroed_file_are_marked_and_a_healthy_one_is_not(damage
     # Sampled clear of the cut, decord gives the frames; its frame count still falls short of the index's length.
     early = load_media(str(damaged["cut"]), MediaType.VIDEO, 4, sampler=lambda total, count: [0, 10, 20, 30])
     assert (early.decoder, early.duration_s, early.warnings) == ("decord", 51 / 8, ("cut_short",))
-    # Two packets of zeros fail to decode and a frame comes out flagged corrupt: decord stops at them, PyAV
-    # skips them and samples the 80 frames that decode.
+    # Two packets of zeros fail to decode: decord stops at them, PyAV skips them (and the frames that depend on
+    # them) and samples the 80 frames that decode.
     zeroed = load_media(str(damaged["zeroed"]), MediaType.VIDEO, 8)
     assert (zeroed.decoder, zeroed.frame_indices[-1], zeroed.warnings) == ("pyav", 81, ("corrupt_packets",))
 
@@ -218,3 +219,9 @@ def test_the_report_counts_marks_and_filters_warned_items(tmp_path: Path, shared
     assert body_data(dom)["matching"] == "3"
     assert dom.count('<span class="badge">cut_short</span>') == 2
     assert dom.count('<span class="badge">corrupt_packets</span>') == 2
+
+
+def test_the_output_page_explains_every_warning_kind() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "pipelines.md").read_text()
+    table = page.split("| `warnings` value |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == list(WARNING_KINDS)

@@ -4,6 +4,7 @@ found (`WARNING_KINDS`), from what decoding already saw, without decoding anythi
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 from .timeline import Span
@@ -47,27 +48,36 @@ def is_cut_short(held_s: float | None, frames: int, declared_s: float | None, sp
 
 
 class DecodeDamage:
-    """What one decoding pass met: packets that failed to decode and frames flagged corrupt.
+    """What the frames of one decoding pass show: frames FFmpeg flagged corrupt (damage it concealed), and frames
+    missing between the first and the last one decoded (packets that failed to decode, which FFmpeg skips, and
+    frames that depended on them). Missing frames are told by the packets' presentation times, where every decoded
+    frame has one of them; frames missing after the last decoded one are where a file cut short ends (`cut_short`
+    says that), or beyond the stretch decoded."""
 
-    A failed packet counts once a later packet decodes again: failures at the very end of what is read are where
-    a file cut short stops (its `cut_short` says that), not damage inside the stretch."""
+    def __init__(self, packet_times: list[int | None]):
+        self._packets = sorted(time for time in packet_times if time is not None) \
+            if None not in packet_times and len(set(packet_times)) == len(packet_times) else None
+        self._decoded: list[int] = []
+        self._flagged = 0
 
-    def __init__(self) -> None:
-        self.corrupt = 0
-        self._unresolved = 0   # failed packets no frame has decoded after yet
+    def decoded(self, frame: Any) -> None:
+        self._flagged += bool(frame.is_corrupt)
+        if frame.pts is not None:
+            self._decoded.append(frame.pts)
 
-    def failed_packet(self) -> None:
-        self._unresolved += 1
+    @property
+    def found(self) -> bool:
+        return bool(self._flagged) or self._frames_missing()
 
-    def decoded(self, frame: Any, flushed: bool = False) -> None:
-        """A frame came out of the decoder; `flushed`: of its flush at the end, after the last packet."""
-        self.corrupt += bool(frame.is_corrupt)
-        if not flushed:
-            self.corrupt += self._unresolved
-            self._unresolved = 0
+    def _frames_missing(self) -> bool:
+        packets, decoded = self._packets, set(self._decoded)
+        if not packets or not decoded or not decoded <= set(packets):
+            return False   # no times to tell by, or frames timed otherwise than their packets
+        inside = bisect.bisect_right(packets, max(decoded)) - bisect.bisect_left(packets, min(decoded))
+        return inside > len(decoded)
 
 
 def warnings_of(cut_short: bool, damage: DecodeDamage | None) -> tuple[str, ...]:
     """The row's warning kinds, in `WARNING_KINDS`' order."""
-    return tuple(kind for kind, found in ((CUT_SHORT, cut_short), (CORRUPT_PACKETS, bool(damage and damage.corrupt)))
+    return tuple(kind for kind, found in ((CUT_SHORT, cut_short), (CORRUPT_PACKETS, bool(damage and damage.found)))
                  if found)

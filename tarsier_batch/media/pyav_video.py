@@ -52,28 +52,19 @@ def stream_packets(container: Any, stream: Any) -> Iterator[Any]:
             yield packet
 
 
-def decoded_frames(container: Any, stream: Any, damage: DecodeDamage | None = None) -> Iterator[Any]:
-    """The stream's frames in display order; a packet that fails to decode is skipped, as players do (and told to
-    `damage`, with each frame)."""
+def decoded_frames(container: Any, stream: Any) -> Iterator[Any]:
+    """The stream's frames in display order; a packet that fails to decode is skipped, as players do."""
     import av
 
-    damage = damage or DecodeDamage()
     for packet in stream_packets(container, stream):
         try:
-            frames = stream.decode(packet)
+            yield from stream.decode(packet)
         except av.FFmpegError:
-            damage.failed_packet()
             continue  # later packets (from the next keyframe at the latest) decode again
-        for frame in frames:
-            damage.decoded(frame)
-            yield frame
     try:
-        flushed = stream.decode(None)  # the frames the decoder still holds
+        yield from stream.decode(None)  # the frames the decoder still holds
     except av.FFmpegError:
         return
-    for frame in flushed:
-        damage.decoded(frame, flushed=True)
-        yield frame
 
 
 def pixel_aspect(stream: Any) -> Fraction:
@@ -112,14 +103,15 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
             return windowed
     try:
         with video_stream(source) as (container, stream):
-            held = packet_timeline([packet.pts for packet in stream_packets(container, stream)], stream)
+            times = [packet.pts for packet in stream_packets(container, stream)]
+            held = packet_timeline(times, stream)
             declared = declared_duration(container, stream)
         starts, total = held.starts, len(held.starts)
         for _ in range(2):
             if total < 1:
                 raise DecoderFailure("no video frame decodes")
             indices = sample_span(starts[:total], span, num_frames, sampler)
-            sampled = _decode_sampled(source, indices, transform)
+            sampled = _decode_sampled(source, indices, transform, DecodeDamage(times))
             if sampled.frame_count == total:
                 break
             total = sampled.frame_count
@@ -196,14 +188,15 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
         results: dict[int, Any] = {}
         width = height = 0
         overshot = False
-        damage = DecodeDamage()
+        damage = DecodeDamage(timestamps)
         with video_stream(source) as (container, stream):
             aspect = pixel_aspect(stream)
             if seek:
                 container.seek(first, stream=stream, backward=True, any_frame=False)   # to the keyframe before
-            for number, frame in enumerate(decoded_frames(container, stream, damage)):
+            for number, frame in enumerate(decoded_frames(container, stream)):
                 if frame.pts is None:
                     return None
+                damage.decoded(frame)
                 if number == 0 and seek and frame.pts > first:
                     overshot = True
                     break
@@ -241,15 +234,17 @@ def packet_timeline(times: list[int | None], stream: Any) -> Timeline:
     return timeline_of([None if time is None else float(time * stream.time_base) for time in times], rate)
 
 
-def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None) -> _SampledFrames:
-    """Decode every frame, keeping the transformed displayed frames at `indices`, and count them."""
+def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None,
+                    damage: DecodeDamage) -> _SampledFrames:
+    """Decode every frame, keeping the transformed displayed frames at `indices`, and count them (each told to
+    `damage`)."""
     wanted = set(indices)
     results: dict[int, Any] = {}
     width = height = frame_count = 0
-    damage = DecodeDamage()
     with video_stream(source) as (container, stream):
         aspect = pixel_aspect(stream)
-        for frame in decoded_frames(container, stream, damage):
+        for frame in decoded_frames(container, stream):
+            damage.decoded(frame)
             if frame_count in wanted:
                 image = _displayed(frame, aspect)
                 width, height = image.size
