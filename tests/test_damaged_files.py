@@ -138,16 +138,20 @@ def test_every_format_writes_and_reads_back_the_warnings(tmp_path: Path, suffix:
     assert [row["warnings"] for row in stored.rows.values()] == [["cut_short", "corrupt_packets"], None]
 
 
-@pytest.fixture
-def small_cut(tmp_path: Path) -> Path:
-    """A small MP4, index first, cut at three quarters of its bytes: 3 s declared, about 1.6 s left."""
-    folder = tmp_path / "in"
+def write_small_cut(folder: Path) -> Path:
+    """`folder`/cut.mp4: a small MP4, index first, cut at three quarters of its bytes (3 s declared, about 1.6 s
+    left); `folder` holds nothing else."""
     folder.mkdir()
-    whole = write_video(tmp_path / "whole.mp4", "libx264", frames=30, options={"movflags": "faststart"},
+    whole = write_video(folder.parent / "whole.mp4", "libx264", frames=30, options={"movflags": "faststart"},
                         picture=numbered, codec_options={"g": "12", "bf": "2"})
     data = whole.read_bytes()
     (folder / "cut.mp4").write_bytes(data[: len(data) * 3 // 4])
     return folder
+
+
+@pytest.fixture
+def small_cut(tmp_path: Path) -> Path:
+    return write_small_cut(tmp_path / "in")
 
 
 def without_warnings(out: Path) -> None:
