@@ -13,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from awkward_media import numbered, write_video
+from awkward_media import Ok, make_awkward_inputs, numbered, write_video
+from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
 from tarsier_batch.inputs.sources import MediaItem
-from tarsier_batch.media import WARNING_KINDS, MediaType, Span, load_media
+from tarsier_batch.media import WARNING_KINDS, MediaType, Span, load_media, media_type_of
 from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.results import CaptionResult
 from tarsier_batch.outputs.schema import OutputColumns
@@ -77,6 +78,19 @@ def test_a_cut_file_and_a_zeroed_file_are_marked_and_a_healthy_one_is_not(damage
     # them) and samples the 80 frames that decode.
     zeroed = load_media(str(damaged["zeroed"]), MediaType.VIDEO, 8)
     assert (zeroed.decoder, zeroed.frame_indices[-1], zeroed.warnings) == ("pyav", 81, ("corrupt_packets",))
+
+
+def test_no_whole_file_of_any_container_or_codec_is_marked(tmp_path: Path, shared_media: Path) -> None:
+    """Rounded container durations, a variable frame rate, B-frames, MPEG-TS, AVI, GIFs, the sample and shared
+    media: none reads as damaged; the one file cut short does."""
+    awkward = make_awkward_inputs(tmp_path / "awkward")
+    whole = [path for path, expected in awkward.items() if isinstance(expected, Ok)] + \
+        [path for folder in (SAMPLE_DATA, shared_media) for path in sorted(folder.iterdir()) if media_type_of(path)]
+    marked = {}
+    for path in whole:
+        media = load_media(str(path), media_type_of(path), 8)
+        marked.update({path.name: media.warnings} if media.warnings else {})
+    assert marked == {"numbered_cut.mp4": ("cut_short",)}
 
 
 def test_each_window_carries_its_own_warnings(damaged: dict[str, Path]) -> None:
