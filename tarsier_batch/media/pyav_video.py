@@ -221,11 +221,9 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
         which = f"frame {missing[0]}" if len(missing) == 1 else f"frames {missing[0]} to {missing[-1]}"
         raise ItemError(UNDECODABLE, f"{len(missing)} of the {len(set(indices))} frames sampled in {span} ({which}) "
                                      f"do not decode: the file is damaged there")
-    frames = [results[index] for index in indices]
-    duration = packets.frames / packets.fps if packets.fps else None
     cut_short = is_cut_short(packets.held_s, packets.frames, packets.declared_s, span)
-    return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "pyav",
-                 warnings_of(cut_short, damage))
+    return Media(path, MediaType.VIDEO, [results[index] for index in indices], indices, width, height,
+                 packets.frames / packets.fps if packets.fps else None, "pyav", warnings_of(cut_short, damage))
 
 
 def packet_timeline(times: list[int | None], stream: Any) -> Timeline:
