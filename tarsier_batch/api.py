@@ -447,7 +447,8 @@ def _described(decoded: Decoded, elapsed: float) -> CaptionResult:
         path=decoded.item.row_path, span=decoded.item.span, media_type=media.media_type.value,
         key=decoded.item.stable_key,
         num_frames=len(media.frame_indices), frame_indices=media.frame_indices, width=media.width,
-        height=media.height, duration_s=media.duration_s, decoder=media.decoder, elapsed_s=elapsed)
+        height=media.height, duration_s=media.duration_s, decoder=media.decoder,
+        warnings=list(media.warnings) or None, elapsed_s=elapsed)
 
 
 def _error_result(decoded: Decoded, message: str, kind: str) -> CaptionResult:

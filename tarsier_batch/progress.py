@@ -41,6 +41,8 @@ class RunStats:
     left_for_later: int = 0   # beyond --limit
     done: int = 0
     failed: int = 0
+    warned: int = 0   # rows captioned from a damaged file (their `warnings`)
+    warning_kinds: dict[str, int] = field(default_factory=dict)   # how many rows carry each kind
     generated_tokens: int = 0
     streamed_tokens: int = 0
     # Prompt positions of the rows admitted (0: not known), how many came computed from the prefix cache (when
@@ -96,6 +98,9 @@ class RunStats:
     def record(self, result: CaptionResult) -> None:
         self.done += 1
         self.failed += not result.ok
+        self.warned += bool(result.warnings)
+        for kind in result.warnings or ():
+            self.warning_kinds[kind] = self.warning_kinds.get(kind, 0) + 1
         self.generated_tokens += result.generated_tokens or 0
 
     def as_dict(self) -> dict[str, float | int]:
@@ -168,6 +173,8 @@ class LogReporter:
     def on_result(self, result: CaptionResult) -> None:
         if not result.ok:
             self.log(f"failed {result.path}: {result.error}")
+        elif result.warnings:
+            self.log(f"warning {result.path}: {_warned(result)}")
         self._maybe_progress(force=self.stats.done == self.stats.total)
 
     def _maybe_progress(self, force: bool = False) -> None:
@@ -209,6 +216,9 @@ class RichReporter:
         if not result.ok:
             self.progress.console.print(f"[red]failed[/] {escape(result.path)}: {escape(result.error or '')}",
                                         highlight=False)
+        elif result.warnings:
+            self.progress.console.print(f"[yellow]warning[/] {escape(result.path)}: {escape(_warned(result))}",
+                                        highlight=False)
         self.progress.update(self.task, completed=self.stats.done, **self._fields())
 
     def _fields(self) -> dict[str, str]:
@@ -242,6 +252,10 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str,
     """The closing summary's (name, value) rows; `notes` are what the run found of its inputs (videos without a
     scene cut), shown after the skipped files."""
     rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed))]
+    if stats.warned:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(stats.warning_kinds.items(),
+                                                                     key=lambda pair: (-pair[1], pair[0])))
+        rows.append(("with warnings", f"{stats.warned} ({kinds}: captioned from damaged files)"))
     if stats.failed_inputs:
         rows.append(("failed inputs", f"{stats.failed_inputs} (unreadable or without media, named above)"))
     if stats.failed_earlier:
@@ -302,6 +316,11 @@ def summary_line(rows: list[tuple[str, str]]) -> str:
     template = "done: " + "; ".join(f"{{name{index}}} {{value{index}}}" for index in range(len(rows)))
     values = {f"{part}{index}": text for index, row in enumerate(rows) for part, text in zip(("name", "value"), row)}
     return Worded(template, **values)
+
+
+def _warned(result: CaptionResult) -> str:
+    """A row's warnings, said on its progress line: the kinds, and that it was captioned all the same."""
+    return f"{', '.join(result.warnings or ())} (captioned from what decodes)"
 
 
 def plural(number: int, noun: str) -> str:

@@ -17,7 +17,7 @@ from tarsier_batch.outputs.schema import PROVENANCE_KEY, SUMMARY_KEY
 runner = CliRunner()
 COLUMNS = ["path", "key", "media_type", "caption", "model", "prompt", "num_frames", "frame_indices", "width", "height",
            "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "error_kind",
-           "elapsed_s", "size_bytes", "mtime"]
+           "warnings", "elapsed_s", "size_bytes", "mtime"]
 
 
 def run(*args: str):

@@ -22,6 +22,7 @@ from tarsier_batch.cli import app
 from tarsier_batch.outputs.formats import OutputTarget, read_results
 from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 from tarsier_batch.version import install_extra_command
+from test_damaged_files import write_small_cut
 
 runner = CliRunner()
 FAULT_SUBSTRING = "actor-dies-here"
@@ -81,6 +82,15 @@ def test_ray_rows_equal_the_single_process_rows_and_a_rerun_resumes(cluster: Pat
     rows = ray_rows(out)
     assert len(rows) == len(expected) + 1 and {row["path"] for row in rows} == {row["path"] for row in expected} | \
         {str((broken / "new.png").resolve())}
+
+
+@pytest.mark.ray
+def test_ray_rows_of_a_damaged_file_carry_its_warnings(cluster: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ray-out"
+    done = caption(tiny_model_dir, str(write_small_cut(tmp_path / "in")), "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    assert [row["warnings"] for row in ray_rows(out)] == [["cut_short"]]
+    assert "with warnings 1 (cut_short 1" in done.output
 
 
 @pytest.mark.ray

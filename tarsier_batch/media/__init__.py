@@ -2,11 +2,13 @@
 
 One concern a module: `kinds` (extensions), `sampling` (frame indices), `timeline` (frame times, spans),
 `loading` (the entry point), `video` (which decoder a video goes to), `decord_video` and `pyav_video` (the
-two video decoders), `span_cache` (what a worker keeps between a video's spans), `images` (Pillow: images,
-animations, image bombs), `diagnosis` (why a file does not decode), `failures` and `memory` (shared by the
-decoders). Other units import the names below from the package.
+two video decoders), `damage` (what they decode past: a file cut short, corrupt packets), `span_cache` (what a
+worker keeps between a video's spans), `images` (Pillow: images, animations, image bombs), `diagnosis` (why a
+file does not decode), `failures` and `memory` (shared by the decoders). Other units import the names below from
+the package.
 """
 
+from .damage import WARNING_KINDS
 from .diagnosis import check_regular_file
 from .frames import Media
 from .images import MAX_IMAGE_PIXELS, open_image
@@ -24,6 +26,7 @@ __all__ = [
     "MediaType",
     "Span",
     "Timeline",
+    "WARNING_KINDS",
     "check_regular_file",
     "decoder_versions",
     "decord_problem",

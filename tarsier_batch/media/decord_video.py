@@ -10,6 +10,7 @@ from typing import Any
 
 from PIL import Image
 
+from .damage import is_cut_short, warnings_of
 from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
@@ -43,7 +44,10 @@ class OpenVideo:
 
 
 def load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
-                      sampler: FrameSampler, span: Span | None = None) -> Media:
+                      sampler: FrameSampler, span: Span | None = None, declared_s: float | None = None) -> Media:
+    """The sampled frames (within `span`), decoded by decord; `cut_short` where its frames last less than the
+    `declared_s` of the container. decord says nothing of packets that fail to decode: it fails, or its FFmpeg
+    conceals the damage unseen."""
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
@@ -75,8 +79,9 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
             if transform is not None:
                 return_freed_memory()
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
-    return Media(path, MediaType.VIDEO, frames, indices, width, height,
-                 total / fps if fps > 0 else None, "decord")
+    duration = total / fps if fps > 0 else None
+    return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "decord",
+                 warnings_of(is_cut_short(duration, total, declared_s, span), None))
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ class Media:
     height: int
     duration_s: float | None
     decoder: str              # what produced the frames: "decord", "pyav" or "pillow"
+    warnings: tuple[str, ...] = ()   # damage decoding read past (`damage.WARNING_KINDS`)
 
 
 def finish_frame(frame: Image.Image, transform: FrameTransform | None, frame_count: int) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 from PIL import Image
 
 from ..errors import UNDECODABLE, ItemError
+from .damage import DecodeDamage, declared_duration, is_cut_short, warnings_of
 from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
@@ -78,6 +79,7 @@ class _SampledFrames:
     height: int
     frame_count: int          # frames that decoded
     fps: float | None
+    damage: DecodeDamage
 
 
 def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTransform | None,
@@ -101,13 +103,15 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
             return windowed
     try:
         with video_stream(source) as (container, stream):
-            starts = _packet_starts(container, stream)
-        total = len(starts)
+            times = [packet.pts for packet in stream_packets(container, stream)]
+            held = packet_timeline(times, stream)
+            declared = declared_duration(container, stream)
+        starts, total = held.starts, len(held.starts)
         for _ in range(2):
             if total < 1:
                 raise DecoderFailure("no video frame decodes")
             indices = sample_span(starts[:total], span, num_frames, sampler)
-            sampled = _decode_sampled(source, indices, transform)
+            sampled = _decode_sampled(source, indices, transform, DecodeDamage(times))
             if sampled.frame_count == total:
                 break
             total = sampled.frame_count
@@ -116,20 +120,24 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
     except av.FFmpegError as error:
         raise DecoderFailure(error.strerror or short_error(error)) from error
     frames = [sampled.results[index] for index in indices]  # a repeated index reuses its result
+    cut_short = is_cut_short(held.duration_s, len(starts), declared, span)
     return Media(path, MediaType.VIDEO, frames, indices, sampled.width, sampled.height,
-                 total / sampled.fps if sampled.fps else None, "pyav")
+                 total / sampled.fps if sampled.fps else None, "pyav", warnings_of(cut_short, sampled.damage))
 
 
 @dataclass(frozen=True)
 class PacketTimes:
     """A video's frames as its packets list them: each frame's presentation timestamp in display order (None
     where decoded frames cannot be matched to them by timestamp: some missing, two alike, or time counted in
-    frames), its start time from the first frame's, and the stream's average rate."""
+    frames), its start time from the first frame's, and the stream's average rate; how long they last, and how long
+    the container declares the video (`damage.declared_duration`)."""
 
     timestamps: list[int] | None
     starts: list[float]
     fps: float | None
     frames: int
+    held_s: float
+    declared_s: float | None
 
 
 def pyav_span(path: str, source: str, span: Span, num_frames: int, sampler: FrameSampler,
@@ -150,9 +158,10 @@ def read_packet_times(source: str) -> PacketTimes:
         timestamps = [packet.pts for packet in stream_packets(container, stream)]
         timeline = packet_timeline(timestamps, stream)
         fps = float(stream.average_rate) if stream.average_rate else None
+        declared = declared_duration(container, stream)
     matchable = not timeline.by_frames and len(set(timestamps)) == len(timestamps)   # by_frames: some are None
     ordered = sorted(stamp for stamp in timestamps if stamp is not None) if matchable else None
-    return PacketTimes(ordered, timeline.starts, fps, len(timestamps))
+    return PacketTimes(ordered, timeline.starts, fps, len(timestamps), timeline.duration_s, declared)
 
 
 def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, num_frames: int,
@@ -179,6 +188,7 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
         results: dict[int, Any] = {}
         width = height = 0
         overshot = False
+        damage = DecodeDamage(timestamps)
         with video_stream(source) as (container, stream):
             aspect = pixel_aspect(stream)
             if seek:
@@ -186,6 +196,7 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
             for number, frame in enumerate(decoded_frames(container, stream)):
                 if frame.pts is None:
                     return None
+                damage.decoded(frame)
                 if number == 0 and seek and frame.pts > first:
                     overshot = True
                     break
@@ -210,14 +221,9 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
         which = f"frame {missing[0]}" if len(missing) == 1 else f"frames {missing[0]} to {missing[-1]}"
         raise ItemError(UNDECODABLE, f"{len(missing)} of the {len(set(indices))} frames sampled in {span} ({which}) "
                                      f"do not decode: the file is damaged there")
-    frames = [results[index] for index in indices]
-    duration = packets.frames / packets.fps if packets.fps else None
-    return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "pyav")
-
-
-def _packet_starts(container: Any, stream: Any) -> list[float]:
-    """Each frame's start time in display order, from the first frame's, read from the packets (no decoding)."""
-    return packet_timeline([packet.pts for packet in stream_packets(container, stream)], stream).starts
+    cut_short = is_cut_short(packets.held_s, packets.frames, packets.declared_s, span)
+    return Media(path, MediaType.VIDEO, [results[index] for index in indices], indices, width, height,
+                 packets.frames / packets.fps if packets.fps else None, "pyav", warnings_of(cut_short, damage))
 
 
 def packet_timeline(times: list[int | None], stream: Any) -> Timeline:
@@ -226,14 +232,17 @@ def packet_timeline(times: list[int | None], stream: Any) -> Timeline:
     return timeline_of([None if time is None else float(time * stream.time_base) for time in times], rate)
 
 
-def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None) -> _SampledFrames:
-    """Decode every frame, keeping the transformed displayed frames at `indices`, and count them."""
+def _decode_sampled(source: str, indices: list[int], transform: FrameTransform | None,
+                    damage: DecodeDamage) -> _SampledFrames:
+    """Decode every frame, keeping the transformed displayed frames at `indices`, and count them (each told to
+    `damage`)."""
     wanted = set(indices)
     results: dict[int, Any] = {}
     width = height = frame_count = 0
     with video_stream(source) as (container, stream):
         aspect = pixel_aspect(stream)
         for frame in decoded_frames(container, stream):
+            damage.decoded(frame)
             if frame_count in wanted:
                 image = _displayed(frame, aspect)
                 width, height = image.size
@@ -243,7 +252,7 @@ def _decode_sampled(source: str, indices: list[int], transform: FrameTransform |
                     return_freed_memory()
             frame_count += 1
         fps = float(stream.average_rate) if stream.average_rate else None
-    return _SampledFrames(results, width, height, frame_count, fps)
+    return _SampledFrames(results, width, height, frame_count, fps, damage)
 
 
 def _displayed(frame: Any, aspect: Fraction) -> Image.Image:

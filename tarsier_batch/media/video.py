@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import UNDECODABLE, ItemError
+from .damage import declared_duration
 from .decord_video import OpenVideo, decord_failures, decord_timeline, load_video_decord
 from .diagnosis import check_regular_file, why_no_decoder_opens
 from .failures import DecoderFailure, short_error
@@ -41,18 +42,18 @@ def load_video(path: str, num_frames: int, transform: FrameTransform | None, sam
     source = os.path.abspath(path)
     failures: list[str] = []
     if span is None:
-        problem = decord_problem(source)
+        probe = _probe(source)
     else:
         spans = kept_for_spans(spans_reading, source, lambda: _SpansReading.of(path, source, num_frames, sampler))
-        problem = spans.decord_problem
+        probe = spans.probe
         if spans.decord_starts is not None:
             with contextlib.suppress(DecoderFailure):   # decord then, as for any video
                 windowed = pyav_span(path, source, span, num_frames, sampler, transform, spans.decord_starts)
                 if windowed is not None:
                     return windowed
-    if problem is None:
+    if probe.decord_problem is None:
         try:
-            return load_video_decord(path, source, num_frames, transform, sampler, span)
+            return load_video_decord(path, source, num_frames, transform, sampler, span, probe.declared_s)
         except DecoderFailure as failure:
             failures.append(f"decord: {failure}")
     try:
@@ -105,7 +106,21 @@ _DECORD_CONTAINERS = frozenset({"mov,mp4,m4a,3gp,3g2,mj2", "matroska,webm", "flv
 
 
 def decord_problem(source: str) -> str | None:
-    """Why decord would not return the frames asked for, as players show them (None: it would).
+    """Why decord would not return the frames asked for, as players show them (None: it would): `_probe`'s."""
+    return _probe(source).decord_problem
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What opening a video with PyAV tells before it is decoded: why decord would not give its frames as players
+    show them (None: it would), and how long its container declares it (`damage.declared_duration`)."""
+
+    decord_problem: str | None
+    declared_s: float | None = None
+
+
+def _probe(source: str) -> _Probe:
+    """Why decord would not return the frames asked for, as players show them, and the declared length.
 
     Any reason sends the file to PyAV. A PyAV probe tells (opening the file and decoding its
     first frame: ~30 ms for 1080p H.264):
@@ -125,17 +140,19 @@ def decord_problem(source: str) -> str | None:
             codec = stream.codec_context
             container_name = container.format.name
             aspect = pixel_aspect(stream)
+            declared = declared_duration(container, stream)
     except (av.FFmpegError, DecoderFailure):
-        return None
+        return _Probe(None)
+    problem = None
     if container_name not in _DECORD_CONTAINERS:
-        return f"decord seeks to other frames than asked in this container ({container_name})"
-    if codec.has_b_frames and (container_name == "avi" or codec.name == "mpeg4"):
-        return f"decord seeks to other frames than asked in {codec.name} with B-frames in {container_name}"
-    if first is not None and first.rotation != 0:
-        return f"decord ignores the display rotation ({first.rotation} degrees)"
-    if aspect != 1:
-        return f"decord ignores non-square pixels (sample aspect ratio {aspect})"
-    return None
+        problem = f"decord seeks to other frames than asked in this container ({container_name})"
+    elif codec.has_b_frames and (container_name == "avi" or codec.name == "mpeg4"):
+        problem = f"decord seeks to other frames than asked in {codec.name} with B-frames in {container_name}"
+    elif first is not None and first.rotation != 0:
+        problem = f"decord ignores the display rotation ({first.rotation} degrees)"
+    elif aspect != 1:
+        problem = f"decord ignores non-square pixels (sample aspect ratio {aspect})"
+    return _Probe(problem, declared)
 
 
 # The stretch at a video's end on which PyAV's frames are compared with decord's (`_SpansReading`).
@@ -156,14 +173,14 @@ class _SpansReading:
     video's last seconds, where decord's read-ahead is short), PyAV decodes its spans, sampling them by decord's
     frame times."""
 
-    decord_problem: str | None
+    probe: _Probe
     decord_starts: list[float] | None   # None: decord decodes the spans (where it reads the video at all)
 
     @classmethod
     def of(cls, path: str, source: str, num_frames: int, sampler: FrameSampler) -> _SpansReading:
-        problem = decord_problem(source)
-        return cls(problem, _starts_where_pyav_equals_decord(path, source, num_frames, sampler)
-                   if problem is None else None)
+        probe = _probe(source)
+        return cls(probe, _starts_where_pyav_equals_decord(path, source, num_frames, sampler)
+                   if probe.decord_problem is None else None)
 
 
 def _starts_where_pyav_equals_decord(path: str, source: str, num_frames: int,

@@ -32,7 +32,8 @@ class CaptionResult:
     the frames ("decord", "pyav" or "pillow"). With a prompt set, `answers` holds each question
     asked (by name), `generated_tokens` their sum, and the other caption fields are None; `error`
     then also says which questions failed. `error_kind` classifies `error` (one of `errors.KINDS`; None on
-    success).
+    success). `warnings` names damage decoding read past (of `media.WARNING_KINDS`; None where it met none): the
+    row is captioned, from what could be decoded.
     """
 
     path: str
@@ -51,6 +52,7 @@ class CaptionResult:
     finish_reason: str = "error"
     error: str | None = None
     error_kind: str | None = None
+    warnings: list[str] | None = None
     elapsed_s: float = 0.0
     generated_ids: list[int] | None = None
     answers: dict[str, Answer] = field(default_factory=dict)

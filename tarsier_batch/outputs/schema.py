@@ -36,6 +36,7 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
     ("finish_reason", pa.string()),
     ("error", pa.string()),
     ("error_kind", pa.string()),   # one of errors.KINDS, null on success
+    ("warnings", pa.list_(pa.string())),   # of media.WARNING_KINDS, null when decoding met no damage
     ("elapsed_s", pa.float64()),
     ("size_bytes", pa.int64()),
     ("mtime", pa.timestamp("us", tz="UTC")),
@@ -47,7 +48,7 @@ _SPAN_COLUMNS = [("segment", pa.int32()), ("start_s", pa.float64()), ("end_s", p
 _QUESTION_COLUMN = ("question", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
 _FROM_ITEM = frozenset({"size_bytes", "mtime"})
-_MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder")
+_MEDIA_FACTS = ("num_frames", "frame_indices", "width", "height", "duration_s", "decoder", "warnings")
 RESERVED_NAMES = frozenset(name for name, _ in _COLUMNS + _SPAN_COLUMNS + [_SHA256_COLUMN, _TOKEN_IDS_COLUMN,
                                                                            _QUESTION_COLUMN])
 # With a prompt set, each question's columns take the place of these (its answer, in `caption`'s place).

@@ -23,8 +23,8 @@ from .selection import Selection
 
 PAGE_SIZE = 50
 ITEM_FIELDS = ("path", "media_type", "caption", "prompt", "model", "num_frames", "frame_indices", "width", "height",
-               "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "elapsed_s",
-               "size_bytes")
+               "duration_s", "decoder", "prompt_tokens", "generated_tokens", "finish_reason", "error", "warnings",
+               "elapsed_s", "size_bytes")
 
 
 def render(results: Results, figures: Figures, strips: list[dict[str, str | None]], title: str,
@@ -95,7 +95,9 @@ def _header(results: Results, figures: Figures, title: str) -> str:
              ("report written", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))]
     rate = (f"{figures.items_per_s:.3g} items/s, {figures.tokens_per_s:.3g} tokens/s"
             if figures.items_per_s and figures.tokens_per_s else "n/a")
+    warned = f" ({', '.join(f'{kind} {count}' for kind, count in figures.warning_kinds)})" if figures.warned else ""
     numbers = [("items", figures.total), ("captioned", figures.captioned), ("failed", figures.failed),
+               ("with warnings", f"{figures.warned}{warned}"),
                ("by type", ", ".join(f"{count} {kind}" for kind, count in figures.by_type.items())),
                ("throughput", rate),
                ("caption words", f"mean {figures.words_mean:.1f}, median {figures.words_median:g}"
@@ -144,7 +146,9 @@ flex-wrap:wrap;align-items:center}
 .item{border-bottom:1px solid #eee;padding:10px 0}.item.failed{background:#fff8f8}
 .strip{margin:4px 0}.strip img{display:block;max-width:100%;height:auto}
 .path{font-family:monospace;font-size:12px;word-break:break-all}.caption{white-space:pre-wrap;margin:4px 0}
-.meta{color:#666;font-size:12px}.problem{color:#a00;font-size:12px}.pager button{min-width:32px}
+.meta{color:#666;font-size:12px}.problem{color:#a00;font-size:12px}
+.badge{display:inline-block;background:#fff1d6;border:1px solid #e8b960;color:#7a4b00;font-size:12px;
+padding:0 6px;margin:2px 4px 2px 0;border-radius:8px}.pager button{min-width:32px}
 .file{margin-top:12px;padding:6px 0 2px;border-top:2px solid #ccc}
 .timeline{position:relative;height:10px;background:#eee;margin:4px 0}
 .timeline .seg{position:absolute;top:0;bottom:0;background:#9bb7e6;border-right:1px solid #fff}
@@ -176,6 +180,7 @@ function matches(item) {
   if (state.type && item.media_type !== state.type) return false;
   if (state.status === 'ok' && item.error) return false;
   if (state.status === 'failed' && !item.error) return false;
+  if (state.status === 'warnings' && !(item.warnings || []).length) return false;
   if (state.q) {
     const q = state.q.toLowerCase();
     if (!((item.caption || '') + ' ' + item.path).toLowerCase().includes(q)) return false;
@@ -213,6 +218,7 @@ function fileHeader(file) {
 function card(item, index) {
   const node = el('div', item.error ? 'item failed' : 'item');
   node.appendChild(el('div', 'path', item.path));
+  for (const kind of item.warnings || []) node.appendChild(el('span', 'badge', kind));
   if (item.file != null) {
     const file = data.files[item.file];
     node.appendChild(timeline(file, index));
@@ -308,7 +314,7 @@ _TEMPLATE = """<!doctype html>
 <select id=type><option value="">all types</option><option value=video>video</option><option value=gif>gif</option>
 <option value=image>image</option></select>
 <select id=status><option value="">all items</option><option value=ok>captioned</option>
-<option value=failed>failed</option></select>
+<option value=failed>failed</option><option value=warnings>with warnings</option></select>
 <input id=q type=search placeholder="search captions and paths">
 <span class=pager><button id=prev>‹</button><button id=next>›</button></span><span id=count></span>
 </div>

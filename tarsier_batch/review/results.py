@@ -57,6 +57,8 @@ class Figures:
     words_median: float | None
     histogram: list[tuple[int, int, int]]   # (from words, to words, count)
     errors: list[ErrorGroup]                # by error_kind, most frequent first
+    warned: int = 0                         # items captioned from a damaged file (`warnings`)
+    warning_kinds: list[tuple[str, int]] = field(default_factory=list)   # kind -> items, most first, then by name
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,10 @@ def figures(results: Results) -> Figures:
         words_mean=statistics.fmean(words) if words else None,
         words_median=statistics.median(words) if words else None,
         histogram=_histogram(words),
-        errors=error_groups(failed))
+        errors=error_groups(failed),
+        warned=sum(bool(row.get("warnings")) for row in rows),
+        warning_kinds=sorted(Counter(kind for row in rows for kind in row.get("warnings") or ()).items(),
+                             key=lambda pair: (-pair[1], pair[0])))
 
 
 def error_groups(failed: list[dict[str, Any]]) -> list[ErrorGroup]:
