@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import Worded
 from ..inputs.segments import as_stored_now
-from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind
+from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind, with_span
+from ..media import Span
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.
@@ -169,6 +170,29 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.kept.append(row)
             plan.missing_kept += 1
     return plan
+
+
+def stored_spans(videos: list[MediaItem], rows: Iterable[dict[str, Any]]) -> dict[str, list[Span]]:
+    """The spans of each of `videos` (by row id) whose every segment is among the stored `rows`, made from the
+    same version of its file (its key): a run continuing the output cuts such a video as it was cut, without
+    opening it again. A video with a segment missing (a run stopped in its middle, or `--limit`), changed since,
+    or without a key (no version to trust) is not among them: its length and shots are read again."""
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("num_segments") is not None:
+            by_path.setdefault(row["path"], []).append(row)
+    spans: dict[str, list[Span]] = {}
+    for item in videos:
+        segments = by_path.get(item.row_path, [])
+        if item.key is None or not segments:
+            continue
+        count = segments[0]["num_segments"]
+        by_number = {row["segment"]: Span(row["start_s"], row["end_s"]) for row in segments}
+        if len(segments) == count and sorted(by_number) == list(range(count)) \
+                and all(row["num_segments"] == count and row["key"] == with_span(item.key, by_number[row["segment"]])
+                        for row in segments):
+            spans[item.row_id] = [by_number[number] for number in range(count)]
+    return spans
 
 
 def _asked(item: MediaItem, questions: dict[str, str] | None) -> dict[str, str] | None:

@@ -30,13 +30,13 @@ from ..errors import one_line
 from ..inputs.manifest import Manifest
 from ..inputs.segments import SegmentsError
 from ..inputs.sources import Discovery, MediaItem, discover, row_id_of
-from ..media import MediaType
+from ..media import MediaType, Span
 from ..model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from ..outputs.formats import OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
 from ..outputs.results import CaptionResult
-from ..outputs.resume import Plan, check_settings, describe_plan
+from ..outputs.resume import Plan, check_settings, describe_plan, stored_spans
 from ..outputs.store import OutputWriteError, ResultStore, StoredRows
 from ..outputs.stream import JsonLinesStream
 from ..progress import Reporter, RunStats, plural, summary_line, summary_rows
@@ -155,7 +155,7 @@ class CaptionRun:
         else:
             with self.remote.peek() as copy:
                 stored = self._stored(self._store(copy.target))
-        self._cut_into_segments()
+        self._cut_into_segments(stored)
         plan, later = self.plan.resume(self.items, stored)
         return describe_plan(self.discovery, stored, plan, {item.row_id for item in later},
                              tuple(self.plan.questions or ()))
@@ -192,7 +192,7 @@ class CaptionRun:
                 stored = self._stored(self.store)
                 # Nothing stored: every row is to caption, so the model is wanted whatever the probe finds, and
                 # loads while the workers read the videos.
-                self._cut_into_segments(load_meanwhile=not stored.rows)
+                self._cut_into_segments(stored, load_meanwhile=not stored.rows)
                 plan, later = self.plan.resume(self.items, stored)
                 self.outcome = yield from self._caption(plan, len(later), stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
@@ -225,30 +225,46 @@ class CaptionRun:
             finally:
                 lock.release()
 
-    def _cut_into_segments(self, load_meanwhile: bool = False) -> None:
-        """With `--segments`, each video of the run becomes its spans (once): what cutting needs of a video (its
-        length, its shots) is read in decoding workers, where a file that crashes or hangs a decoder costs only
-        its probe (and keeps the file whole: its decoding then says what is wrong). `load_meanwhile`: load the
-        model while they read, for all the items there may be (the segments are not counted yet)."""
+    def _cut_into_segments(self, stored: StoredRows, load_meanwhile: bool = False) -> None:
+        """With `--segments`, each video of the run becomes its spans (once). A video whose every segment is
+        `stored`, from the same version of the file, is cut as it was (a re-run opens no video it has all the rows
+        of). What cutting the others needs of them (their length, their shots) is read in decoding workers, where
+        a file that crashes or hangs a decoder costs only its probe (and keeps the file whole: its decoding then
+        says what is wrong). `load_meanwhile`: load the model while they read, for all the items there may be
+        (the segments are not counted yet)."""
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
+        videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
+        spans = stored_spans(videos, stored.rows.values())
+        if segmenting.mode == "scenes":
+            self._no_cut = sum(segmenting.cut_nowhere(known) for known in spans.values())
+        unknown = [item for item in videos if item.row_id not in spans]
+        if unknown:
+            spans |= self._probed_spans(unknown, load_meanwhile)
+        self.discovery = replace(self.discovery, items=segmenting.split(self.items, spans))
+        self._segmented = True
+
+    def _probed_spans(self, videos: list[MediaItem], load_meanwhile: bool) -> dict[str, list[Span]]:
+        """The spans of `videos` (by row id) from what decoding workers read of them; a video they could not read
+        has none."""
         from ..workers.probe import video_facts  # here: the decoding modules import torch
         from ..workers.sizing import default_workers
 
-        videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
-        caption = self.settings.caption
+        segmenting, caption = self.settings.segments, self.settings.caption
         facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
-                            meanwhile=partial(self._load, None) if load_meanwhile and videos else None)
+                            meanwhile=partial(self._load, None) if load_meanwhile else None)
+        spans: dict[str, list[Span]] = {}
         for item, known in zip(videos, facts):
-            if known is not None and known.by_frames:
+            if known is None or known.duration_s <= 0:
+                continue
+            if known.by_frames:
                 self.reporter.warning(f"warning: {redact(item.path)}: its timestamps are missing or jump; its "
                                       f"segments are counted in frames at its frame rate ({known.duration_s:g} s)")
-        if segmenting.mode == "scenes":
-            self._no_cut = sum(known is not None and segmenting.found_no_cut(known) for known in facts)
-        self.discovery = replace(self.discovery, items=segmenting.split(
-            self.items, {item.row_id: known for item, known in zip(videos, facts)}))
-        self._segmented = True
+            if segmenting.mode == "scenes":
+                self._no_cut += segmenting.found_no_cut(known)
+            spans[item.row_id] = segmenting.spans(known)
+        return spans
 
     def _store(self, target: OutputTarget) -> ResultStore:
         remote = self.remote
