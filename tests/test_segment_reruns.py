@@ -4,7 +4,9 @@ file, is cut as its rows say without being opened again; a changed or half-done 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -55,6 +57,20 @@ def test_a_rerun_over_finished_windows_reads_no_video(tiny_model_dir: Path, tmp_
     assert again.exit_code == 0, again.output
     assert "captioned 0; failed 0; done earlier 5;" in again.output
     assert "warning" not in again.output
+
+
+def test_a_do_nothing_rerun_reports_the_wall_time_of_its_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    video = write_numbered_video(tmp_path / "clip.mp4", 25)
+    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(tmp_path / "o.parquet")]
+    assert caption(*args).exit_code == 0
+    before = time.perf_counter()
+    again = caption(*args)
+    measured_s = time.perf_counter() - before
+    assert "captioned 0; failed 0; done earlier 3;" in again.output, again.output
+    hours, minutes, seconds = re.search(r"wall time (\d+):(\d\d):(\d\d);", again.output).groups()
+    reported_s = 3600 * int(hours) + 60 * int(minutes) + int(seconds)
+    # From the process's start (this one's, the test's: in it the command runs), so more than the run itself.
+    assert reported_s > 0 and reported_s >= round(measured_s)
 
 
 def test_a_rerun_over_finished_scenes_reads_no_video_and_still_counts_those_without_a_cut(

@@ -17,6 +17,7 @@ guard); another run writing the same output raises `OutputLockedError`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import replace
@@ -71,14 +72,17 @@ class CaptionRun:
     `captioner`: a model loaded earlier, to share between runs (its settings are the
     run's caption settings). `load`: what makes the `Backend` from the caption settings, when
     there is something to caption (default: load the model here; `runners.ray.connect`: a Ray
-    cluster). `source` names the inputs in messages.
+    cluster). `source` names the inputs in messages. `started`: when the run's wall time begins, a
+    `time.perf_counter()` reading (default: now; the command's is when its process started).
     """
 
     def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest,
                  out: str | Path | OutputTarget | RemoteOutput | TextIO,
                  settings: RunSettings | None = None, reporter: RunReporter | None = None,
                  captioner: Captioner | None = None, load: Callable[[CaptionSettings], Backend] | None = None,
-                 source: str | None = None):
+                 source: str | None = None, started: float | None = None):
+        self.started = time.perf_counter() if started is None else started
+        self._loading_started: float | None = None   # when the model began to load, once it has
         settings = settings or RunSettings()
         if captioner is not None:
             settings = replace(settings, caption=captioner.settings)
@@ -286,13 +290,14 @@ class CaptionRun:
                          already_done=len(plan.done), failed_earlier=plan.failed_rows,
                          failed_inputs=self.failed_inputs, missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later,
-                         prefix_cache=self.settings.caption.prefix_cache)
+                         prefix_cache=self.settings.caption.prefix_cache, started=self.started)
         sink = self.store or JsonLinesStream(plan.captioned_ids(self.items), self.stream, self.columns)  # type: ignore[arg-type]
         loop = ItemLoop(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
             return self._write_output(loop, stored, stored.provenance or {"settings": resume_settings(self.settings)})
         backend = self._load(len(plan.todo))
+        stats.loading_started = self._loading_started
         provenance = run_provenance(backend, self.settings)
         check_settings(stored.settings, provenance["settings"])
         reuse_before = backend.prompt_reuse()
@@ -305,6 +310,8 @@ class CaptionRun:
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
     def _load(self, items: int | None) -> Backend:
+        if self._loading_started is None:   # the first call's: later ones find the model loaded (or loading)
+            self._loading_started = time.perf_counter()
         if self._backend is not None:
             return self._backend
         model = self.settings.caption.model
