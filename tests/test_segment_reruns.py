@@ -59,6 +59,23 @@ def test_a_rerun_over_finished_windows_reads_no_video(tiny_model_dir: Path, tmp_
     assert "warning" not in again.output
 
 
+def test_an_output_whose_rows_do_not_count_segments_gets_the_counts_on_its_next_run(tiny_model_dir: Path,
+                                                                                   tmp_path: Path) -> None:
+    video = write_numbered_video(tmp_path / "clip.mp4", 25)
+    out = tmp_path / "out.parquet"
+    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
+    assert caption(*args).exit_code == 0
+    uncounted = pq.read_table(out).drop_columns(["num_segments"])   # as written before rows counted them
+    pq.write_table(uncounted, out)
+    counted = caption(*args)   # reads the video's length again, and writes the counts
+    assert "captioned 0; failed 0; done earlier 3;" in counted.output and "unchanged" not in counted.output
+    assert [row["num_segments"] for row in rows_of(out)] == [3, 3, 3]
+    garble_keeping_version(video)
+    again = caption(*args)
+    assert again.exit_code == 0 and "captioned 0; failed 0; done earlier 3;" in again.output, again.output
+    assert "(3 rows, unchanged)" in again.output
+
+
 def test_a_do_nothing_rerun_reports_the_wall_time_of_its_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     video = write_numbered_video(tmp_path / "clip.mp4", 25)
     args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(tmp_path / "o.parquet")]

@@ -401,7 +401,8 @@ class CaptionRun:
         else:
             rows = loop.final_rows()
             unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
-                and [row_id_of(row) for row in rows] == list(stored.rows) and stored.long == self.columns.long
+                and [row_id_of(row) for row in rows] == list(stored.rows) and stored.long == self.columns.long \
+                and _same_segment_counts(rows, stored)
             if shard:
                 provenance = {**provenance, "shard": shard.provenance(self.plan.all_items, rows)}
             if not unchanged:
@@ -422,6 +423,13 @@ class CaptionRun:
         summary = summary_rows(stats, written, skipped, notes)
         return RunOutcome(Status.SOME_FAILED if stats.failed or stats.failed_inputs else Status.DONE,
                           summary_line(summary), stats, summary)
+
+
+def _same_segment_counts(rows: list[dict[str, Any]], stored: StoredRows) -> bool:
+    """Whether `rows` (in the stored rows' order) count their files' segments as the stored rows do: rows of an
+    output written before they were counted get their counts written, so that the next run need not open their
+    videos."""
+    return all(row.get("num_segments") == old.get("num_segments") for row, old in zip(rows, stored.rows.values()))
 
 
 def _thrown(results: Generator[Any, None, None], stop: BaseException) -> Iterator[Any]:
