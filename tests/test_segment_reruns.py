@@ -126,6 +126,21 @@ def test_a_changed_video_is_cut_again_from_what_it_holds_now(tiny_model_dir: Pat
     assert len({row["key"].split("#")[0] for row in rows}) == 1
 
 
+def test_the_windows_of_a_changed_video_that_it_no_longer_has_leave_the_output(tiny_model_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    video = write_numbered_video(tmp_path / "clip.mp4", 45)
+    out = tmp_path / "out.parquet"
+    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
+    assert caption(*args).exit_code == 0
+    write_numbered_video(video, 25)   # shorter now: 0-10 and 10-20 again, 20-25 in place of 20-30, 30-40, 40-45
+    planned = caption(*args, "--dry-run")
+    assert f"drop\t{video}#t=40,45\tits file changed and is cut anew" in planned.output, planned.output
+    again = caption(*args)
+    assert again.exit_code == 0 and "captioned 3; failed 0;" in again.output, again.output
+    assert [(row["start_s"], row["end_s"], row["num_segments"]) for row in rows_of(out)] == \
+        [(0.0, 10.0, 3), (10.0, 20.0, 3), (20.0, 25.0, 3)]
+
+
 def test_a_video_left_half_done_by_limit_gets_exactly_its_missing_windows(tiny_model_dir: Path,
                                                                            tmp_path: Path) -> None:
     video = write_numbered_video(tmp_path / "clip.mp4", 45)
