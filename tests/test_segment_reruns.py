@@ -45,11 +45,18 @@ def garble_keeping_version(path: Path) -> None:
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
 
+def captioned_in_windows(model: Path, folder: Path, seconds: float) -> tuple[Path, Path, list[str]]:
+    """A `seconds`-long video captioned in 10 s windows: the video, the output, and the command's arguments."""
+    video = write_numbered_video(folder / "clip.mp4", seconds)
+    out = folder / "out.parquet"
+    args = [str(video), "--segments", "fixed:10s", "--model", str(model), "-o", str(out)]
+    done = caption(*args)
+    assert done.exit_code == 0, done.output
+    return video, out, args
+
+
 def test_a_rerun_over_finished_windows_reads_no_video(tiny_model_dir: Path, tmp_path: Path) -> None:
-    video = write_numbered_video(tmp_path / "clip.mp4", 45)
-    out = tmp_path / "out.parquet"
-    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
-    assert caption(*args).exit_code == 0
+    video, out, args = captioned_in_windows(tiny_model_dir, tmp_path, 45)
     assert [(row["segment"], row["num_segments"], row["end_s"]) for row in rows_of(out)] == \
         [(number, 5, min(10.0 * number + 10, 45.0)) for number in range(5)]
     garble_keeping_version(video)
@@ -61,10 +68,7 @@ def test_a_rerun_over_finished_windows_reads_no_video(tiny_model_dir: Path, tmp_
 
 def test_an_output_whose_rows_do_not_count_segments_gets_the_counts_on_its_next_run(tiny_model_dir: Path,
                                                                                    tmp_path: Path) -> None:
-    video = write_numbered_video(tmp_path / "clip.mp4", 25)
-    out = tmp_path / "out.parquet"
-    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
-    assert caption(*args).exit_code == 0
+    video, out, args = captioned_in_windows(tiny_model_dir, tmp_path, 25)
     uncounted = pq.read_table(out).drop_columns(["num_segments"])   # as written before rows counted them
     pq.write_table(uncounted, out)
     counted = caption(*args)   # reads the video's length again, and writes the counts
@@ -77,9 +81,7 @@ def test_an_output_whose_rows_do_not_count_segments_gets_the_counts_on_its_next_
 
 
 def test_a_do_nothing_rerun_reports_the_wall_time_of_its_process(tiny_model_dir: Path, tmp_path: Path) -> None:
-    video = write_numbered_video(tmp_path / "clip.mp4", 25)
-    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(tmp_path / "o.parquet")]
-    assert caption(*args).exit_code == 0
+    _, _, args = captioned_in_windows(tiny_model_dir, tmp_path, 25)
     before = time.perf_counter()
     again = caption(*args)
     measured_s = time.perf_counter() - before
@@ -111,10 +113,7 @@ def test_a_rerun_over_finished_scenes_reads_no_video_and_still_counts_those_with
 
 
 def test_a_changed_video_is_cut_again_from_what_it_holds_now(tiny_model_dir: Path, tmp_path: Path) -> None:
-    video = write_numbered_video(tmp_path / "clip.mp4", 30)
-    out = tmp_path / "out.parquet"
-    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
-    assert caption(*args).exit_code == 0
+    video, out, args = captioned_in_windows(tiny_model_dir, tmp_path, 30)
     assert len(rows_of(out)) == 3
     write_numbered_video(video, 45)   # longer now: its stored windows are the first three of five
     again = caption(*args)
@@ -128,10 +127,7 @@ def test_a_changed_video_is_cut_again_from_what_it_holds_now(tiny_model_dir: Pat
 
 def test_the_windows_of_a_changed_video_that_it_no_longer_has_leave_the_output(tiny_model_dir: Path,
                                                                                 tmp_path: Path) -> None:
-    video = write_numbered_video(tmp_path / "clip.mp4", 45)
-    out = tmp_path / "out.parquet"
-    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
-    assert caption(*args).exit_code == 0
+    video, out, args = captioned_in_windows(tiny_model_dir, tmp_path, 45)
     write_numbered_video(video, 25)   # shorter now: 0-10 and 10-20 again, 20-25 in place of 20-30, 30-40, 40-45
     planned = caption(*args, "--dry-run")
     assert f"drop\t{video}#t=40,45\tits file changed and is cut anew" in planned.output, planned.output
