@@ -4,15 +4,16 @@ files in fixed windows (`--segments fixed:WINDOW`).
     python bench/bench_reruns.py [--files 8] [--seconds 200] [--window 10] [--repeats 3] [--model demo]
 
 Makes (in a temporary folder) --files H.264 videos of --seconds each (320 x 180, 10 fps, a keyframe every 2 s),
-captions them once whole and once in windows (--seconds / --window windows a file), then times, repeats
-interleaved, each command in a fresh process as a user runs it again:
+captions them once whole and once in windows (--seconds / --window windows a file), then times each command in a
+fresh process as a user runs it again, the first two interleaved:
 
 - plain: the re-run over the whole-file output;
 - windows: the re-run over the windowed output, whose rows count their files' segments (`num_segments`): no video
   is opened. Target: within 1.5x of plain;
 - windows_uncounted: the same re-run over the windowed output with `num_segments` dropped (an output written before
   rows counted segments): every video's length is read again in decoding workers, what every re-run cost before.
-  The output is written back with the counts, so the column is dropped again before each repeat.
+  The output is written back with the counts, so the column is dropped again before each repeat; these repeats
+  come after the others.
 
 Each figure is the median of the seconds measured around the process (`measured_s`) and the summary's own wall time
 (`reported`, whole seconds, from the process's start). Prints JSON.
@@ -102,9 +103,13 @@ def main() -> None:
         caption(folder, windows, args.model, "--segments", spec)
         windowed_rows = pq.read_table(windows).num_rows
         timed: dict[str, list[tuple[float, int, str]]] = {"plain": [], "windows": [], "windows_uncounted": []}
+        runs = {"plain": lambda: caption(folder, plain, args.model),
+                "windows": lambda: caption(folder, windows, args.model, "--segments", spec)}
+        for repeat in range(args.repeats):
+            for name in ["plain", "windows"] if repeat % 2 == 0 else ["windows", "plain"]:   # neither always first
+                timed[name].append(runs[name]())
+        # Apart, after: its decoding workers' ends would fall in the next re-run's time.
         for _ in range(args.repeats):
-            timed["plain"].append(caption(folder, plain, args.model))
-            timed["windows"].append(caption(folder, windows, args.model, "--segments", spec))
             drop_counts(windows)
             timed["windows_uncounted"].append(caption(folder, windows, args.model, "--segments", spec))
     result = {name: figures(runs) for name, runs in timed.items()}

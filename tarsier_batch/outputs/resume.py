@@ -80,7 +80,7 @@ class Plan:
     changed: int = 0          # stored rows whose file changed since (captioned again)
     # Stored rows of segments (`--segments`) of a file this run cuts into other segments (it changed since): its new
     # segments take their place.
-    recut: list[str] = field(default_factory=list)
+    recut: set[str] = field(default_factory=set)
     # Stored rows of items captioned again with the same key (errors retried; with a prompt set, items asked
     # only some questions, whose other answers the new rows keep): the row stays if the item is put off.
     earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -168,7 +168,7 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
         if path in paths:
             continue
         if row.get("num_segments") is not None and row["path"] in cut:
-            plan.recut.append(path)
+            plan.recut.add(path)
         elif exists(path):
             plan.kept.append(row)
         elif prune_missing:
