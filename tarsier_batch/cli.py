@@ -76,7 +76,7 @@ from .inputs.sources import is_shard
 from .model.checkpoints import DEMO_ACCURACY, DEMO_ALIAS, model_reference_problem
 from .outputs.remote import RemoteOutput
 from .outputs.schema import RESERVED_NAMES
-from .progress import LineLog, plural
+from .progress import LineLog, plural, process_started
 from .version import install_extra_command
 
 T = TypeVar("T")
@@ -168,7 +168,7 @@ def caption(**given: Any) -> None:
         run = CaptionRun(found, sys.stdout if options.streams else output, settings, reporter,
                          load=_on_ray(ray_settings, reporter) if ray_settings else None,
                          source=f"--manifest {options.manifest}" if options.manifest
-                         else " ".join(options.inputs or []))
+                         else " ".join(options.inputs or []), started=process_started())
         nothing = run.no_media()
         if options.dry_run:
             raise typer.Exit(dry_run(run) if nothing is None else present(nothing, console, options.quiet, log))

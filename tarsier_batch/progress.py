@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,9 +52,11 @@ class RunStats:
     reused_positions: int = 0
     shared_positions: int = 0
     prefix_cache: bool = False
+    # When the run began (`time.perf_counter()`; the command's: when its process started). The live display's
+    # elapsed time counts from it as the summary's wall time does.
     started: float = field(default_factory=time.perf_counter)
-    # When captioning began, the model loaded: the live display's elapsed time counts from `started` as the
-    # summary's wall time does, and the summary tells the two parts apart.
+    # When loading the model began and when captioning began: the summary tells the parts apart.
+    loading_started: float | None = None
     captioning_started: float | None = None
 
     @property
@@ -295,12 +298,36 @@ def _throughput(stats: RunStats) -> str:
 
 
 def _wall_time(stats: RunStats) -> str:
-    """The whole run's time, split into loading the model and captioning when both happened."""
+    """The whole run's time, split into starting (reading the inputs and the stored rows, planning), loading the
+    model and captioning when it captioned (without the start of loading known, the first two as one)."""
     elapsed, captioning = stats.elapsed_s, stats.captioning_s
     if captioning is None:
         return _duration(elapsed)
-    loading = round(elapsed) - round(captioning)   # the parts add up to the whole as shown
-    return f"{_duration(elapsed)} ({_duration(loading)} loading the model, {_duration(captioning)} captioning)"
+    if stats.loading_started is None:
+        loading = round(elapsed) - round(captioning)   # the parts add up to the whole as shown
+        return f"{_duration(elapsed)} ({_duration(loading)} loading the model, {_duration(captioning)} captioning)"
+    assert stats.captioning_started is not None
+    # Each boundary rounded once: the parts add up to the whole as shown, and none is below zero.
+    bounds = [0, *(round(moment - stats.started) for moment in (stats.loading_started, stats.captioning_started)),
+              round(elapsed)]
+    starting, loading, captioned = (after - before for before, after in zip(bounds, bounds[1:]))
+    return f"{_duration(elapsed)} ({_duration(starting)} starting, {_duration(loading)} loading the model, " \
+           f"{_duration(captioned)} captioning)"
+
+
+def process_started() -> float:
+    """When this process started, as a `time.perf_counter()` reading: a command's wall time counts from there,
+    the interpreter's start and the imports included. Read from the kernel's clocks (to a clock tick, as `ps`
+    tells a process's age) where /proc has them; elsewhere, now."""
+    try:
+        with open("/proc/self/stat", "rb") as handle:
+            started_ticks = int(handle.read().rsplit(b")", 1)[1].split()[19])   # field 22, counted after the name
+        with open("/proc/uptime", "rb") as handle:
+            uptime_s = float(handle.read().split()[0])
+        age_s = uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        age_s = 0.0
+    return time.perf_counter() - max(age_s, 0.0)
 
 
 def print_summary(console: Console, rows: list[tuple[str, str]]) -> None:

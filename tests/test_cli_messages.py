@@ -143,6 +143,30 @@ def test_the_live_elapsed_time_counts_from_where_the_summarys_wall_time_does(mon
     assert throughput == "0.247 items/s while captioning (0.116 items/s with loading), 0 tokens"
 
 
+def test_the_wall_time_splits_into_starting_loading_and_captioning_which_add_up(monkeypatch) -> None:
+    from tarsier_batch.progress import summary_rows
+
+    now = time.perf_counter()
+    stats = RunStats(total=2, started=now - 20.2)   # the process began 20 s ago, the model's load 17 s ago...
+    stats.loading_started, stats.captioning_started = now - 17.2, now - 8.1   # ...and captioning 8 s ago
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "perf_counter", lambda: now)
+        assert dict(summary_rows(stats, "out.parquet", ""))["wall time"] == \
+            "0:00:20 (0:00:03 starting, 0:00:09 loading the model, 0:00:08 captioning)"
+
+
+def test_a_commands_wall_time_starts_when_its_process_did() -> None:
+    # time.perf_counter is the system's monotonic clock: readings of two processes compare.
+    child = "import time; first = time.perf_counter(); from tarsier_batch.progress import process_started; " \
+            "print(process_started(), first)"
+    before = time.perf_counter()
+    shown = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True).stdout
+    after = time.perf_counter()
+    started, first = map(float, shown.split())
+    tick = 1 / os.sysconf("SC_CLK_TCK")   # the kernel's clocks count process ages in ticks
+    assert before - tick <= started <= first <= after
+
+
 def test_a_missing_extra_is_installed_the_way_the_package_was() -> None:
     # From an index; from a clone installed editable (`pip install -e .`: the index may not have this package at
     # all), or from a folder. The development install is editable, so the real call names this checkout.

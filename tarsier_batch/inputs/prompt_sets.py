@@ -32,9 +32,9 @@ NAME = re.compile(r"[a-z][a-z0-9_]*")
 ANSWER_SUFFIXES = ("_prompt", "_prompt_tokens", "_generated_tokens", "_finish_reason")
 TOKEN_IDS_SUFFIX = "_generated_ids"
 # The row's own columns with a set (outputs.schema asserts it): a name must not take one of them.
-ROW_COLUMNS = frozenset({"path", "key", "segment", "start_s", "end_s", "media_type", "model", "num_frames",
-                         "frame_indices", "width", "height", "duration_s", "decoder", "error", "error_kind",
-                         "warnings", "elapsed_s", "size_bytes", "mtime", "sha256", "question"})
+ROW_COLUMNS = frozenset({"path", "key", "segment", "start_s", "end_s", "num_segments", "media_type", "model",
+                         "num_frames", "frame_indices", "width", "height", "duration_s", "decoder", "error",
+                         "error_kind", "warnings", "elapsed_s", "size_bytes", "mtime", "sha256", "question"})
 # The single prompt's columns, which a set replaces: not names of questions (readers tell the two apart by
 # them), except `caption`, the natural name of a set's caption.
 SINGLE_PROMPT_COLUMNS = frozenset({"prompt", "prompt_tokens", "generated_tokens", "finish_reason", "generated_ids"})

@@ -195,18 +195,25 @@ class Segmenting:
             spans[-2:] = [Span(spans[-2].start_s, duration_s)]
         return spans
 
-    def split(self, items: list[MediaItem], facts: dict[str, VideoFacts | None]) -> list[MediaItem]:
-        """`items` with each video cut into its spans, in place (`facts` by row id; a video whose facts are
-        unknown, an image or an item with a span of its own stays as it is)."""
+    def cut_nowhere(self, spans: list[Span]) -> bool:
+        """Scenes: whether a video's `spans` are those of a video without a cut (`found_no_cut`), as its stored
+        rows tell it without opening the file."""
+        assert self.mode == "scenes"
+        uncut = VideoFacts(spans[-1].end_s)
+        return self.found_no_cut(uncut) and self.spans(uncut) == spans
+
+    def split(self, items: list[MediaItem], spans: dict[str, list[Span]]) -> list[MediaItem]:
+        """`items` with each video cut into its `spans` (by row id), in place; a video without spans (its facts
+        unknown), an image or an item with a span of its own stays as it is."""
         assert self.mode != "whole"
         cut: list[MediaItem] = []
         for item in items:
-            known = facts.get(item.row_id)
-            if item.media_type is not MediaType.VIDEO or item.span is not None or known is None \
-                    or known.duration_s <= 0:
+            known = spans.get(item.row_id)
+            if item.media_type is not MediaType.VIDEO or item.span is not None or not known:
                 cut.append(item)
                 continue
-            cut += [replace(item, span=span, segment=number) for number, span in enumerate(self.spans(known))]
+            cut += [replace(item, span=span, segment=number, num_segments=len(known))
+                    for number, span in enumerate(known)]
         return cut
 
 

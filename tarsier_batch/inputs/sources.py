@@ -68,9 +68,11 @@ class MediaItem:
     # Where the member's bytes can be opened: an unnamed in-memory file of the decoding pool's process, which its
     # shard reader filled ahead (`workers.member_lane`); a worker opens it by this path, nothing is pickled.
     local_copy: str | None = field(default=None, repr=False, compare=False)
-    # A segment: the stretch of the video its row captions, and its number among the file's segments.
+    # A segment: the stretch of the video its row captions, its number among the file's segments, and how many
+    # segments `--segments` cut the file into (None for a manifest's spans: it lists what it wants).
     span: Span | None = None
     segment: int | None = None
+    num_segments: int | None = None
 
     @property
     def stable_key(self) -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import Worded
 from ..inputs.segments import as_stored_now
-from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind
+from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind, with_span
+from ..media import Span
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.
@@ -77,6 +78,9 @@ class Plan:
     missing_pruned: int = 0   # rows dropped by --prune-missing
     retried: int = 0          # error rows captioned again (--retry-errors)
     changed: int = 0          # stored rows whose file changed since (captioned again)
+    # Stored rows of segments (`--segments`) of a file this run cuts into other segments (it changed since): its new
+    # segments take their place.
+    recut: set[str] = field(default_factory=set)
     # Stored rows of items captioned again with the same key (errors retried; with a prompt set, items asked
     # only some questions, whose other answers the new rows keep): the row stays if the item is put off.
     earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -117,7 +121,8 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     `retry_errors`). An item whose content (key) was captioned under another path gets a copy
     of that row. Items sharing a key are captioned once (`todo`) and the others listed in
     `sharing`. Stored rows of paths not in this run are kept, except with `prune_missing`
-    those whose file no longer exists. With a prompt set (`questions`: name -> text), a row is
+    those whose file no longer exists, and a segment's row of a file this run cuts into other
+    segments (`recut`: the file changed). With a prompt set (`questions`: name -> text), a row is
     done when it answers every question of the set with its current text; otherwise the item is
     asked only the others (its row keeps the answers it has).
     """
@@ -158,10 +163,13 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             planned[key] = len(plan.todo)
             plan.todo.append(item)
     paths = {item.row_id for item in items}
+    cut = {item.row_path for item in items if item.num_segments is not None}
     for path, row in stored.rows.items():
         if path in paths:
             continue
-        if exists(path):
+        if row.get("num_segments") is not None and row["path"] in cut:
+            plan.recut.add(path)
+        elif exists(path):
             plan.kept.append(row)
         elif prune_missing:
             plan.missing_pruned += 1
@@ -169,6 +177,29 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.kept.append(row)
             plan.missing_kept += 1
     return plan
+
+
+def stored_spans(videos: list[MediaItem], rows: Iterable[dict[str, Any]]) -> dict[str, list[Span]]:
+    """The spans of each of `videos` (by row id) whose every segment is among the stored `rows`, made from the
+    same version of its file (its key): a run continuing the output cuts such a video as it was cut, without
+    opening it again. A video with a segment missing (a run stopped in its middle, or `--limit`), changed since,
+    or without a key (no version to trust) is not among them: its length and shots are read again."""
+    by_path: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row.get("num_segments") is not None:
+            by_path.setdefault(row["path"], []).append(row)
+    spans: dict[str, list[Span]] = {}
+    for item in videos:
+        segments = by_path.get(item.row_path, [])
+        if item.key is None or not segments:
+            continue
+        count = segments[0]["num_segments"]
+        by_number = {row["segment"]: Span(row["start_s"], row["end_s"]) for row in segments}
+        if len(segments) == count and sorted(by_number) == list(range(count)) \
+                and all(row["num_segments"] == count and row["key"] == with_span(item.key, by_number[row["segment"]])
+                        for row in segments):
+            spans[item.row_id] = [by_number[number] for number in range(count)]
+    return spans
 
 
 def _asked(item: MediaItem, questions: dict[str, str] | None) -> dict[str, str] | None:
@@ -230,6 +261,8 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
     for path in stored.rows:
         if path in kept:
             add("keep", path, "not in this run, row kept" if exists(path) else "file gone, row kept")
+        elif path in plan.recut:
+            add("drop", path, "its file changed and is cut anew", "file cut anew")
         elif path not in plan.done and path not in todo and path not in shared_with and path not in later:
             add("drop", path, Worded("file gone ({prune_missing})"))
     return lines, counts

@@ -42,8 +42,10 @@ _COLUMNS: list[tuple[str, pa.DataType]] = [
     ("mtime", pa.timestamp("us", tz="UTC")),
 ]
 _SHA256_COLUMN = ("sha256", pa.string())
-# A segment's (a stretch of a video, its own row): its number among the file's segments and its span.
-_SPAN_COLUMNS = [("segment", pa.int32()), ("start_s", pa.float64()), ("end_s", pa.float64())]
+# A segment's (a stretch of a video, its own row): its number among the file's segments, its span, and how many
+# segments its file was cut into (so that a run continuing the output knows a file's rows whole without opening it).
+_SPAN_COLUMNS = [("segment", pa.int32()), ("start_s", pa.float64()), ("end_s", pa.float64()),
+                 ("num_segments", pa.int32())]
 # The long layout's (`--long`): which question of the set a row answers.
 _QUESTION_COLUMN = ("question", pa.string())
 _TOKEN_IDS_COLUMN = ("generated_ids", pa.list_(pa.int32()))
@@ -197,7 +199,7 @@ class OutputColumns:
         if self.spans:
             span = item.span
             values.update(segment=item.segment, start_s=None if span is None else span.start_s,
-                          end_s=None if span is None else span.end_s)
+                          end_s=None if span is None else span.end_s, num_segments=item.num_segments)
         if self.hashed:
             values["sha256"] = facts.sha256
         values.update({kept.name: item.columns.get(kept.name) for kept in self.kept})

@@ -17,6 +17,7 @@ guard); another run writing the same output raises `OutputLockedError`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import replace
@@ -30,13 +31,13 @@ from ..errors import one_line
 from ..inputs.manifest import Manifest
 from ..inputs.segments import SegmentsError
 from ..inputs.sources import Discovery, MediaItem, discover, row_id_of
-from ..media import MediaType
+from ..media import MediaType, Span
 from ..model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
 from ..outputs.formats import OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
 from ..outputs.results import CaptionResult
-from ..outputs.resume import Plan, check_settings, describe_plan
+from ..outputs.resume import Plan, check_settings, describe_plan, stored_spans
 from ..outputs.store import OutputWriteError, ResultStore, StoredRows
 from ..outputs.stream import JsonLinesStream
 from ..progress import Reporter, RunStats, plural, summary_line, summary_rows
@@ -71,14 +72,17 @@ class CaptionRun:
     `captioner`: a model loaded earlier, to share between runs (its settings are the
     run's caption settings). `load`: what makes the `Backend` from the caption settings, when
     there is something to caption (default: load the model here; `runners.ray.connect`: a Ray
-    cluster). `source` names the inputs in messages.
+    cluster). `source` names the inputs in messages. `started`: when the run's wall time begins, a
+    `time.perf_counter()` reading (default: now; the command's is when its process started).
     """
 
     def __init__(self, inputs: Iterable[str | Path] | Discovery | Manifest,
                  out: str | Path | OutputTarget | RemoteOutput | TextIO,
                  settings: RunSettings | None = None, reporter: RunReporter | None = None,
                  captioner: Captioner | None = None, load: Callable[[CaptionSettings], Backend] | None = None,
-                 source: str | None = None):
+                 source: str | None = None, started: float | None = None):
+        self.started = time.perf_counter() if started is None else started
+        self._loading_started: float | None = None   # when the model began to load, once it has
         settings = settings or RunSettings()
         if captioner is not None:
             settings = replace(settings, caption=captioner.settings)
@@ -155,7 +159,7 @@ class CaptionRun:
         else:
             with self.remote.peek() as copy:
                 stored = self._stored(self._store(copy.target))
-        self._cut_into_segments()
+        self._cut_into_segments(stored)
         plan, later = self.plan.resume(self.items, stored)
         return describe_plan(self.discovery, stored, plan, {item.row_id for item in later},
                              tuple(self.plan.questions or ()))
@@ -192,7 +196,7 @@ class CaptionRun:
                 stored = self._stored(self.store)
                 # Nothing stored: every row is to caption, so the model is wanted whatever the probe finds, and
                 # loads while the workers read the videos.
-                self._cut_into_segments(load_meanwhile=not stored.rows)
+                self._cut_into_segments(stored, load_meanwhile=not stored.rows)
                 plan, later = self.plan.resume(self.items, stored)
                 self.outcome = yield from self._caption(plan, len(later), stored)
             except (KeyboardInterrupt, Terminated) as stop:   # while loading, or writing the output
@@ -225,30 +229,46 @@ class CaptionRun:
             finally:
                 lock.release()
 
-    def _cut_into_segments(self, load_meanwhile: bool = False) -> None:
-        """With `--segments`, each video of the run becomes its spans (once): what cutting needs of a video (its
-        length, its shots) is read in decoding workers, where a file that crashes or hangs a decoder costs only
-        its probe (and keeps the file whole: its decoding then says what is wrong). `load_meanwhile`: load the
-        model while they read, for all the items there may be (the segments are not counted yet)."""
+    def _cut_into_segments(self, stored: StoredRows, load_meanwhile: bool = False) -> None:
+        """With `--segments`, each video of the run becomes its spans (once). A video whose every segment is
+        `stored`, from the same version of the file, is cut as it was (a re-run opens no video it has all the rows
+        of). What cutting the others needs of them (their length, their shots) is read in decoding workers, where
+        a file that crashes or hangs a decoder costs only its probe (and keeps the file whole: its decoding then
+        says what is wrong). `load_meanwhile`: load the model while they read, for all the items there may be
+        (the segments are not counted yet)."""
         segmenting = self.settings.segments
         if segmenting.mode == "whole" or self._segmented:
             return
+        videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
+        spans = stored_spans(videos, stored.rows.values())
+        if segmenting.mode == "scenes":
+            self._no_cut = sum(segmenting.cut_nowhere(known) for known in spans.values())
+        unknown = [item for item in videos if item.row_id not in spans]
+        if unknown:
+            spans |= self._probed_spans(unknown, load_meanwhile)
+        self.discovery = replace(self.discovery, items=segmenting.split(self.items, spans))
+        self._segmented = True
+
+    def _probed_spans(self, videos: list[MediaItem], load_meanwhile: bool) -> dict[str, list[Span]]:
+        """The spans of `videos` (by row id) from what decoding workers read of them; a video they could not read
+        has none."""
         from ..workers.probe import video_facts  # here: the decoding modules import torch
         from ..workers.sizing import default_workers
 
-        videos = [item for item in self.items if item.media_type is MediaType.VIDEO and item.span is None]
-        caption = self.settings.caption
+        segmenting, caption = self.settings.segments, self.settings.caption
         facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
-                            meanwhile=partial(self._load, None) if load_meanwhile and videos else None)
+                            meanwhile=partial(self._load, None) if load_meanwhile else None)
+        spans: dict[str, list[Span]] = {}
         for item, known in zip(videos, facts):
-            if known is not None and known.by_frames:
+            if known is None or known.duration_s <= 0:
+                continue
+            if known.by_frames:
                 self.reporter.warning(f"warning: {redact(item.path)}: its timestamps are missing or jump; its "
                                       f"segments are counted in frames at its frame rate ({known.duration_s:g} s)")
-        if segmenting.mode == "scenes":
-            self._no_cut = sum(known is not None and segmenting.found_no_cut(known) for known in facts)
-        self.discovery = replace(self.discovery, items=segmenting.split(
-            self.items, {item.row_id: known for item, known in zip(videos, facts)}))
-        self._segmented = True
+            if segmenting.mode == "scenes":
+                self._no_cut += segmenting.found_no_cut(known)
+            spans[item.row_id] = segmenting.spans(known)
+        return spans
 
     def _store(self, target: OutputTarget) -> ResultStore:
         remote = self.remote
@@ -270,13 +290,14 @@ class CaptionRun:
                          already_done=len(plan.done), failed_earlier=plan.failed_rows,
                          failed_inputs=self.failed_inputs, missing_kept=plan.missing_kept,
                          missing_pruned=plan.missing_pruned, left_for_later=later,
-                         prefix_cache=self.settings.caption.prefix_cache)
+                         prefix_cache=self.settings.caption.prefix_cache, started=self.started)
         sink = self.store or JsonLinesStream(plan.captioned_ids(self.items), self.stream, self.columns)  # type: ignore[arg-type]
         loop = ItemLoop(self.items, plan, sink, stats, self.settings.caption.model, self.columns)
         if not plan.todo:
             # A shard with no items of its own still writes its (empty) output, for `tarsier merge`.
             return self._write_output(loop, stored, stored.provenance or {"settings": resume_settings(self.settings)})
         backend = self._load(len(plan.todo))
+        stats.loading_started = self._loading_started
         provenance = run_provenance(backend, self.settings)
         check_settings(stored.settings, provenance["settings"])
         reuse_before = backend.prompt_reuse()
@@ -289,6 +310,8 @@ class CaptionRun:
         return stopped or self._write_output(loop, stored, run_provenance(backend, self.settings))
 
     def _load(self, items: int | None) -> Backend:
+        if self._loading_started is None:   # the first call's: later ones find the model loaded (or loading)
+            self._loading_started = time.perf_counter()
         if self._backend is not None:
             return self._backend
         model = self.settings.caption.model
@@ -378,7 +401,8 @@ class CaptionRun:
         else:
             rows = loop.final_rows()
             unchanged = store.target.exists() and not stored.parts and not stats.done and shard is None \
-                and [row_id_of(row) for row in rows] == list(stored.rows) and stored.long == self.columns.long
+                and [row_id_of(row) for row in rows] == list(stored.rows) and stored.long == self.columns.long \
+                and _same_segment_counts(rows, stored)
             if shard:
                 provenance = {**provenance, "shard": shard.provenance(self.plan.all_items, rows)}
             if not unchanged:
@@ -399,6 +423,13 @@ class CaptionRun:
         summary = summary_rows(stats, written, skipped, notes)
         return RunOutcome(Status.SOME_FAILED if stats.failed or stats.failed_inputs else Status.DONE,
                           summary_line(summary), stats, summary)
+
+
+def _same_segment_counts(rows: list[dict[str, Any]], stored: StoredRows) -> bool:
+    """Whether `rows` (in the stored rows' order) count their files' segments as the stored rows do: rows of an
+    output written before they were counted get their counts written, so that the next run need not open their
+    videos."""
+    return all(row.get("num_segments") == old.get("num_segments") for row, old in zip(rows, stored.rows.values()))
 
 
 def _thrown(results: Generator[Any, None, None], stop: BaseException) -> Iterator[Any]:
