@@ -99,9 +99,13 @@ def stop_signals() -> Iterator[None]:
 
 
 def quiet_library_logs() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    """transformers' warnings off. Until transformers is imported, through the variable it reads when it is: importing
+    it here (~0.6 s of CPU) would delay the decoding workers' fork server, which starts once this returns."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    else:
+        transformers.logging.set_verbosity_error()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
