@@ -1,0 +1,61 @@
+"""What a run imports before its first row, and where: each module kept out of a process saves its start-up time.
+
+Each check runs in a fresh interpreter of this checkout and reads its `sys.modules`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+def fresh_python(code: str, environment: dict[str, str] | None = None) -> dict:
+    """Run `code` (which prints one JSON value last) in a new interpreter of this checkout; that value."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(environment or {})})
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_recorded_decoder_versions_are_read_without_importing_the_decoders() -> None:
+    """The process that holds the model decodes nothing: importing decord and PyAV there only for their versions
+    would cost every run ~0.2 s."""
+    found = fresh_python(
+        "import json, sys\n"
+        "from tarsier_batch.media import decoder_versions\n"
+        "versions = decoder_versions()\n"
+        "imported = [name for name in ('decord', 'av') if name in sys.modules]\n"
+        "import av, decord, PIL\n"
+        "print(json.dumps({'versions': versions, 'imported': imported, 'expected': [decord.__version__, "
+        "av.__version__, PIL.__version__]}))\n")
+    decord_version, av_version, pillow_version = found["expected"]
+    assert found["imported"] == []
+    assert found["versions"] == {"video": f"decord {decord_version}", "video_fallback": f"pyav {av_version}",
+                                 "gif": f"pillow {pillow_version}", "image": f"pillow {pillow_version}"}
+
+
+def test_quieting_the_library_logs_leaves_transformers_unimported_and_quiet() -> None:
+    """The decoding fork server starts once the logs are quieted: importing transformers for that would delay it."""
+    found = fresh_python(
+        "import json, sys\n"
+        "from tarsier_batch.cli_run import quiet_library_logs\n"
+        "quiet_library_logs()\n"
+        "imported = 'transformers' in sys.modules\n"
+        "import transformers\n"
+        "print(json.dumps({'imported': imported, 'verbosity': transformers.logging.get_verbosity(),\n"
+        "                  'error': transformers.logging.ERROR}))\n",
+        {"TRANSFORMERS_VERBOSITY": "info"})
+    assert found["imported"] is False
+    assert found["verbosity"] == found["error"]
+
+
+def test_quieting_the_library_logs_quiets_a_transformers_imported_already() -> None:
+    found = fresh_python(
+        "import json, transformers\n"
+        "from tarsier_batch.cli_run import quiet_library_logs\n"
+        "transformers.logging.set_verbosity_info()\n"
+        "quiet_library_logs()\n"
+        "print(json.dumps([transformers.logging.get_verbosity(), transformers.logging.ERROR]))\n")
+    assert found[0] == found[1]
