@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ..qwen2_vl import QWEN2_VL_VARIANT, QwenVLConfig, QwenVLModel, Variant
-from ..qwen2_vl.modeling import checkpoint_key
 from ..weights import save_weights
 from .common import CLIP_MEAN, CLIP_STD, INIT_SCALE, round_up
 from .tarsier2 import (
@@ -76,7 +75,7 @@ def build(out_dir: Path, size: str, seed: int, variant: Variant = QWEN2_VL_VARIA
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "repetition_penalty": REPETITION_PENALTY})
     torch.manual_seed(seed)
     model = QwenVLModel(QwenVLConfig.from_dict(raw, variant)).float()
-    save_weights(model, out_dir, checkpoint_key)
+    save_weights(model, out_dir, variant.checkpoint_key)
 
 
 def config_dict(variant: Variant, geometry: dict[str, Any], ids: dict[str, int], vocab: int) -> dict[str, Any]:
