@@ -14,6 +14,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
+from tarsier_batch.engine import SamplingParams
 from tarsier_batch.families.base import ProcessedPrompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
 from tarsier_batch.families.loading import load_caption_model
@@ -29,10 +30,9 @@ from test_qwen_vl import (  # noqa: E402, F401
     test_chunked_prefill_equals_unchunked,
     test_cli_captions_with_a_question,
     test_greedy_tokens_equal_transformers_generate,
-    test_rows_joining_leaving_and_preempted_equal_one_at_a_time,
     test_sampling_differs_from_greedy,
 )
-from test_tarsier2 import NAMES, alone, process, run  # noqa: E402
+from test_tarsier2 import MAX_NEW, NAMES, alone, process, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +87,21 @@ def test_config_json_names_qwen3_vl_and_moe_checkpoints_are_refused_in_one_line(
 def test_a_video_is_a_timestamp_and_a_vision_block_per_temporal_patch(model: Qwen3VLCaptionModel,
                                                                       prompts: list[ProcessedPrompt]) -> None:
     """demo_test.mp4: 84 frames over 10.5 s (8 a second), 16 sampled at indices 0, 6, 11, 17, ...: the first
-    temporal patch at (0 + 6) / 2 / 8 = 0.375 s, the last at (77 + 83) / 2 / 8 = 10.0 s."""
+    temporal patch at (0 + 6) / 2 / 8 = 0.375 s, the fourth at (33 + 39) / 2 / 8 = 4.5 s, the last at
+    (77 + 83) / 2 / 8 = 10.0 s; each patch 2 x 6 merged vectors."""
     video, image = prompts[0], prompts[1]
-    frame = "<|vision_start|>" + "<|video_pad|>" * 48 + "<|vision_end|>"
-    times = ["0.4", "1.8", "3.1", "4.4", "5.7", "7.0", "8.3", "9.6"]
+    frame = "<|vision_start|>" + "<|video_pad|>" * 12 + "<|vision_end|>"
+    times = ["0.4", "1.8", "3.1", "4.5", "5.9", "7.2", "8.6", "10.0"]
     text = model.processor.tokenizer.decode(video.token_ids)
     assert text.startswith("<|im_start|>user\n<0.4 seconds>" + frame + "<1.8 seconds>")
-    assert text == ("<|im_start|>user\n" + "".join(f"<{time} seconds>{frame}" for time in times[:7])
-                    + "<10.0 seconds>" + frame + "Describe this video.<|im_end|>\n<|im_start|>assistant\n")
+    assert text == ("<|im_start|>user\n" + "".join(f"<{time} seconds>{frame}" for time in times)
+                    + "Describe this video.<|im_end|>\n<|im_start|>assistant\n")
     assert [block.grid for block in video.vision_blocks] == [(1, 4, 12)] * 8
     assert all(later.start - earlier.end > 2 for earlier, later in zip(video.vision_blocks, video.vision_blocks[1:]))
     assert video.pixel_values.shape == (8, 48, 3 * 2 * 16 * 16)
-    assert "<|image_pad|>" * 48 in model.processor.tokenizer.decode(image.token_ids)
+    assert model.processor.tokenizer.decode(image.token_ids) == (   # 6 x 8 patches: 3 x 4 merged vectors
+        "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 12 + "<|vision_end|>Describe this image.<|im_end|>\n"
+        "<|im_start|>assistant\n")
 
 
 def test_positions_are_transformers_own_for_images_and_videos(model: Qwen3VLCaptionModel,
@@ -122,6 +125,24 @@ def test_positions_are_transformers_own_for_images_and_videos(model: Qwen3VLCapt
     assert video.positions[0, second.start] == video.positions[0, first.end] + second.start - first.end
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_rows_joining_leaving_and_preempted_equal_one_at_a_time(model: Qwen3VLCaptionModel,
+                                                                mixed: list[ProcessedPrompt],  # noqa: F811
+                                                                temperature: float,
+                                                                no_room_to_grow: None) -> None:
+    """The Qwen2 families' scenario of rows joining and leaving, in a cache that holds the longest row and 40
+    positions more: the timestamps (about a dozen tokens a temporal patch) make Qwen3-VL's clips' prompts so much
+    longer than its images' that a cache of twice the longest row holds every row that may run beside it."""
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, top_p=0.9 if temperature else 1.0)
+    limits, seeds = [3, 24, 9, 17, 1, 20, 12, 6, 24, 15], list(range(len(mixed)))
+    expected = alone(model, mixed, max_new=limits, sampling=sampling, seeds=seeds)
+    room = max(prompt.length for prompt in mixed) + MAX_NEW + 40
+    rows = run(model, mixed, max_new=limits, sampling=sampling, seeds=seeds, max_rows=4, prefill_chunk=20,
+               max_batch_tokens=30, kv_cache_tokens=room, kv_page_slots=8)
+    assert [row.output_ids for row in rows] == expected
+    assert sum(row.preemptions for row in rows) > 0, "the small cache should force recomputation"
+
+
 # -- DeepStack and pruning ----------------------------------------------------------------------------
 
 def test_deepstack_features_change_the_tokens(model: Qwen3VLCaptionModel, prompts: list[ProcessedPrompt],
@@ -130,7 +151,7 @@ def test_deepstack_features_change_the_tokens(model: Qwen3VLCaptionModel, prompt
     equality with transformers' generate above holds only with them added, in every chunk."""
     width = model.config.text.hidden_size
     features = model.model.vision_features
-    assert features(prompts[1].pixel_values[0], [prompts[1].vision_blocks[0].grid]).shape == (48, 3 * width)
+    assert features(prompts[1].pixel_values[0], [prompts[1].vision_blocks[0].grid]).shape == (12, 3 * width)
     monkeypatch.setattr(model.model, "vision_features", lambda *args: features(*args)[:, :width])
     without = [row.output_ids for row in run(model, prompts[:3], max_rows=3, prefill_chunk=0)]
     assert all(ours != theirs for ours, theirs in zip(without, reference[:3]))
