@@ -1,6 +1,8 @@
 """Qwen3-VL: checkpoint layout and detection, the prompt with a timestamp before each temporal patch, M-RoPE
 positions, DeepStack, what pruning does, and the engine scenarios of the Qwen2 families' tests against
 transformers' own Qwen3VLForConditionalGeneration.generate."""
+# The Qwen2 families' fixtures are imported and requested by name as test arguments (pytest's injection).
+# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -17,44 +19,29 @@ from tarsier_batch.cli import app
 from tarsier_batch.engine import SamplingParams
 from tarsier_batch.families.base import ProcessedPrompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
-from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.qwen3_vl import Qwen3VLCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import qwen_vl_for_generation  # noqa: E402
 
-# The Qwen2 families' engine scenarios, run here over this module's Qwen3-VL fixtures.
+# The Qwen2 families' fixtures and engine scenarios, run here over this module's Qwen3-VL checkpoint.
 from test_qwen_vl import (  # noqa: E402, F401
     mixed,
+    model,
+    prompts,
+    reference,
     test_chunked_prefill_equals_unchunked,
     test_cli_captions_with_a_question,
     test_greedy_tokens_equal_transformers_generate,
     test_sampling_differs_from_greedy,
 )
-from test_tarsier2 import MAX_NEW, NAMES, alone, process, run  # noqa: E402
+from test_tarsier2 import MAX_NEW, alone, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen3_vl"), "tiny", seed=0, family="qwen3_vl")
-
-
-@pytest.fixture(scope="module")
-def model(model_dir: Path) -> Qwen3VLCaptionModel:
-    loaded = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
-    assert isinstance(loaded, Qwen3VLCaptionModel)
-    return loaded
-
-
-@pytest.fixture(scope="module")
-def prompts(model: Qwen3VLCaptionModel, shared_media: Path) -> list[ProcessedPrompt]:
-    return [process(model, shared_media / name) for name in NAMES]
-
-
-@pytest.fixture(scope="module")
-def reference(model: Qwen3VLCaptionModel, prompts: list[ProcessedPrompt]) -> list[list[int]]:
-    return alone(model, prompts)
 
 
 # -- checkpoint layout and family detection --------------------------------------------------------
@@ -127,8 +114,7 @@ def test_positions_are_transformers_own_for_images_and_videos(model: Qwen3VLCapt
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 def test_rows_joining_leaving_and_preempted_equal_one_at_a_time(model: Qwen3VLCaptionModel,
-                                                                mixed: list[ProcessedPrompt],  # noqa: F811
-                                                                temperature: float,
+                                                                mixed: list[ProcessedPrompt], temperature: float,
                                                                 no_room_to_grow: None) -> None:
     """The Qwen2 families' scenario of rows joining and leaving, in a cache that holds the longest row and 40
     positions more: the timestamps (about a dozen tokens a temporal patch) make Qwen3-VL's clips' prompts so much

@@ -18,22 +18,11 @@ import torch
 from ..qwen2_vl import QwenVLConfig, QwenVLModel
 from ..qwen3_vl import QWEN3_VL_VARIANT
 from ..weights import save_weights
-from .common import INIT_SCALE, round_up
-from .tarsier2 import SPECIAL_TOKENS, build_tokenizer, write_json, write_tokenizer_config_for_older_readers
+from .common import INIT_SCALE
+from .qwen2_vl import chat_template, write_tokenizer
+from .tarsier2 import write_json
 
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' or 'image' in part -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
-    "{%- elif 'text' in part -%}{{- part['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = chat_template(default_system_turn=False)
 PROCESSOR_MEAN_STD = [0.5, 0.5, 0.5]
 
 # Three decoder layers, two of them taking DeepStack features (from vision blocks 0 and 1), so that one takes
@@ -49,11 +38,8 @@ SIZES: dict[str, dict[str, Any]] = {
 def build(out_dir: Path, size: str, seed: int) -> None:
     """Write a random-weight Qwen3-VL checkpoint of `size` (a key of SIZES) into `out_dir`."""
     geometry = SIZES[size]
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(out_dir))
-    write_tokenizer_config_for_older_readers(out_dir / "tokenizer_config.json")
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    raw = config_dict(geometry, ids, vocab=round_up(len(tokenizer), 64))
+    ids, vocab = write_tokenizer(out_dir)
+    raw = config_dict(geometry, ids, vocab)
     write_json(out_dir / "config.json", raw)
     write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     write_json(out_dir / "preprocessor_config.json", {
