@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
 from tarsier_batch.engine import SamplingParams
-from tarsier_batch.families.base import ProcessedPrompt
+from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
 from tarsier_batch.families.qwen3_vl import Qwen3VLCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
@@ -141,6 +141,21 @@ def test_deepstack_features_change_the_tokens(model: Qwen3VLCaptionModel, prompt
     monkeypatch.setattr(model.model, "vision_features", lambda *args: features(*args)[:, :width])
     without = [row.output_ids for row in run(model, prompts[:3], max_rows=3, prefill_chunk=0)]
     assert all(ours != theirs for ours, theirs in zip(without, reference[:3]))
+
+
+def test_layers_run_apart_from_their_deepstack_features_are_refused(model: Qwen3VLCaptionModel,
+                                                                    prompts: list[ProcessedPrompt]) -> None:
+    """FastV's split at layer K would run the layers after K without the features of layers K and on."""
+    image = prompts[1]
+    embeds = embed_whole_prompt(model, image)
+    assert embeds.shape == (image.length, 3 * model.config.text.hidden_size)
+
+    def attention(*args: object) -> torch.Tensor:
+        raise AssertionError("no layer runs")
+
+    for first, end in ((0, 1), (1, 3)):
+        with pytest.raises(ValueError, match=f"layers 0 to 1: run them in one call, not layers {first} to {end - 1}"):
+            model.run_layers(embeds, image.positions, attention, first, end)
 
 
 def test_fastv_pruning_is_refused_in_one_line(model_dir: Path, shared_media: Path, tmp_path: Path) -> None:

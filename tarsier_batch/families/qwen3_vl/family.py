@@ -72,13 +72,14 @@ class Qwen3VLCaptionModel(QwenVLCaptionModel):
         width = self.config.text.hidden_size
         if hidden.shape[1] == width:
             return super().run_layers(hidden, positions, attention, first, end)
-        if first != 0:
-            raise ValueError("DeepStack features enter at the first decoder layer")
         deepstack = hidden[:, width:].unflatten(1, (-1, width))
+        if first != 0 or end < deepstack.shape[1]:   # e.g. FastV's split at a layer K: refused before it gets here
+            raise ValueError(f"DeepStack features enter decoder layers 0 to {deepstack.shape[1] - 1}: run them in "
+                             f"one call, not layers {first} to {end - 1}")
         hidden = hidden[:, :width].contiguous()
         decoder = self.model.language_model.model
         cos, sin = decoder.rotary_emb(hidden, self.rotary_position_ids(positions))
-        added = min(deepstack.shape[1], end)
+        added = deepstack.shape[1]
         for index in range(added):
             hidden = run_decoder_layers(decoder.layers[index:index + 1], hidden, cos[0], sin[0], attention, index,
                                         self.layer_steps) + deepstack[:, index]
