@@ -29,6 +29,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 from measured_on import measured_on
@@ -116,8 +117,9 @@ def generate_tarsier2(model: Tarsier2CaptionModel, hf: Qwen2VLForConditionalGene
 
 
 def qwen_vl_for_generation(model: QwenVLCaptionModel) -> Qwen2VLForConditionalGeneration:
-    """transformers' own Qwen2-VL or Qwen2.5-VL (forward, KV cache, generate) around our loaded modules."""
-    classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration}
+    """transformers' own Qwen2-VL, Qwen2.5-VL or Qwen3-VL (forward, KV cache, generate) around our loaded modules."""
+    classes = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+               "qwen3_vl": Qwen3VLForConditionalGeneration}
     with torch.device("meta"):
         hf = classes[model.config.variant.model_type](model.config.full)
     hf.model.visual = model.model.visual
@@ -130,9 +132,10 @@ def generate_qwen_vl(model: QwenVLCaptionModel, hf: Qwen2VLForConditionalGenerat
                      limits: GenerateLimits) -> list[int]:
     """One item through transformers' generate as the model's processor hands it over: an image's patches with
     its grid, or a clip's temporal patches as one video (`pixel_values_videos`, grid (t, h, w)) over
-    `<|video_pad|>` ids. An image's M-RoPE positions are transformers' own; a video's are the prompt's, since
-    transformers 5 resumes the text after a video at s + max(h, w) where the models' own code resumes one past
-    the block's largest position (`families.qwen_vl.positions`)."""
+    `<|video_pad|>` ids. An image's M-RoPE positions are transformers' own; a Qwen2-VL or Qwen2.5-VL video's are
+    the prompt's, since transformers 5 resumes the text after a video at s + max(h, w) where the models' own code
+    resumes one past the block's largest position (`families.qwen_vl.positions`). Qwen3-VL's video blocks are one
+    temporal patch each, the text between them: transformers' positions are its own code's."""
     _, grid_h, grid_w = prompt.vision_blocks[0].grid
     grid = torch.tensor([[len(prompt.vision_blocks), grid_h, grid_w]])
     pixels = torch.cat(list(prompt.pixel_values))
@@ -141,7 +144,7 @@ def generate_qwen_vl(model: QwenVLCaptionModel, hf: Qwen2VLForConditionalGenerat
         return _generate_mrope(model, hf, prompt, {"pixel_values": pixels, "image_grid_thw": grid},
                                config.image_token_id, 1, False, limits)
     return _generate_mrope(model, hf, prompt, {"pixel_values_videos": pixels, "video_grid_thw": grid},
-                           config.video_token_id, 2, True, limits)
+                           config.video_token_id, 2, config.variant.model_type != "qwen3_vl", limits)
 
 
 @dataclass(frozen=True)

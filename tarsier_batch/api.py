@@ -77,6 +77,8 @@ class Captioner:
         if kv_tokens < 1:
             raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
         pruning = settings.pruning if settings.prune_method == "fastv" else None   # temporal: the workers prune
+        if pruning is not None and self.model.family.fastv_refusal is not None:
+            raise SettingsError(f"{{prune_method}} fastv: {self.model.family.fastv_refusal}")
         layers = self.model.kv_geometry.num_layers
         if pruning is not None and pruning["layer"] >= layers:
             raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_new_tokens=MAX_NEW)
 SAMPLED = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
 
 
-@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def model(request, tmp_path_factory: pytest.TempPathFactory):
     directory = make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
     return load_caption_model(directory, torch.float32, torch.device("cpu"))

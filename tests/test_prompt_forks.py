@@ -25,7 +25,7 @@ QUESTIONS = ["Describe the video in detail.", "List the objects that appear.", "
 CLIPS = ["demo_test_8frames.gif", "short_5f.mp4"]
 
 
-@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def model(request, tmp_path_factory: pytest.TempPathFactory):
     directory = make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
     return load_caption_model(directory, torch.float32, torch.device("cpu"))

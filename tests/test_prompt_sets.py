@@ -34,7 +34,7 @@ QUESTIONS = (Question("caption", "Describe the video in detail."),
              Question("camera", "How does the camera move?"))
 
 
-@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def model_dir(request, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
 

@@ -91,8 +91,8 @@ def test_config_json_tells_qwen2_vl_from_tarsier2_and_qwen2_5_vl() -> None:
     assert family_of_config({"model_type": "qwen2_vl", "vision_config": {}}, "c") is QWEN2_VL
     assert family_of_config({"model_type": "qwen2_5_vl"}, "c") is QWEN2_5_VL
     assert family_of_config({"model_type": "llava", "text_config": {"model_type": "qwen2_vl"}}, "c") is TARSIER2
-    with pytest.raises(ValueError, match="'qwen3_vl'.*Qwen2-VL: model_type 'qwen2_vl'"):
-        family_of_config({"model_type": "qwen3_vl"}, "c")
+    with pytest.raises(ValueError, match="'glm4v'.*Qwen2-VL: model_type 'qwen2_vl'"):
+        family_of_config({"model_type": "glm4v"}, "c")
 
 
 # -- frames, sizes and the prompt as the official usage makes them --------------------------------

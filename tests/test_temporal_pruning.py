@@ -55,7 +55,7 @@ def test_nothing_goes_at_zero_or_without_a_previous_frame_and_never_more_than_ma
     assert drop_static_vision(prompt, changes, 0.9).length == prompt.length - 2
 
 
-@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def model(request, tmp_path_factory: pytest.TempPathFactory):
     directory = make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
     return load_caption_model(directory, torch.float32, torch.device("cpu"))

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..families.base import CaptionModel
+from ..families.base import CaptionModel, widened
 from ..families.decoder import compile_for_any_sizes
 from .attention import DecodeAttention, RowSpan, SplitDecodeAttention, StepAttention, paged_decode_attention, to_device
 from .decode_step import DecodeStep
@@ -230,7 +230,9 @@ class ModelRunner:
                     targets.extend(range(offset + first - start, offset + last - start))
                     vectors.append(encoded[index][first - block.start:last - block.start])
         if vectors:
-            embeds.index_copy_(0, to_device(targets, embeds.device), _joined(vectors, dim=0))
+            joined = _joined(vectors, dim=0)
+            embeds = widened(embeds, joined.shape[1])
+            embeds.index_copy_(0, to_device(targets, embeds.device), joined)
         return embeds
 
     def _drop_consumed_vision(self, step: list[ScheduledRow]) -> None:

@@ -195,14 +195,16 @@ class CaptionModel(Protocol):
     kv_geometry: KVGeometry
 
     def encode_vision(self, pixels: list[torch.Tensor], blocks: list[VisionBlock]) -> list[torch.Tensor]:
-        """Every vector the encoder makes of each block, (vectors, hidden) each, from each block's encoder input
-        (all of them, also where the prompt keeps fewer: `VisionBlock.prompt_vectors`)."""
+        """Every vector the encoder makes of each block, (vectors, hidden) each, or wider where they carry inputs
+        for later layers (`widened`), from each block's encoder input (all of them, also where the prompt keeps
+        fewer: `VisionBlock.prompt_vectors`)."""
 
     def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
         """(tokens,) ids -> (tokens, hidden) input vectors."""
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
-        """Run (tokens, hidden) vectors at `positions` (components, tokens); returns final hidden states."""
+        """Run (tokens, hidden) vectors (or wider: `widened`) at `positions` (components, tokens); returns final
+        hidden states."""
 
     def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, attention: Attention, first: int,
                    end: int) -> torch.Tensor:
@@ -222,12 +224,24 @@ class CaptionModel(Protocol):
         """Run the language model's layers through torch.compile from now on."""
 
 
+def widened(embeds: torch.Tensor, width: int) -> torch.Tensor:
+    """Token embeddings (tokens, hidden) widened with zeros to the vision vectors' `width`.
+
+    A model whose vision vectors carry inputs for later layers (Qwen3-VL's DeepStack features, appended along the
+    hidden axis) adds those columns to every token's hidden state there: zeros leave text positions as they are.
+    """
+    extra = width - embeds.shape[1]
+    return torch.nn.functional.pad(embeds, (0, extra)) if extra > 0 else embeds
+
+
 def embed_whole_prompt(model: CaptionModel, prompt: ProcessedPrompt) -> torch.Tensor:
-    """All of a prompt's input vectors at once, (length, hidden): what the official code feeds its
-    language model, and what references and baselines compare the engine's chunked prefill to."""
+    """All of a prompt's input vectors at once, (length, hidden or wider, see `widened`): what the official code
+    feeds its language model, and what references and baselines compare the engine's chunked prefill to."""
     with torch.inference_mode():
         embeds = model.embed_tokens(prompt.token_ids.to(model.device)).clone()
         vectors = model.encode_vision(list(prompt.pixel_values), prompt.vision_blocks)
+        if vectors:
+            embeds = widened(embeds, vectors[0].shape[1])
         for block, block_vectors in zip(prompt.vision_blocks, vectors):
             embeds[block.start:block.end] = block.prompt_vectors(block_vectors)
     return embeds

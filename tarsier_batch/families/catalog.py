@@ -8,6 +8,7 @@ and transformers, so that `tarsier models` and flag checks answer at once.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ class FamilyInfo:
     # config.json's model_type: LLaVA-style checkpoints ("llava") are told apart by their text_config's type,
     # checkpoints in their own layout (Qwen2-VL's) by this alone.
     model_type: str = "llava"
+    # Why `--prune-method fastv` does not apply to the family's checkpoints; None where it does.
+    fastv_refusal: str | None = None
 
     def matches(self, model_type: object, text_model_type: object) -> bool:
         """Whether a config.json of these types is this family's."""
@@ -73,16 +76,17 @@ TARSIER2 = FamilyInfo(
     tiny_builder="tarsier_batch.families.tiny.tarsier2")
 
 
-def _qwen_vl(key: str, name: str, vision: str, checkpoints: tuple[str, ...], tiny_alias: str) -> FamilyInfo:
-    """A Qwen-VL family in its own checkpoint layout (model_type `key`); one package serves them all.
+def _qwen_vl(key: str, name: str, vision: str, checkpoints: tuple[str, ...], tiny_alias: str,
+             package: str = "qwen2_vl") -> FamilyInfo:
+    """A Qwen-VL family in its own checkpoint layout (model_type `key`), its code in `families.<package>`.
 
     Tarsier2 is a Qwen2-VL fine-tune but stored LLaVA-style, so a top-level model_type "qwen2_vl" is a plain
     Qwen2-VL."""
     return FamilyInfo(
         key=key, name=name, text_model_type=key, model_type=key, vision=vision, default_frames=16,
         default_instruction="Describe this video. (images: Describe this image.)", checkpoints=checkpoints,
-        tiny_alias=tiny_alias, loader=f"tarsier_batch.families.qwen2_vl:load_{key}",
-        processor_loader=f"tarsier_batch.families.qwen2_vl:load_{key}_processor",
+        tiny_alias=tiny_alias, loader=f"tarsier_batch.families.{package}:load_{key}",
+        processor_loader=f"tarsier_batch.families.{package}:load_{key}_processor",
         frame_sampler="tarsier_batch.media:even_frame_indices", tiny_builder=f"tarsier_batch.families.tiny.{key}")
 
 
@@ -92,7 +96,17 @@ QWEN2_VL = _qwen_vl("qwen2_vl", "Qwen2-VL",
 QWEN2_5_VL = _qwen_vl("qwen2_5_vl", "Qwen2.5-VL",
                       "Qwen2.5-VL ViT (window attention, RMSNorm, SwiGLU), dynamic resolution, time-aligned M-RoPE",
                       ("Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct"), "tiny-random-qwen2.5-vl")
-_FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER, QWEN2_VL, QWEN2_5_VL]
+QWEN3_VL = dataclasses.replace(
+    _qwen_vl("qwen3_vl", "Qwen3-VL",
+             "Qwen3-VL ViT (16-px patches, DeepStack features into the first decoder layers), dynamic resolution, "
+             "interleaved M-RoPE, a timestamp before each temporal patch",
+             ("Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"), "tiny-random-qwen3-vl", package="qwen3_vl"),
+    fastv_refusal="Qwen3-VL adds DeepStack vision features in its first decoder layers, which FastV's pruned "
+                  "layers would run without; use {prune_method} temporal")
+_FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER, QWEN2_VL, QWEN2_5_VL, QWEN3_VL]
+# Checkpoints of a known kind that no family runs, and why.
+_REFUSED = {"qwen3_vl_moe": "Qwen3-VL MoE checkpoints are not supported (their mixture-of-experts layers are not "
+                            "implemented here); use a dense Qwen3-VL such as Qwen/Qwen3-VL-8B-Instruct"}
 DEFAULT_MODEL = TARSIER2.checkpoints[0]
 # With --prune-vision: the first layer that sees only the kept vision tokens (FastV's choice).
 DEFAULT_PRUNE_LAYER = 2
@@ -125,6 +139,8 @@ def family_of_config(raw: dict[str, Any], where: str) -> FamilyInfo:
     for family in _FAMILIES:
         if family.matches(model_type, text_type):
             return family
+    if isinstance(model_type, str) and model_type in _REFUSED:
+        raise ValueError(f"unsupported checkpoint {where}: {_REFUSED[model_type]}")
     supported = "; ".join(f"{f.name}: {f.config_types}" for f in _FAMILIES)
     raise ValueError(f"unsupported checkpoint {where}: model_type {model_type!r} with text_config.model_type "
                      f"{text_type!r}; supported: {supported}")

@@ -3,7 +3,8 @@
 transformers' own forward owns its cache and padding; the engine needs tokens of many rows,
 flattened, attending through its `Attention` callback. This loop reuses every module of the
 layer (norms, projections, MLP) and replaces only the attention plumbing, so the arithmetic is
-the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v biases).
+the same as transformers' for Llama-style layers (Llama; Qwen2 with its q/k/v biases; Qwen3 with its
+query and key norms).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def attention_inputs(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor,
     q = attn.q_proj(normed).view(tokens, -1, attn.head_dim)
     k = attn.k_proj(normed).view(tokens, -1, attn.head_dim)
     v = attn.v_proj(normed).view(tokens, -1, attn.head_dim)
+    if hasattr(attn, "q_norm"):   # Qwen3: each head's queries and keys RMS-normed before they rotate
+        q, k = attn.q_norm(q), attn.k_norm(k)
     # Queries and keys rotate as one tensor: the same arithmetic per element, half the kernels.
     q, k = rotate(torch.cat([q, k], dim=1), cos, sin).split([q.shape[1], k.shape[1]], dim=1)
     return q, k, v

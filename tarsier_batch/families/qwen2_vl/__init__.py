@@ -14,23 +14,24 @@ from .modeling import QWEN2_VL as QWEN2_VL_VARIANT
 from .modeling import QwenVLConfig, QwenVLModel, Variant
 
 
-def _load_model(variant: Variant, family: FamilyInfo, model_dir: Path, dtype: torch.dtype,
-                device: torch.device) -> QwenVLCaptionModel:
-    return QwenVLCaptionModel(model_dir, dtype, device, QwenVLConfig.from_file(model_dir / "config.json", variant),
-                              family)
+def load_lineage_model(variant: Variant, family: FamilyInfo, model_class: type[QwenVLCaptionModel], model_dir: Path,
+                dtype: torch.dtype, device: torch.device) -> QwenVLCaptionModel:
+    return model_class(model_dir, dtype, device, QwenVLConfig.from_file(model_dir / "config.json", variant), family)
 
 
-def _load_processor(variant: Variant, family: FamilyInfo, model_dir: Path) -> QwenVLPromptProcessor:
+def load_lineage_processor(variant: Variant, family: FamilyInfo, processor_class: type[QwenVLPromptProcessor],
+                    model_dir: Path) -> QwenVLPromptProcessor:
     """The checkpoint's CPU side alone (frames and prompt), without its weights."""
-    return QwenVLPromptProcessor(model_dir, QwenVLConfig.from_file(model_dir / "config.json", variant), family)
+    return processor_class(model_dir, QwenVLConfig.from_file(model_dir / "config.json", variant), family)
 
 
 # The catalog's entry points: (model_dir, dtype, device) -> model, and (model_dir) -> processor.
-load_qwen2_vl = functools.partial(_load_model, QWEN2_VL_VARIANT, QWEN2_VL)
-load_qwen2_5_vl = functools.partial(_load_model, QWEN2_5_VL_VARIANT, QWEN2_5_VL)
-load_qwen2_vl_processor = functools.partial(_load_processor, QWEN2_VL_VARIANT, QWEN2_VL)
-load_qwen2_5_vl_processor = functools.partial(_load_processor, QWEN2_5_VL_VARIANT, QWEN2_5_VL)
+load_qwen2_vl = functools.partial(load_lineage_model, QWEN2_VL_VARIANT, QWEN2_VL, QwenVLCaptionModel)
+load_qwen2_5_vl = functools.partial(load_lineage_model, QWEN2_5_VL_VARIANT, QWEN2_5_VL, QwenVLCaptionModel)
+load_qwen2_vl_processor = functools.partial(load_lineage_processor, QWEN2_VL_VARIANT, QWEN2_VL, QwenVLPromptProcessor)
+load_qwen2_5_vl_processor = functools.partial(load_lineage_processor, QWEN2_5_VL_VARIANT, QWEN2_5_VL,
+                                              QwenVLPromptProcessor)
 
 __all__ = ["QWEN2_5_VL_VARIANT", "QWEN2_VL_VARIANT", "QwenVLCaptionModel", "QwenVLConfig", "QwenVLModel",
-           "QwenVLPromptProcessor", "Variant", "load_qwen2_5_vl", "load_qwen2_5_vl_processor", "load_qwen2_vl",
-           "load_qwen2_vl_processor"]
+           "QwenVLPromptProcessor", "Variant", "load_lineage_model", "load_lineage_processor", "load_qwen2_5_vl",
+           "load_qwen2_5_vl_processor", "load_qwen2_vl", "load_qwen2_vl_processor"]

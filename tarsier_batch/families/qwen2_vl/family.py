@@ -29,12 +29,13 @@ from ..qwen_vl.patches import (
 )
 from ..qwen_vl.positions import VisionSpan, mrope_positions
 from ..weights import load_weights
-from .modeling import QwenVLConfig, QwenVLModel, checkpoint_key, module_key
+from .modeling import QwenVLConfig, QwenVLModel, module_key
 from .processing import (
     DEFAULT_IMAGE_INSTRUCTION,
     DEFAULT_VIDEO_INSTRUCTION,
     IMAGE_MAX_PIXELS,
     resize_for_model,
+    scaled,
     seconds_per_temporal_patch,
     temporal_patches,
     video_frame_max_pixels,
@@ -68,6 +69,7 @@ class QwenVLPromptProcessor:
         self.image_processor = image_processor(model_dir)
         self.merge_size: int = self.image_processor.merge_size
         self.patch_size: int = self.image_processor.patch_size
+        self.size_factor = self.patch_size * self.merge_size   # frame sides are multiples of a merged patch
         if self.image_processor.temporal_patch_size != TEMPORAL_PATCH_FRAMES:
             raise ValueError(f"{model_dir}: temporal_patch_size {self.image_processor.temporal_patch_size} is not "
                              f"the {TEMPORAL_PATCH_FRAMES} frames a temporal patch holds in this lineage")
@@ -83,7 +85,7 @@ class QwenVLPromptProcessor:
 
     def frame_patches(self, frame: Image.Image, frame_count: int, media_type: MediaType) -> FramePatches:
         """One RGB frame at qwen-vl-utils' size through the checkpoint's image processor (one temporal copy)."""
-        return frame_patches(self.image_processor, resize_for_model(frame, media_type, frame_count))
+        return frame_patches(self.image_processor, resize_for_model(frame, media_type, frame_count, self.size_factor))
 
     def process(self, media: Media, instruction: str | None) -> ProcessedPrompt:
         """`media.frames` must hold `frame_patches` results, all of one size (one clip)."""
@@ -100,32 +102,44 @@ class QwenVLPromptProcessor:
         pixels = torch.stack([temporal_patch_of(patches[i:i + TEMPORAL_PATCH_FRAMES])
                               for i in range(0, len(patches), TEMPORAL_PATCH_FRAMES)])
         merged_h, merged_w = grid_h // self.merge_size, grid_w // self.merge_size
-        per_block, blocks = merged_h * merged_w, len(pixels)
+        ids, spans = self.layout(media, text, len(pixels), merged_h, merged_w)
+        positions, next_position = mrope_positions(len(ids), spans)
+        per_block = merged_h * merged_w
+        return ProcessedPrompt(
+            instruction=text, token_ids=ids, positions=positions, next_position=next_position, pixel_values=pixels,
+            vision_blocks=[VisionBlock(span.start + index * per_block, per_block, (1, grid_h, grid_w))
+                           for span in spans for index in range(span.grid[0])])
+
+    def layout(self, media: Media, instruction: str, blocks: int, merged_h: int,
+               merged_w: int) -> tuple[torch.Tensor, list[VisionSpan]]:
+        """The prompt's ids and where its vision vectors lie: one run of every temporal patch's vectors."""
+        is_image = media.media_type is MediaType.IMAGE
+        per_block = merged_h * merged_w
         pad_id = self.config.image_token_id if is_image else self.config.video_token_id
-        ids = torch.tensor(self.prompt_ids(is_image, per_block * blocks, text), dtype=torch.long)
+        ids = torch.tensor(self.prompt_ids(is_image, per_block * blocks, instruction), dtype=torch.long)
         start = vision_run_start(ids, pad_id, per_block * blocks, self.config.vision_start_token_id)
         interval = 1.0
         if self.config.variant.time_aligned and not is_image:
             seconds = media.sampled_seconds if isinstance(media, TimedMedia) else media.duration_s
-            interval = self.config.tokens_per_second * seconds_per_temporal_patch(len(frames), seconds)
-        positions, next_position = mrope_positions(len(ids), [VisionSpan(start, (blocks, merged_h, merged_w),
-                                                                         interval)])
-        return ProcessedPrompt(
-            instruction=text, token_ids=ids, positions=positions, next_position=next_position, pixel_values=pixels,
-            vision_blocks=[VisionBlock(start + index * per_block, per_block, (1, grid_h, grid_w))
-                           for index in range(blocks)])
+            interval = self.config.tokens_per_second * seconds_per_temporal_patch(len(media.frames), seconds)
+        return ids, [VisionSpan(start, (blocks, merged_h, merged_w), interval)]
 
     def prompt_ids(self, is_image: bool, vision_tokens: int, instruction: str) -> list[int]:
         """The official usage's prompt: one user turn of the media then the instruction, the generation prompt
         added; the template's one pad token expanded to `vision_tokens`, as the model's processor does."""
+        pad = "<|image_pad|>" if is_image else "<|video_pad|>"
+        return self.prompt_with(is_image, instruction, pad, pad * vision_tokens)
+
+    def prompt_with(self, is_image: bool, instruction: str, placeholder: str, replacement: str) -> list[int]:
+        """The ids of the chat template's prompt (one user turn: the media, then the instruction; the generation
+        prompt added) with its one `placeholder` of the media written as `replacement`."""
         media_type = "image" if is_image else "video"
         messages = [{"role": "user", "content": [{"type": media_type}, {"type": "text", "text": instruction}]}]
         text = self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=True)
-        pad = f"<|{media_type}_pad|>"
-        if text.count(pad) != 1:
-            raise ValueError(f"the chat template wrote {text.count(pad)} {pad} tokens for one {media_type}")
-        return self.tokenizer(text.replace(pad, pad * vision_tokens), add_special_tokens=False)["input_ids"]
+        if text.count(placeholder) != 1:
+            raise ValueError(f"the chat template wrote {text.count(placeholder)} {placeholder} for one {media_type}")
+        return self.tokenizer(text.replace(placeholder, replacement), add_special_tokens=False)["input_ids"]
 
     def min_vision_positions(self, num_frames: int) -> int:
         """The fewest vision positions `num_frames` frames can take: each temporal patch at least `min_pixels`."""
@@ -137,9 +151,9 @@ class QwenVLPromptProcessor:
         """A clip's temporal patches at the most pixels a frame may keep, or one image at its cap, whichever is
         more: one vision position per merged patch, both frames of each temporal patch kept in float32."""
         patch, most = self.patch_size, self.image_processor.size.longest_edge   # longest: max_pixels
-        frames = max(TEMPORAL_PATCH_FRAMES, num_frames)
-        video = temporal_patches(frames) * -(-min(video_frame_max_pixels(frames), most) // patch**2)
-        image = -(-min(IMAGE_MAX_PIXELS, most) // patch**2)
+        frames, factor = max(TEMPORAL_PATCH_FRAMES, num_frames), self.size_factor
+        video = temporal_patches(frames) * -(-min(video_frame_max_pixels(frames, factor), most) // patch**2)
+        image = -(-min(scaled(IMAGE_MAX_PIXELS, factor), most) // patch**2)
         patches = max(video, image)
         return LargestItem(-(-patches // self.merge_size**2), patches * 3 * TEMPORAL_PATCH_FRAMES * patch**2 * 4)
 
@@ -154,14 +168,16 @@ class QwenVLPromptProcessor:
 class QwenVLCaptionModel(LineageCaptionModel):
     """A Qwen2-VL or Qwen2.5-VL checkpoint loaded for captioning."""
 
+    processor_class: type[QwenVLPromptProcessor] = QwenVLPromptProcessor
+
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device, config: QwenVLConfig,
                  family: FamilyInfo):
         self.family = family
         self.config = config
-        self.processor = QwenVLPromptProcessor(model_dir, config, family)
+        self.processor = self.processor_class(model_dir, config, family)
         with no_init_weights():
             model = QwenVLModel(config)
-        load_weights(model, model_dir, dtype, device, config.variant.name, module_key, checkpoint_key)
+        load_weights(model, model_dir, dtype, device, config.variant.name, module_key, config.variant.checkpoint_key)
         model.language_model.tie()
         self.model = model.to(device).eval()
         self.dtype, self.device = dtype, device

@@ -1,10 +1,11 @@
-"""Qwen2-VL and Qwen2.5-VL networks in their checkpoints' own layout, from transformers' modules.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL networks in their checkpoints' own layout, from transformers' modules.
 
-The published checkpoints (Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct, -3B-) keep a flat
-config.json (`model_type "qwen2_vl"` / `"qwen2_5_vl"`, the text settings at the top level, a nested
+The published Qwen2-VL and Qwen2.5-VL checkpoints (Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct, -3B-)
+keep a flat config.json (`model_type "qwen2_vl"` / `"qwen2_5_vl"`, the text settings at the top level, a nested
 `vision_config`) and weights under `visual.` (the ViT and its patch merger), `model.` (the decoder) and
 `lm_head.` (absent where `tie_word_embeddings` is set, as in the 3B). Files written by transformers 5 name them
-`model.visual.` and `model.language_model.`: both are read.
+`model.visual.` and `model.language_model.`: both are read. Qwen3-VL's (Qwen/Qwen3-VL-8B-Instruct, -4B-) nest
+a `text_config` and are published with transformers 5's names.
 """
 
 from __future__ import annotations
@@ -24,17 +25,24 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
 )
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel
+from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLConfig
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel, Qwen3VLVisionModel
 
 from ..qwen_vl.network import LanguageModel, compile_frame_batched, frame_batched, tower_features
 
 # Keys that only steer transformers' own class loading; this implementation picks its modules and attention.
 _LOADER_KEYS = ("architectures", "auto_map", "attn_implementation", "_attn_implementation", "torch_dtype", "dtype")
 
+# Checkpoint key prefixes -> module prefixes: the Qwen2-VL and Qwen2.5-VL layout, then transformers 5's.
+_PREFIXES = (("visual.", "visual."), ("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
+_NEWER_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model.model."),
+                   ("lm_head.", "language_model.lm_head."))
+
 
 @dataclass(frozen=True)
 class Variant:
-    """What tells Qwen2.5-VL from Qwen2-VL here: transformers' classes, and whether the temporal positions
-    follow absolute time (`second_per_grid_ts`)."""
+    """What tells the models of the lineage apart here: transformers' classes, whether the temporal positions
+    follow absolute time (`second_per_grid_ts`), and the weight names the published checkpoints use."""
 
     name: str
     model_type: str
@@ -42,12 +50,23 @@ class Variant:
     tower_class: type[nn.Module]
     decoder_class: type[nn.Module]
     time_aligned: bool
+    published_prefixes: tuple[tuple[str, str], ...] = _PREFIXES
+
+    def checkpoint_key(self, name: str) -> str:
+        """This module tree's parameter name -> the published checkpoints' weight name."""
+        for stored, module in self.published_prefixes:
+            if name.startswith(module):
+                return stored + name[len(module):]
+        return name
 
 
 QWEN2_VL = Variant("Qwen2-VL", "qwen2_vl", Qwen2VLConfig, Qwen2VisionTransformerPretrainedModel, Qwen2VLTextModel,
                    time_aligned=False)
 QWEN2_5_VL = Variant("Qwen2.5-VL", "qwen2_5_vl", Qwen2_5_VLConfig, Qwen2_5_VisionTransformerPretrainedModel,
                      Qwen2_5_VLTextModel, time_aligned=True)
+# Qwen3-VL spaces frames by timestamps written as text between them, not by temporal positions.
+QWEN3_VL = Variant("Qwen3-VL", "qwen3_vl", Qwen3VLConfig, Qwen3VLVisionModel, Qwen3VLTextModel, time_aligned=False,
+                   published_prefixes=_NEWER_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -87,7 +106,8 @@ class QwenVLConfig:
 
 
 class QwenVLModel(nn.Module):
-    """Vision tower (ViT + patch merger) and language model, named as the checkpoints' keys (`checkpoint_key`)."""
+    """Vision tower (ViT + patch merger) and language model, named as the checkpoints' keys
+    (`Variant.checkpoint_key`)."""
 
     def __init__(self, config: QwenVLConfig):
         super().__init__()
@@ -102,26 +122,14 @@ class QwenVLModel(nn.Module):
         compile_frame_batched(self.visual)
 
     def vision_features(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches (`tower_features`)."""
+        """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden, DeepStack features appended along it) for
+        the blocks' patches (`tower_features`)."""
         return tower_features(self.visual, patches, grids)
 
 
-# Checkpoint key prefixes -> module prefixes; the published layout first, then transformers 5's.
-_PREFIXES = (("visual.", "visual."), ("model.", "language_model.model."), ("lm_head.", "language_model.lm_head."))
-_NEWER_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "language_model.model."))
-
-
 def module_key(key: str) -> str:
-    """A checkpoint's weight name -> this module tree's."""
+    """A checkpoint's weight name (either layout) -> this module tree's."""
     for stored, module in (*_NEWER_PREFIXES, *_PREFIXES):
         if key.startswith(stored):
             return module + key[len(stored):]
     return key
-
-
-def checkpoint_key(name: str) -> str:
-    """This module tree's parameter name -> the published checkpoints' weight name."""
-    for stored, module in _PREFIXES:
-        if name.startswith(module):
-            return stored + name[len(module):]
-    return name

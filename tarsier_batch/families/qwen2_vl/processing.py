@@ -6,7 +6,8 @@ per-frame share of a whole-video budget (so long clips get smaller frames), then
 cuts the frames into 14 x 14 patches, two consecutive video frames to a temporal patch (an image fills its
 temporal patch with two copies of itself). Frames are resized here with Pillow's bicubic filter; qwen-vl-utils
 resizes video frames with torchvision's antialiased bicubic, which is not installed here and differs in the
-last bits of some pixels.
+last bits of some pixels. Qwen3-VL's 16-px patches make the side factor 32, and every budget, counted in merged
+patches, scales with its square (`scaled`).
 """
 
 from __future__ import annotations
@@ -34,26 +35,32 @@ DEFAULT_VIDEO_INSTRUCTION = "Describe this video."
 DEFAULT_IMAGE_INSTRUCTION = "Describe this image."
 
 
-def video_frame_max_pixels(frame_count: int) -> int:
+def scaled(pixels: int, factor: int) -> int:
+    """A budget of qwen-vl-utils' at sides of multiples of `factor` rather than 28: the same merged patches."""
+    return pixels * factor**2 // SIZE_FACTOR**2
+
+
+def video_frame_max_pixels(frame_count: int, factor: int = SIZE_FACTOR) -> int:
     """The most pixels one of `frame_count` video frames may keep: its share of the clip's budget, within the
     per-frame bounds."""
-    share = VIDEO_TOTAL_PIXELS / frame_count * TEMPORAL_PATCH_FRAMES
-    return int(max(min(VIDEO_MAX_PIXELS, share), int(VIDEO_MIN_PIXELS * 1.05)))
+    share = scaled(VIDEO_TOTAL_PIXELS, factor) / frame_count * TEMPORAL_PATCH_FRAMES
+    return int(max(min(scaled(VIDEO_MAX_PIXELS, factor), share), int(scaled(VIDEO_MIN_PIXELS, factor) * 1.05)))
 
 
-def pixel_bounds(media_type: MediaType, frame_count: int) -> tuple[int, int]:
+def pixel_bounds(media_type: MediaType, frame_count: int, factor: int = SIZE_FACTOR) -> tuple[int, int]:
     """(min, max) pixels of one frame after qwen-vl-utils' resize."""
     if media_type is MediaType.IMAGE:
-        return IMAGE_MIN_PIXELS, IMAGE_MAX_PIXELS
-    return VIDEO_MIN_PIXELS, video_frame_max_pixels(frame_count)
+        return scaled(IMAGE_MIN_PIXELS, factor), scaled(IMAGE_MAX_PIXELS, factor)
+    return scaled(VIDEO_MIN_PIXELS, factor), video_frame_max_pixels(frame_count, factor)
 
 
-def resize_for_model(frame: Image.Image, media_type: MediaType, frame_count: int) -> Image.Image:
-    """A frame resized to sides of multiples of 28 within its pixel bounds (qwen-vl-utils' `smart_resize`)."""
-    min_pixels, max_pixels = pixel_bounds(media_type, frame_count)
+def resize_for_model(frame: Image.Image, media_type: MediaType, frame_count: int,
+                     factor: int = SIZE_FACTOR) -> Image.Image:
+    """A frame resized to sides of multiples of `factor` within its pixel bounds (qwen-vl-utils' `smart_resize`)."""
+    min_pixels, max_pixels = pixel_bounds(media_type, frame_count, factor)
     width, height = frame.size
     try:
-        new_height, new_width = smart_resize(height, width, factor=SIZE_FACTOR, min_pixels=min_pixels,
+        new_height, new_width = smart_resize(height, width, factor=factor, min_pixels=min_pixels,
                                              max_pixels=max_pixels)
     except ValueError as error:   # an aspect ratio above 200: the file's, not ours
         raise ItemError(TOO_LARGE, str(error)) from None

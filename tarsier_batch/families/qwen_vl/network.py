@@ -37,7 +37,9 @@ class LanguageModel(nn.Module):
 
 
 def tower_features(tower: nn.Module, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
-    """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches.
+    """Merged vision vectors (sum of t*h*w/4 over the blocks, hidden) for the blocks' patches; a tower with
+    DeepStack mergers (Qwen3-VL) appends each merger's vectors along the hidden axis, (vectors, hidden * (1 + n)),
+    so that the engine carries them wherever it puts a vision vector.
 
     `grids` holds each block's (t, h, w) in patches. Patches of different blocks never attend
     to each other, and within a block only those of one temporal patch do.
@@ -47,7 +49,9 @@ def tower_features(tower: nn.Module, patches: torch.Tensor, grids: list[tuple[in
     if isinstance(tower.blocks[0], FrameBatchedVisionBlock):
         extra["frame_lengths"] = [h * w for t, h, w in grids for _ in range(t)]
     dtype = tower.patch_embed.proj.weight.dtype
-    return tower(patches.to(dtype), grid_thw=grid_thw, **extra).pooler_output
+    output = tower(patches.to(dtype), grid_thw=grid_thw, **extra)
+    deepstack = getattr(output, "deepstack_features", None)
+    return torch.cat([output.pooler_output, *deepstack], dim=-1) if deepstack else output.pooler_output
 
 
 def compile_frame_batched(tower: nn.Module) -> None:

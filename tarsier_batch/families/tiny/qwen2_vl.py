@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from ..qwen2_vl import QWEN2_VL_VARIANT, QwenVLConfig, QwenVLModel, Variant
-from ..qwen2_vl.modeling import checkpoint_key
 from ..weights import save_weights
 from .common import CLIP_MEAN, CLIP_STD, INIT_SCALE, round_up
 from .tarsier2 import (
@@ -28,13 +27,11 @@ from .tarsier2 import (
     write_tokenizer_config_for_older_readers,
 )
 
-# The published templates' rendering: a default system turn unless the conversation opens with one, each image
-# or video as <|vision_start|> + one pad token + <|vision_end|> (the processor expands the pad), then the text.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
+_DEFAULT_SYSTEM_TURN = (
     "{%- if loop.first and message['role'] != 'system' -%}"
     "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
-    "{%- endif -%}"
+    "{%- endif -%}")
+_TURN = (
     "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
     "{%- if message['content'] is string -%}{{- message['content'] -}}"
     "{%- else -%}{%- for part in message['content'] -%}"
@@ -42,10 +39,18 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
     "{%- elif 'text' in part -%}{{- part['text'] -}}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+    "{{- '<|im_end|>\\n' -}}")
+
+
+def chat_template(default_system_turn: bool) -> str:
+    """The published templates' rendering: a default system turn unless the conversation opens with one (Qwen2-VL,
+    Qwen2.5-VL; not Qwen3-VL), each image or video as <|vision_start|> + one pad token + <|vision_end|> (the
+    processor expands the pad), then the text."""
+    return ("{%- for message in messages -%}" + (_DEFAULT_SYSTEM_TURN if default_system_turn else "") + _TURN
+            + "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+
+
+CHAT_TEMPLATE = chat_template(default_system_turn=True)
 
 # (vision: embed dim, depth, heads; text: hidden, MLP intermediate, layers, heads, kv heads, M-RoPE sections
 # (summing to half the head dim)) and the image processor's max pixels.
@@ -59,11 +64,8 @@ SIZES: dict[str, dict[str, Any]] = {
 def build(out_dir: Path, size: str, seed: int, variant: Variant = QWEN2_VL_VARIANT) -> None:
     """Write a random-weight checkpoint of `variant` and `size` (a key of SIZES) into `out_dir`."""
     geometry = SIZES[size]
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(str(out_dir))
-    write_tokenizer_config_for_older_readers(out_dir / "tokenizer_config.json")
-    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
-    raw = config_dict(variant, geometry, ids, vocab=round_up(len(tokenizer), 64))
+    ids, vocab = write_tokenizer(out_dir)
+    raw = config_dict(variant, geometry, ids, vocab)
     write_json(out_dir / "config.json", raw)
     write_json(out_dir / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
     write_json(out_dir / "preprocessor_config.json", {
@@ -76,7 +78,15 @@ def build(out_dir: Path, size: str, seed: int, variant: Variant = QWEN2_VL_VARIA
         "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]], "repetition_penalty": REPETITION_PENALTY})
     torch.manual_seed(seed)
     model = QwenVLModel(QwenVLConfig.from_dict(raw, variant)).float()
-    save_weights(model, out_dir, checkpoint_key)
+    save_weights(model, out_dir, variant.checkpoint_key)
+
+
+def write_tokenizer(out_dir: Path) -> tuple[dict[str, int], int]:
+    """The Qwen2 tokenizer's files; the special tokens' ids, and the vocabulary the embeddings hold (rounded up)."""
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(str(out_dir))
+    write_tokenizer_config_for_older_readers(out_dir / "tokenizer_config.json")
+    return {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}, round_up(len(tokenizer), 64)
 
 
 def config_dict(variant: Variant, geometry: dict[str, Any], ids: dict[str, int], vocab: int) -> dict[str, Any]:
