@@ -9,7 +9,8 @@ processors). Tarsier v1: our vision tower and merge make the prompt's input embe
 token for token with the official implementation) and the Llama's `generate` runs from them.
 Tarsier2: transformers' own Qwen2-VL model, sharing our loaded modules, runs the whole item from
 the prompt ids and pixels (vision tower included); only its position ids are swapped for the
-official ones, which transformers 5 computes differently for videos. Prints JSON.
+official ones, which transformers 5 computes differently for videos. Qwen2-VL and Qwen2.5-VL: their own
+transformers models, the same way. Prints JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers import (
@@ -193,20 +194,37 @@ def generate_tarsier(model: CaptionModel, embeds: torch.Tensor, max_new_tokens: 
     return output[0].tolist()
 
 
+# One item's generate through transformers: (prompt, limits) -> the generated ids.
+Generate = Callable[["ProcessedPrompt", GenerateLimits], list[int]]
+
+
+def transformers_generate(model: CaptionModel) -> Generate | None:
+    """The family's generate through transformers' own model around our loaded modules: Qwen2-VL's for Tarsier2,
+    Qwen2-VL's or Qwen2.5-VL's for those; None for Tarsier v1, whose Llama generates from our merged embeddings."""
+    if isinstance(model, Tarsier2CaptionModel):
+        tarsier2 = qwen2_vl_for_generation(model)
+        return lambda prompt, limits: generate_tarsier2(model, tarsier2, prompt, limits.max_new_tokens,
+                                                        limits.disable_eos, limits.logits_processor)
+    if isinstance(model, QwenVLCaptionModel):
+        qwen_vl = qwen_vl_for_generation(model)
+        return lambda prompt, limits: generate_qwen_vl(model, qwen_vl, prompt, limits)
+    return None
+
+
 @torch.inference_mode()
-def caption_one(model: CaptionModel, hf: Qwen2VLForConditionalGeneration | None, item: MediaItem,
-                max_new_tokens: int, disable_eos: bool, frames: int) -> BaselineItem:
+def caption_one(model: CaptionModel, generate: Generate | None, item: MediaItem, max_new_tokens: int,
+                disable_eos: bool, frames: int) -> BaselineItem:
     start = time.perf_counter()
     prepared = prepare_item(model, item, frames)
     loaded = time.perf_counter()
     clock = _PrefillClock()
-    if hf is None:
+    if generate is None:
         embeds = embed_whole_prompt(model, prepared)
         embedded = time.perf_counter()
         ids = generate_tarsier(model, embeds, max_new_tokens, disable_eos, LogitsProcessorList([clock]))
     else:  # the vision tower runs inside generate's prefill
         embedded = loaded
-        ids = generate_tarsier2(model, hf, prepared, max_new_tokens, disable_eos, LogitsProcessorList([clock]))
+        ids = generate(prepared, GenerateLimits(max_new_tokens, disable_eos, LogitsProcessorList([clock])))
     end = time.perf_counter()
     assert clock.first_logits_at is not None
     return BaselineItem(item.path, prepared.length, ids, load_s=loaded - start, embed_s=embedded - loaded,
@@ -217,12 +235,12 @@ def run_baseline(model_dir: Path, items: list[MediaItem], max_new_tokens: int, d
                  frames: int | None = None) -> dict[str, Any]:
     """Caption `items` one at a time (float32, CPU); returns throughput, a stage split and the ids."""
     model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
-    hf = qwen2_vl_for_generation(model) if isinstance(model, Tarsier2CaptionModel) else None
+    generate = transformers_generate(model)
     frames = frames or model.processor.default_frames
     # Untimed warm-up: the first calls pay for lazy imports, allocator growth and kernel choice.
-    caption_one(model, hf, items[0], 2, disable_eos, frames)
+    caption_one(model, generate, items[0], 2, disable_eos, frames)
     start = time.perf_counter()
-    results = [caption_one(model, hf, item, max_new_tokens, disable_eos, frames) for item in items]
+    results = [caption_one(model, generate, item, max_new_tokens, disable_eos, frames) for item in items]
     seconds = time.perf_counter() - start
     tokens = sum(len(result.generated_ids) for result in results)
     decode_steps = tokens - len(results)  # the first token of each item comes from its prefill
@@ -244,7 +262,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="*", default=[str(path) for path in DEFAULT_INPUTS])
     parser.add_argument("--model", type=Path, help="an existing checkpoint; default: build --size")
-    parser.add_argument("--family", default="tarsier", choices=["tarsier", "tarsier2"])
+    parser.add_argument("--family", default="tarsier", choices=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
     parser.add_argument("--size", default="bench", choices=sorted(set(sizes("tarsier")) & set(sizes("tarsier2"))))
     parser.add_argument("--frames", type=int, help="default: the family's")
     parser.add_argument("--max-new-tokens", type=int, default=128)

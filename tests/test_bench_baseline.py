@@ -68,3 +68,20 @@ def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame
     with torch.device("meta"):
         language_model = TarsierModel(config).language_model
     assert 95e6 < sum(parameter.numel() for parameter in language_model.parameters()) < 110e6
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_baseline_of_the_qwen_families_equals_the_pipeline(family: str, items: list[MediaItem],
+                                                           tmp_path: Path) -> None:
+    """The baseline bench_tarsier2.py --family times runs transformers' own Qwen2-VL / Qwen2.5-VL generate, and
+    gives the engine's ids for an image, a GIF and a video with its own prompt."""
+    from tarsier_batch.families.tiny import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / family, "tiny", seed=0, family=family)
+    settings = CaptionSettings(model=str(model_dir), sampling=SamplingParams(max_new_tokens=8), dtype="float32",
+                               device="cpu")
+    ours = list(Captioner(settings).caption(items))
+    baseline = run_baseline(model_dir, items, 8, disable_eos=False)
+    assert all(result.ok for result in ours), [result.error for result in ours]
+    assert baseline["generated_ids"] == [result.generated_ids for result in ours]
+    assert baseline["prompt_tokens"] == [result.prompt_tokens for result in ours]

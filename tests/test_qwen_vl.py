@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -27,7 +28,7 @@ from tarsier_batch.families.qwen2_vl.processing import (
 )
 from tarsier_batch.families.qwen_vl.patches import temporal_patch_of, with_temporal_copies
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.media import MediaType, Span, even_frame_indices
+from tarsier_batch.media import MediaType, Span, even_frame_indices, load_media
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import GenerateLimits, generate_qwen_vl, qwen_vl_for_generation  # noqa: E402
@@ -117,6 +118,44 @@ def test_pixel_budgets_of_qwen_vl_utils() -> None:
     assert resize_for_model(frame, MediaType.VIDEO, 16).size == (1176, 476)   # <= 602,112 px, sides of 28
     assert resize_for_model(frame, MediaType.IMAGE, 1).size == (1932, 812)    # nearest multiples of 28
     assert seconds_per_temporal_patch(16, 10.5) == pytest.approx(2 / (16 / 10.5))
+
+
+@pytest.mark.parametrize("name", ["demo_test.mp4", "portrait_25fps.mp4", "clip_12f.gif"])
+def test_video_frames_are_resized_as_qwen_vl_utils_resizes_them(shared_media: Path, name: str) -> None:
+    """qwen-vl-utils resizes a clip's uint8 frame tensor with torchvision.transforms.functional.resize (BICUBIC,
+    antialias=True), which casts to float32, interpolates, clamps and rounds (torchvision 0.28's
+    _functional_tensor.resize). Pillow's fixed-point bicubic, and torch's own uint8 kernel (the path of
+    torchvision's v2 resize and transformers' video processor on a CPU), land one level off in a tenth or more
+    of the values. Images keep Pillow's resize, as qwen-vl-utils' fetch_image does."""
+    frame = load_media(str(shared_media / name), MediaType.VIDEO, 2, sampler=even_frame_indices).frames[1]
+    ours = resize_for_model(frame, MediaType.VIDEO, 16)
+    size = ours.size
+    assert size != frame.size and size[0] % 28 == 0 and size[1] % 28 == 0
+    tensor = torch.from_numpy(np.array(frame)).permute(2, 0, 1)[None]
+    as_float = torch.nn.functional.interpolate(tensor.float(), size=size[::-1], mode="bicubic", align_corners=False,
+                                               antialias=True).clamp(0, 255).round().to(torch.uint8)
+    as_uint8 = torch.nn.functional.interpolate(tensor, size=size[::-1], mode="bicubic", align_corners=False,
+                                               antialias=True)
+    ours_tensor = torch.from_numpy(np.array(ours)).permute(2, 0, 1)[None]
+    assert torch.equal(ours_tensor, as_float)
+    pillow = torch.from_numpy(np.array(frame.resize(size, Image.Resampling.BICUBIC))).permute(2, 0, 1)[None]
+    for other in (pillow, as_uint8):
+        off = (ours_tensor.int() - other.int()).abs()
+        assert int(off.max()) == 1 and float((off > 0).float().mean()) > 0.1
+    image = resize_for_model(frame, MediaType.IMAGE, 1)
+    assert torch.equal(torch.from_numpy(np.array(image)),
+                       torch.from_numpy(np.array(frame.resize(image.size, Image.Resampling.BICUBIC))))
+
+
+def test_video_frames_equal_torchvisions_resize_where_installed(shared_media: Path) -> None:
+    """The call qwen-vl-utils makes, where torchvision can be imported (its CPU build beside a CPU torch)."""
+    functional = pytest.importorskip("torchvision.transforms.functional")
+    frame = load_media(str(shared_media / "demo_test.mp4"), MediaType.VIDEO, 2, sampler=even_frame_indices).frames[1]
+    ours = resize_for_model(frame, MediaType.VIDEO, 16)
+    tensor = torch.from_numpy(np.array(frame)).permute(2, 0, 1)[None]
+    theirs = functional.resize(tensor, [ours.height, ours.width], interpolation=functional.InterpolationMode.BICUBIC,
+                               antialias=True)
+    assert torch.equal(torch.from_numpy(np.array(ours)).permute(2, 0, 1)[None], theirs)
 
 
 def test_a_temporal_patch_holds_two_frames_in_the_processors_layout(model: QwenVLCaptionModel,

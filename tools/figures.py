@@ -142,8 +142,12 @@ def _or(found: Any, template: str, missing: str) -> str:
 
 
 # The CPU runs against one item per `generate()` (bench_engine.py b1 for Tarsier v1, bench_tarsier2.py), newest
-# first: a label, the results file, and the frame size inside a Tarsier2 file (None for a B1 file).
+# first: a label, the results file, and the frame size inside a bench_tarsier2.py file (None for a B1 file).
 CPU_SPEEDUPS = (
+    ("Qwen2-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, a busy machine (prompts 172-308)",
+     "qwen2-vl-2026-11-29-uncached.json", "bench"),
+    ("Qwen2.5-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off (prompts 172-308)",
+     "qwen2-5-vl-2026-11-29-uncached.json", "bench"),
     ("B1, v1 `bench`, 2026-11-27, 3 repeats, prefix cache off", "b1-2026-11-27-uncached.json", None),
     ("Tarsier2 `bench`, 8 frames, 2 threads, 3 repeats, prefix cache off (prompts 151-503)",
      "tarsier2-2026-11-27-uncached.json", "bench"),

@@ -4,16 +4,18 @@ image processor, and the prompt of the checkpoint's chat template with each visi
 qwen-vl-utils resizes every image to a multiple of 28 within its pixel budget and every video frame within a
 per-frame share of a whole-video budget (so long clips get smaller frames), then the checkpoint's processor
 cuts the frames into 14 x 14 patches, two consecutive video frames to a temporal patch (an image fills its
-temporal patch with two copies of itself). Frames are resized here with Pillow's bicubic filter; qwen-vl-utils
-resizes video frames with torchvision's antialiased bicubic, which is not installed here and differs in the
-last bits of some pixels. Qwen3-VL's 16-px patches make the side factor 32, and every budget, counted in merged
-patches, scales with its square (`scaled`).
+temporal patch with two copies of itself). Images are resized with Pillow's bicubic filter, video frames with
+torch's antialiased bicubic in float32 then rounded, as qwen-vl-utils resize them (Pillow's fixed-point filter
+differs by one level in about a tenth of a video frame's values). Qwen3-VL's 16-px patches make the side factor
+32, and every budget, counted in merged patches, scales with its square (`scaled`).
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
@@ -66,7 +68,18 @@ def resize_for_model(frame: Image.Image, media_type: MediaType, frame_count: int
         raise ItemError(TOO_LARGE, str(error)) from None
     if (new_width, new_height) == (width, height):
         return frame
-    return frame.resize((new_width, new_height), Image.Resampling.BICUBIC)
+    if media_type is MediaType.IMAGE:
+        return frame.resize((new_width, new_height), Image.Resampling.BICUBIC)
+    return resize_video_frame(frame, new_width, new_height)
+
+
+def resize_video_frame(frame: Image.Image, width: int, height: int) -> Image.Image:
+    """An RGB frame resized as torchvision's `functional.resize(..., BICUBIC, antialias=True)` resizes a uint8
+    tensor, the call qwen-vl-utils makes on a video: interpolated in float32, clamped to 0-255, rounded."""
+    pixels = torch.from_numpy(np.array(frame, dtype=np.uint8)).permute(2, 0, 1)[None].float()
+    resized = torch.nn.functional.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False,
+                                              antialias=True)
+    return Image.fromarray(resized.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).numpy())
 
 
 def seconds_per_temporal_patch(frame_count: int, duration_s: float | None) -> float:

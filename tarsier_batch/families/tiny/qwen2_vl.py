@@ -26,6 +26,7 @@ from .tarsier2 import (
     write_json,
     write_tokenizer_config_for_older_readers,
 )
+from .tarsier2 import SIZES as TARSIER2_SIZES
 
 _DEFAULT_SYSTEM_TURN = (
     "{%- if loop.first and message['role'] != 'system' -%}"
@@ -58,6 +59,9 @@ SIZES: dict[str, dict[str, Any]] = {
     # Unit tests: at most 12,544 px per frame after qwen-vl-utils' resize, e.g. 56 x 168 px for demo_test.mp4.
     "tiny": dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=64, text_intermediate=160, text_layers=2,
                  text_heads=4, text_kv_heads=2, mrope_section=[2, 3, 3], max_pixels=112 * 112),
+    # Tarsier2's decode-bound benchmark shape, so that the families' speed-ups compare: a ~100M-parameter LM behind
+    # frames the processor brings to at most 50,176 px.
+    "bench": TARSIER2_SIZES["bench"],
 }
 
 
