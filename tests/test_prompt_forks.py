@@ -94,7 +94,10 @@ def test_the_shared_prefix_is_the_vision_and_the_text_before_the_question(model,
     assert first.shared_prefix(other) == first.vision_blocks[0].start
 
 
-def test_each_question_equals_it_asked_alone(model, prompt_sets) -> None:
+def test_each_question_equals_it_asked_alone(model, prompt_sets, monkeypatch) -> None:
+    # Every answer runs its full length: a random model's early end of a set's first answer would free the prefix
+    # before its forks are admitted (they then compute it themselves, rightly), which is not what is tested here.
+    monkeypatch.setattr(model, "eos_token_ids", frozenset())
     reference = alone(model, prompt_sets)
     assert len({tuple(tokens) for tokens in reference}) == len(reference), "questions should get distinct answers"
     shared = shared_lengths(prompt_sets)
@@ -172,6 +175,10 @@ def test_fastv_questions_do_not_fork_and_equal_them_alone(model, prompt_sets) ->
     """FastV ranks the vision tokens by the last prompt token's attention, which differs per question: each
     question prefills its own prompt."""
     prune = PruneConfig(ratio=0.5, layer=1)
+    if model.family.fastv_refusal is not None:   # refused before loading by the API; the engine refuses it too
+        with pytest.raises(AssertionError, match="DeepStack features enter decoder layers"):
+            alone(model, prompt_sets, prune=prune)
+        return
     reference = alone(model, prompt_sets, prune=prune)
     rows = run_sets(model, prompt_sets, max_rows=6, prefill_chunk=9, max_batch_tokens=20, prune=prune)
     assert [row.output_ids for row in rows] == reference
