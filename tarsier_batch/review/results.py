@@ -14,7 +14,7 @@ from ..errors import UNKNOWN, one_line
 from ..inputs.sources import row_id_of
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
 from ..outputs.schema import OutputColumns, is_long
-from ..outputs.unfinished import has_saved_parts, read_saved_parts
+from ..outputs.unfinished import SavedParts, has_saved_parts, read_saved_parts
 
 HISTOGRAM_BINS = 12
 EXAMPLES_PER_ERROR_KIND = 3
@@ -84,10 +84,13 @@ def load_results(path: Path) -> Results:
     lock: those rows come after the output's, an item's newest row winning."""
     check_results_path(path)
     base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
-    written = path.exists() and (OutputTarget.existing(path).exists() or not has_saved_parts(path))
+    # The parts before the output: a run that finishes meanwhile writes its output before it removes its parts,
+    # so whichever of the two this meets, every row saved is read (the other order could meet neither).
+    saved = _read_saved_parts(path) if has_saved_parts(path) else None
+    written = path.exists() and (OutputTarget.existing(path).exists() or saved is None)
     results = _read_output(path, base) if written else Results([], {}, {})   # an --out-dir with no shard yet: {}
-    if has_saved_parts(path):
-        _add_saved_parts(results, path, base)
+    if saved is not None and saved.parts:   # none left: the run finished meanwhile, its output read above
+        _add_saved_parts(results, saved, base)
     return results
 
 
@@ -114,12 +117,15 @@ def _questions(provenance: dict[str, Any]) -> list[str]:
         list((provenance.get("settings") or {}).get("prompt_set") or [])
 
 
-def _add_saved_parts(results: Results, path: Path, base: pa.Schema) -> None:
-    """Add the rows of an unfinished run's parts to `results` (the newest row of an item wins) and mark it."""
+def _read_saved_parts(path: Path) -> SavedParts:
     try:
-        saved = read_saved_parts(path, OutputColumns(with_token_ids=True, hashed=True, spans=True))
+        return read_saved_parts(path, OutputColumns(with_token_ids=True, hashed=True, spans=True))
     except (OSError, pa.ArrowException, ValueError, KeyError) as error:
         raise OutputError(f"cannot read the rows saved so far for {path} ({one_line(error)})") from error
+
+
+def _add_saved_parts(results: Results, saved: SavedParts, base: pa.Schema) -> None:
+    """Add the rows of an unfinished run's parts to `results` (the newest row of an item wins) and mark it."""
     by_id = {row_id_of(row): row for row in results.rows}
     for row in saved.rows:
         by_id.pop(row_id_of(row), None)
