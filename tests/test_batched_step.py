@@ -214,7 +214,7 @@ def run_recording(model, prompts: list[ProcessedPrompt], monkeypatch, host_rows:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("family", ["tarsier", "tarsier2"])
+@pytest.mark.parametrize("family", ["tarsier", "tarsier2", "qwen2_5_vl", "qwen3_vl"])
 def test_compiled_steps_give_the_eager_tokens(family, tmp_path_factory, shared_media, monkeypatch) -> None:
     """--compile: the layers and the decode attention through torch.compile (inductor's C++ kernels here, Triton
     on a GPU) give the same tokens as the eager step, with rows joining and leaving and chunked prefill. Decode
