@@ -50,6 +50,24 @@ def test_the_kv_estimate_counts_the_longest_answer_a_prompt_set_allows(tiny_mode
     assert kv[1] / kv[0] == pytest.approx((100 + 1024) / (100 + 64))
 
 
+def test_deepstack_features_count_where_the_family_declares_them(tmp_path: Path) -> None:
+    """Qwen3-VL's vision vectors carry a hidden-size DeepStack feature per layer that takes them: the estimate for
+    its checkpoint exceeds that of the same files and geometry read as a Qwen2-VL checkpoint by those features,
+    held for the vectors the step's blocks encode and twice for the step's inputs (gathered, then widened)."""
+    qwen3 = make_tiny_model(tmp_path / "qwen3_vl", "tiny", seed=0, family="qwen3_vl")
+    as_qwen2 = Path(shutil.copytree(qwen3, tmp_path / "as-qwen2-vl"))
+    config = json.loads((qwen3 / "config.json").read_text())
+    (as_qwen2 / "config.json").write_text(json.dumps({**config, "model_type": "qwen2_vl"}))
+    cpu, settings, prompt_positions = torch.device("cpu"), CaptionSettings(kv_cache_gb=64, max_batch_tokens=96), 500
+    with_features, without = (estimate(folder, settings, torch.bfloat16, cpu, rows=2, prompt_positions=prompt_positions,
+                                       pixel_bytes=0) for folder in (qwen3, as_qwen2))
+    features = len(config["vision_config"]["deepstack_visual_indexes"]) * config["text_config"]["hidden_size"] * 2
+    held = min(prompt_positions, 4 * 96) + 2 * 96
+    assert features > 0 and with_features.activations - without.activations == held * features
+    assert (with_features.weights, with_features.kv_cache, with_features.pixels) == \
+        (without.weights, without.kv_cache, without.pixels)
+
+
 def _too_big_checkpoint(tiny_model_dir: Path, folder: Path) -> Path:
     """The tiny checkpoint with one more float32 tensor of 1.5x this machine's available memory, in a sparse file
     (the preflight reads headers only; nothing reads the tensor's data)."""
@@ -106,11 +124,11 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "demo"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "tiny-qwen3_vl", "demo"])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(model: str, tmp_path: Path, shared_media: Path
                                                                 ) -> None:
     checkpoint = "demo" if model == "demo" else str(make_tiny_model(
-        tmp_path / model, "tiny", seed=0, family="tarsier2" if model == "tiny-tarsier2" else "tarsier"))
+        tmp_path / model, "tiny", seed=0, family=model.removeprefix("tiny-") if "-" in model else "tarsier"))
     probe = tmp_path / "probe.py"
     probe.write_text(PEAK_PROBE)
     inputs = [str(SAMPLE_DATA), str(shared_media / "demo_test.mp4")]

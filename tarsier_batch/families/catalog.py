@@ -36,6 +36,10 @@ class FamilyInfo:
     model_type: str = "llava"
     # Why `--prune-method fastv` does not apply to the family's checkpoints; None where it does.
     fastv_refusal: str | None = None
+    # The vision_config key (config.json) listing the vision layers whose features the language model adds to its
+    # first layers' vision positions (DeepStack): each vision vector carries one more hidden-size vector per layer
+    # through the prefill, which the memory preflight counts. None where vision vectors carry nothing more.
+    deepstack_layers_key: str | None = None
 
     def matches(self, model_type: object, text_model_type: object) -> bool:
         """Whether a config.json of these types is this family's."""
@@ -102,7 +106,8 @@ QWEN3_VL = dataclasses.replace(
              "interleaved M-RoPE, a timestamp before each temporal patch",
              ("Qwen/Qwen3-VL-8B-Instruct", "Qwen/Qwen3-VL-4B-Instruct"), "tiny-random-qwen3-vl", package="qwen3_vl"),
     fastv_refusal="Qwen3-VL adds DeepStack vision features in its first decoder layers, which FastV's pruned "
-                  "layers would run without; use {prune_method} temporal")
+                  "layers would run without; use {prune_method} temporal",
+    deepstack_layers_key="deepstack_visual_indexes")
 _FAMILIES: list[FamilyInfo] = [TARSIER2, TARSIER, QWEN2_VL, QWEN2_5_VL, QWEN3_VL]
 # Checkpoints of a known kind that no family runs, and why.
 _REFUSED = {"qwen3_vl_moe": "Qwen3-VL MoE checkpoints are not supported (their mixture-of-experts layers are not "

@@ -11,7 +11,8 @@ comes from the checkpoint's own files and the run's settings:
   rows at once x (the longest prompt the frames allow + new tokens), up to the cache's size;
 - activations of one step (`max_batch_tokens` positions through one layer at a time: hidden
   states, attention and MLP intermediates, the sampled rows' logits) and the vision tower's
-  micro-batch of frames;
+  micro-batch of frames, with the DeepStack features its vision vectors carry where the family
+  declares them (`FamilyInfo.deepstack_layers_key`);
 - decoded items waiting for a row (their preprocessed pixels).
 
 It is compared with what the device can give: free device memory on CUDA, and on the CPU the
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..families.catalog import family_of_config
 from ..families.weights import weight_files
 from ..settings import CaptionSettings, SettingsError
 from .devices import CUDA_RESERVED_BYTES, kv_cache_bytes
@@ -80,7 +82,7 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class _Geometry:
-    """What the estimate needs of config.json (both families keep the language model under `text_config`)."""
+    """What the estimate needs of config.json (every family keeps the language model under `text_config`)."""
 
     layers: int
     hidden: int
@@ -89,17 +91,20 @@ class _Geometry:
     head_dim: int
     vocab: int
     vision_hidden: int
+    deepstack_layers: int   # hidden-size vectors each vision vector carries besides its own (Qwen3-VL's DeepStack)
 
     @classmethod
     def of(cls, model_dir: Path) -> _Geometry:
         raw = json.loads((model_dir / "config.json").read_text())
         text, vision = raw.get("text_config", raw), raw.get("vision_config", {})
         heads = text["num_attention_heads"]
+        deepstack_key = family_of_config(raw, str(model_dir / "config.json")).deepstack_layers_key
         return cls(layers=text["num_hidden_layers"], hidden=text["hidden_size"],
                    intermediate=text["intermediate_size"], kv_heads=text.get("num_key_value_heads") or heads,
                    head_dim=text.get("head_dim") or text["hidden_size"] // heads, vocab=text["vocab_size"],
                    # Qwen2-VL: hidden_size is the merger's output
-                   vision_hidden=vision.get("embed_dim") or vision.get("hidden_size") or 0)
+                   vision_hidden=vision.get("embed_dim") or vision.get("hidden_size") or 0,
+                   deepstack_layers=len(vision.get(deepstack_key) or []) if deepstack_key else 0)
 
     def kv_bytes_per_position(self, dtype: torch.dtype) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype.itemsize
@@ -167,10 +172,19 @@ def estimate(model_dir: Path, settings: CaptionSettings, dtype: torch.dtype, dev
     logits = rows * geometry.vocab * 4 * 2   # the model's logits and their float32 copy for sampling
     vision_positions_per_batch = min(prompt_positions, step_positions * 4)
     vision = vision_positions_per_batch * geometry.vision_hidden * _VISION_BYTES_PER_POSITION_UNIT
+    vision += _deepstack_bytes(geometry, dtype, step_positions, vision_positions_per_batch)
     return MemoryEstimate(weights=weight_bytes(model_dir, dtype, device), kv_cache=kv,
                           activations=language + logits + vision + RUNTIME_BYTES,
                           pixels=pixel_bytes if device.type == "cpu" else 0,   # decoded pixels wait in host memory
                           process=_resident_bytes() if device.type == "cpu" else 0)
+
+
+def _deepstack_bytes(geometry: _Geometry, dtype: torch.dtype, step_positions: int, vision_positions: int) -> int:
+    """What DeepStack features add to a step: each vision vector's features (one hidden-size vector per layer that
+    takes them) travel with it from the tower to the layers that add them, held for every vector of the blocks the
+    step encodes (`vision_positions`) and twice for the step's `step_positions` inputs (the vision vectors gathered,
+    then every position's input widened to carry them)."""
+    return (vision_positions + 2 * step_positions) * geometry.deepstack_layers * geometry.hidden * dtype.itemsize
 
 
 def _resident_bytes() -> int:
