@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import html
 import io
 import json
 import os
@@ -20,7 +21,10 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from awkward_media import H, W, frame_number, numbered, write_video
+from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
+from tarsier_batch.families.catalog import family_named
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.outputs.formats import with_metadata
 from tarsier_batch.outputs.schema import OutputColumns
 from tarsier_batch.review.thumbnails import StripJob, make_strip, shown_indices
@@ -203,3 +207,30 @@ def test_a_segment_is_an_item_of_its_own_named_by_its_span(numbered_clip: Path, 
     assert body_data(dom)["file-headers"] == "1"
     assert dom.count('class="seg current"') == 3 and dom.count('class="timeline"') == 4
     assert "segment 1: 1 s - 2 s of 3 s" in dom
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_family_run_renders_with_its_model_family_and_answers(family: str, tmp_path: Path) -> None:
+    """A prompt set captioned with a Qwen-family checkpoint: the header names its model and family and lists the
+    questions, and each row is an item with its model, its frames' strip and every question's answer."""
+    model = make_tiny_model(tmp_path / family, "tiny", seed=0, family=family)
+    out, report = tmp_path / "out.parquet", tmp_path / "report.html"
+    captioned = runner.invoke(app, [
+        "caption", str(SAMPLE_DATA / "ball_h264.mp4"), str(SAMPLE_DATA / "still.png"), "-o", str(out), "--model",
+        str(model), "--max-new-tokens", "4", "--ask", "caption=Describe the video.", "--ask", "objects=List them.",
+        "-q"])
+    assert captioned.exit_code == 0, captioned.output
+    made = runner.invoke(app, ["report", str(out), "-o", str(report), "--workers", "0"])
+    assert made.exit_code == 0, made.output
+    rows = pq.read_table(out).to_pylist()
+    provenance = json.loads(pq.read_schema(out).metadata[b"tarsier_batch"])
+    assert provenance["model_family"] == family_named(family).name
+    page = report.read_text()
+    assert f"{provenance['model']} ({family_named(family).name})" in html.unescape(page)
+    assert "caption: Describe the video.; objects: List them." in html.unescape(page)
+    data = json.loads(re.search(r'<script type="application/json" id=data>(.*?)</script>', page, re.S).group(1))
+    assert [(item["path"], item["model"], item["frame_indices"]) for item in data["items"]] == \
+        [(row["path"], provenance["model"], row["frame_indices"]) for row in rows]
+    assert all(item["strip"] for item in data["items"])
+    assert [item["answers"] for item in data["items"]] == \
+        [[[name, row[name], row[name + "_prompt"]] for name in ("caption", "objects")] for row in rows]
