@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
+from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.outputs.formats import OutputTarget, read_results
 from tarsier_batch.outputs.schema import PROVENANCE_KEY, OutputColumns
 from tarsier_batch.version import install_extra_command
@@ -365,3 +366,19 @@ def test_windows_on_ray_are_the_single_process_windows(cluster: Path, tiny_model
     assert "captioning 4 items on Ray" in done.output   # 0-1, 1-2, 2-4 s (a last 1 s joins the one before), the image
     table, _, _ = read_results(OutputTarget.existing(out), OutputColumns(with_token_ids=True, spans=True).schema())
     assert table.drop(["elapsed_s"]).to_pylist() == pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+
+
+@pytest.mark.ray
+def test_a_qwen3_vl_checkpoints_rows_on_ray_are_the_single_process_rows(cluster: Path, tmp_path: Path) -> None:
+    """A Qwen-family checkpoint on Ray: a video (timestamps before its temporal patches, from the sampled frames'
+    times, which the cluster's decoders must pass on) and an image give the rows a single-process run writes."""
+    model = make_tiny_model(tmp_path / "qwen3_vl", "tiny", seed=0, family="qwen3_vl")
+    inputs = [str(SAMPLE_DATA / "ball_h264.mp4"), str(SAMPLE_DATA / "still.png")]
+    single = tmp_path / "single.parquet"
+    assert caption(model, *inputs, "-o", str(single), "--quiet").exit_code == 0
+    out = tmp_path / "ray-out"
+    done = caption(model, *inputs, "--ray", "local", "--out-dir", str(out))
+    assert done.exit_code == 0, done.output
+    expected = pq.read_table(single).drop(["elapsed_s"]).to_pylist()
+    assert [row["generated_tokens"] for row in expected] == [6, 6]
+    assert ray_rows(out) == expected
