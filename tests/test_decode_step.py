@@ -4,6 +4,8 @@ sampled rows, and pruned rows in two caches; the padding rows never write into a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 import torch._dynamo
@@ -11,9 +13,12 @@ import torch._dynamo
 from tarsier_batch.engine import PruneConfig, SamplingParams, model_runner
 from tarsier_batch.engine.attention import fine_bucket
 from tarsier_batch.engine.decode_step import DecodeStep
-from tarsier_batch.families.base import ProcessedPrompt
+from tarsier_batch.families.base import CaptionModel, ProcessedPrompt
+from tarsier_batch.families.loading import load_caption_model
+from tarsier_batch.families.tiny import make_tiny_model
 from test_engine import MAX_NEW, NAMES, alone, ids, process, run
 from test_pruning import run as run_pruned
+from test_tarsier2 import process as process_lineage
 
 MAX_NEW_BY_ROW = [5, 24, 9, 17, 3, 12, 20]   # rows leave at different steps, so the real row counts vary
 
@@ -21,6 +26,23 @@ MAX_NEW_BY_ROW = [5, 24, 9, 17, 3, 12, 20]   # rows leave at different steps, so
 @pytest.fixture(scope="module")
 def prompts(tiny_model, shared_media) -> list[ProcessedPrompt]:
     return [process(tiny_model, shared_media / name) for name in NAMES]
+
+
+class FamilyCase(NamedTuple):
+    model: CaptionModel
+    prompts: list[ProcessedPrompt]
+    components: int   # of a position: 1 for RoPE, 3 for M-RoPE
+
+
+@pytest.fixture(scope="module", params=["tarsier", "qwen2_5_vl", "qwen3_vl"])
+def family_case(request, tiny_model, prompts, tmp_path_factory, shared_media) -> FamilyCase:
+    """A family's tiny model and its prompts of NAMES: the decode step is the same for every family (the Qwen
+    families' positions have three components; Qwen3-VL's layers take wider prefill inputs, never decode ones)."""
+    if request.param == "tarsier":
+        return FamilyCase(tiny_model, prompts, 1)
+    model_dir = make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
+    model = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
+    return FamilyCase(model, [process_lineage(model, shared_media / name, frames=4) for name in NAMES], 3)
 
 
 class StaticDecodeStep(DecodeStep):
@@ -67,15 +89,16 @@ def assert_static(steps: list[dict], components: int) -> None:
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=MAX_NEW),
                                       SamplingParams(max_new_tokens=MAX_NEW, temperature=0.9, top_p=0.8,
                                                      repetition_penalty=1.2)], ids=["greedy", "sampled"])
-def test_static_decode_steps_give_every_row_its_tokens_alone(tiny_model, prompts, static_steps, sampling) -> None:
+def test_static_decode_steps_give_every_row_its_tokens_alone(family_case, static_steps, sampling) -> None:
+    model, prompts = family_case.model, family_case.prompts
     seeds = None if sampling.greedy else [sampling.row_seed(name) for name in NAMES]
-    expected = alone(tiny_model, prompts, sampling=sampling, max_new=MAX_NEW_BY_ROW, seeds=seeds)
+    expected = alone(model, prompts, sampling=sampling, max_new=MAX_NEW_BY_ROW, seeds=seeds)
     static_steps.clear()   # the reference ran padded too: count the batched run alone
-    rows = run(tiny_model, prompts, sampling=sampling, max_new=MAX_NEW_BY_ROW, seeds=seeds, max_rows=5,
+    rows = run(model, prompts, sampling=sampling, max_new=MAX_NEW_BY_ROW, seeds=seeds, max_rows=5,
                prefill_chunk=64, max_batch_tokens=80)
     assert ids(rows) == expected
     assert [len(row) for row in expected] == MAX_NEW_BY_ROW, "EOS would hide where rows leave"
-    assert_static(static_steps, components=1)
+    assert_static(static_steps, components=family_case.components)
 
 
 def test_static_decode_steps_of_pruned_rows_equal_rows_alone(tiny_model, prompts, static_steps) -> None:
@@ -132,21 +155,25 @@ def test_compiled_decode_steps_of_pruned_rows_equal_eager(tiny_model_dir, prompt
             assert [row.output_ids for row in compiled] == expected
 
 
-@pytest.mark.parametrize("pruned", [False, True], ids=["one cache", "two caches"])
-def test_a_decode_step_traces_whole_as_a_cuda_graph_records_it(tiny_model, prompts, pruned) -> None:
+# Qwen3-VL refuses FastV pruning (its DeepStack layers), so its decode steps have one cache only.
+@pytest.mark.parametrize("family_case, pruned", [("tarsier", False), ("tarsier", True), ("qwen2_5_vl", True),
+                                                 ("qwen3_vl", False)], indirect=["family_case"],
+                         ids=["one cache", "two caches", "qwen2_5_vl two caches", "qwen3_vl one cache"])
+def test_a_decode_step_traces_whole_as_a_cuda_graph_records_it(family_case, pruned) -> None:
     """What recording a CUDA graph needs, checked on the CPU: a decode step is one function of its tensors that
     torch.compile traces whole (fullgraph: a `.item()`, `.tolist()`, `.nonzero()` or a branch on a value inside
     would break the trace, as it would break a recording), and the traced function gives the step's logits."""
     from tarsier_batch.engine import Engine, EngineConfig
 
-    engine = Engine(tiny_model, EngineConfig(max_rows=3, prefill_chunk=0, kv_cache_tokens=4096,
-                                             prune=PruneConfig(0.5, 1) if pruned else None),
+    model = family_case.model
+    engine = Engine(model, EngineConfig(max_rows=3, prefill_chunk=0, kv_cache_tokens=4096,
+                                        prune=PruneConfig(0.5, 1) if pruned else None),
                     SamplingParams(max_new_tokens=MAX_NEW))
-    for prompt in prompts[:3]:
+    for prompt in family_case.prompts[:3]:
         engine.add(prompt)
     while any(seq.in_prefill for seq in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    step = engine.runner.decode_step = DecodeStep(tiny_model, engine.pools, static_shapes=True)
+    step = engine.runner.decode_step = DecodeStep(model, engine.pools, static_shapes=True)
     traced = torch.compile(step.logits, fullgraph=True, backend="eager")
     agreed = []
 
