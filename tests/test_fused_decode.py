@@ -2,6 +2,8 @@
 result equals its own context's attention alone, whatever its pages, their order and sharing, the padding of a
 static step or the other rows; and an engine decoding through it gives every row the tokens of the split
 attention of torch ops."""
+# The decode-step tests' fixtures are imported and requested by name as test arguments (pytest's injection).
+# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import torch.nn.functional as F
 from tarsier_batch.engine import model_runner
 from tarsier_batch.engine.kv_cache import BlockTable, KVCache
 from tarsier_batch.families.base import KVGeometry
-from test_engine import ids, process, run
+from test_decode_step import family_case, prompts  # noqa: F401
+from test_engine import NAMES, ids, run
 
 pytestmark = pytest.mark.triton   # needs the triton extra (see pyproject.toml)
 
@@ -150,14 +153,15 @@ def test_the_real_split_size_over_a_long_context(fused) -> None:
 
 
 def test_an_engine_decoding_through_the_fused_attention_gives_the_split_attention_s_tokens(
-        fused, tiny_model, shared_media, monkeypatch) -> None:
+        fused, family_case, monkeypatch) -> None:
     """Rows joining and leaving, chunked prefill, float32: the engine with the fused kernel (chosen as on CUDA)
-    generates exactly the tokens of the split attention of torch ops."""
-    prompts = [process(tiny_model, shared_media / name) for name in ("clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4")]
+    generates exactly the tokens of the split attention of torch ops, for every family's tiny model."""
+    model = family_case.model
+    clips = [family_case.prompts[NAMES.index(name)] for name in ("clip_5f.gif", "tarsier_logo.jpg", "short_5f.mp4")]
     max_new = [12, 3, 6]   # the second row leaves early, the third takes its place
-    expected = ids(run(tiny_model, prompts, max_new=max_new, max_rows=2, prefill_chunk=64, max_batch_tokens=80))
+    expected = ids(run(model, clips, max_new=max_new, max_rows=2, prefill_chunk=64, max_batch_tokens=80))
     monkeypatch.setattr(model_runner, "fused_attention_available", lambda device: True)
     chosen = model_runner._decode_attention(torch.device("cpu"), compiled=False, fused=True)
     assert isinstance(chosen, fused.FusedDecodeAttention)
-    assert ids(run(tiny_model, prompts, max_new=max_new, max_rows=2, prefill_chunk=64,
+    assert ids(run(model, clips, max_new=max_new, max_rows=2, prefill_chunk=64,
                    max_batch_tokens=80)) == expected
