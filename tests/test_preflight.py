@@ -124,7 +124,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "tiny-qwen3_vl", "demo"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "demo"])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(model: str, tmp_path: Path, shared_media: Path
                                                                 ) -> None:
     checkpoint = "demo" if model == "demo" else str(make_tiny_model(
