@@ -63,7 +63,10 @@ def frame_number(frame: Image.Image) -> int:
 def write_video(path: Path, codec: str, frames: int = 10, container: str | None = None, rotation: int = 0,
                 sar: Fraction | None = None, pts_step: list[int] | None = None, options: dict | None = None,
                 pix_fmt: str = "yuv420p", picture: Callable[[int], np.ndarray] = lambda index: halves(),
-                codec_options: dict | None = None, bit_rate: int | None = None) -> Path:
+                codec_options: dict | None = None, bit_rate: int | None = None, first_pts: int = 0,
+                last_frame_ms: int | None = None) -> Path:
+    """Frames timed by `pts_step` (ms, repeated; else at 10 fps) from `first_pts` (ms, with `pts_step`); the last
+    frame shown for `last_frame_ms` where given (its packet's stored duration)."""
     with av.open(str(path), "w", format=container, options=options or {}) as output:
         stream = output.add_stream(codec, rate=10)
         stream.width, stream.height, stream.pix_fmt = W, H, pix_fmt
@@ -76,15 +79,19 @@ def write_video(path: Path, codec: str, frames: int = 10, container: str | None 
             stream.set_display_rotation(rotation)
         if pts_step is not None:
             stream.codec_context.time_base = Fraction(1, 1000)
-        pts = 0
+        pts = first_pts
+        packets = []
         for index in range(frames):
             frame = av.VideoFrame.from_ndarray(picture(index), format="rgb24")
             if pts_step is not None:
                 frame.pts, frame.time_base = pts, Fraction(1, 1000)
                 pts += pts_step[index % len(pts_step)]
-            for packet in stream.encode(frame):
-                output.mux(packet)
-        for packet in stream.encode():
+            packets += stream.encode(frame)
+        packets += stream.encode()
+        if last_frame_ms is not None:
+            last = max(packets, key=lambda packet: packet.pts)
+            last.duration = round(last_frame_ms / 1000 / last.time_base)
+        for packet in packets:
             output.mux(packet)
     return path
 

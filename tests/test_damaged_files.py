@@ -93,6 +93,34 @@ def test_no_whole_file_of_any_container_or_codec_is_marked(tmp_path: Path, share
     assert marked == {"numbered_cut.mp4": ("cut_short",)}
 
 
+# Healthy files whose frames run as long as their container declares, by a measure other than their count over
+# the average rate: options of `write_video`, and the decoder that reads the file (the rotated ones go to PyAV).
+UNEVENLY_TIMED = {
+    # 3 s at 25 fps then 10 s at 2 fps: decord's average rate comes from the first seconds (95 frames: 3.8 s).
+    "variable_rate.mkv": ({"frames": 95, "pts_step": [40] * 75 + [500] * 20}, "decord"),
+    "variable_rate.webm": ({"frames": 95, "pts_step": [40] * 75 + [500] * 20}, "decord"),
+    # A 20 s pause in the timestamps: frames are counted for the timeline (4 s); the container spans 24 s.
+    "jump.mkv": ({"frames": 100, "pts_step": [40] * 49 + [20_000] + [40] * 50}, "decord"),
+    "jump_rotated.mp4": ({"frames": 100, "pts_step": [40] * 49 + [20_000] + [40] * 50, "rotation": 90}, "pyav"),
+    # Frames from 1 s to 3 s: Matroska's duration (3 s) counts from 0.
+    "late.mkv": ({"frames": 50, "pts_step": [40], "first_pts": 1000}, "decord"),
+    "late_rotated.mkv": ({"frames": 50, "pts_step": [40], "first_pts": 1000, "rotation": 90}, "pyav"),
+    # The last of 2 s of frames shown for 3 s (its packet's duration), not for one frame step.
+    "long_last_frame.mkv": ({"frames": 50, "pts_step": [40], "last_frame_ms": 3000}, "decord"),
+    "long_last_frame_rotated.mkv": ({"frames": 50, "pts_step": [40], "last_frame_ms": 3000, "rotation": 90}, "pyav"),
+}
+
+
+@pytest.mark.parametrize("name", UNEVENLY_TIMED)
+def test_a_healthy_file_timed_unevenly_is_not_marked(tmp_path: Path, name: str) -> None:
+    """Neither as a whole nor in a window that runs to its end."""
+    options, decoder = UNEVENLY_TIMED[name]
+    path = write_video(tmp_path / name, "libvpx-vp9" if name.endswith(".webm") else "libx264", **options)
+    whole = load_media(str(path), MediaType.VIDEO, 8)
+    last_window = load_media(str(path), MediaType.VIDEO, 4, span=Span(1.0, 30.0))
+    assert (whole.decoder, whole.warnings, last_window.warnings) == (decoder, (), ())
+
+
 def test_each_window_carries_its_own_warnings(damaged: dict[str, Path]) -> None:
     """The zeros lie in the packets of frames 51-52 (6.4 s); windows decoded from the keyframe at frame 43 on pass
     through them. Windows before are whole, and so is every window of the healthy file."""

@@ -5,9 +5,8 @@ found (`WARNING_KINDS`), from what decoding already saw, without decoding anythi
 from __future__ import annotations
 
 import bisect
+import statistics
 from typing import Any
-
-from .timeline import Span
 
 CUT_SHORT = "cut_short"
 CORRUPT_PACKETS = "corrupt_packets"
@@ -21,30 +20,44 @@ WARNING_KINDS: dict[str, str] = {
 }
 
 # How much shorter than declared a video may be and still count as whole: container durations and frame times are
-# rounded, and a variable frame rate makes the last frame's length a guess.
+# rounded, and where a frame's length is not stored it is taken to be the typical step between frames.
 _SLACK_FRAMES = 2
 _SLACK_S = 0.25
 
 
 def declared_duration(container: Any, stream: Any) -> float | None:
-    """The video's length as its container declares it (seconds; None where it does not): the stream's own, else
-    the container's where the video is its only stream (another stream, such as audio, may run longer)."""
+    """The video's length from its first frame as its container declares it (seconds; None where it does not): the
+    stream's own, else the container's where the video is its only stream (another stream, such as audio, may run
+    longer). Matroska counts the container's duration from 0, other containers from the first frame; for a video
+    whose first frame comes later, the reading from 0 less the start is the shorter one, and is taken, so that a
+    healthy file is not marked."""
     if stream.duration:
         return float(stream.duration * stream.time_base)
     if container.duration and len(container.streams) == 1:
-        return container.duration / 1_000_000   # in AV_TIME_BASE units
+        start = max(container.start_time or 0, 0)
+        return (container.duration - start) / 1_000_000   # in AV_TIME_BASE units
     return None
 
 
-def is_cut_short(held_s: float | None, frames: int, declared_s: float | None, span: Span | None) -> bool:
-    """Does a video whose `frames` frames last `held_s` seconds hold less than the `declared_s` of its container,
-    with the sampled `span` (None: the whole file) reaching the end of what it holds?"""
-    if not held_s or declared_s is None or frames < 1:
+def held_duration(starts: list[float], lengths: list[float]) -> float | None:
+    """How long frames that start at `starts` and last `lengths` (seconds in the stream's own clock, any order; a
+    length of 0: not stored) run, from the first one's start to the latest end (None: no frames). Raw times: a
+    timestamp jump counts as the time it skips, as in the container's duration. A frame without a stored length
+    lasts the typical step between frames."""
+    if not starts:
+        return None
+    ordered = sorted(starts)
+    steps = [later - earlier for earlier, later in zip(ordered, ordered[1:]) if later > earlier]
+    typical = statistics.median(steps) if steps else 0.0
+    return max(start + (length if length > 0 else typical) for start, length in zip(starts, lengths)) - ordered[0]
+
+
+def is_cut_short(held_s: float | None, frames: int, declared_s: float | None, reaches_end: bool) -> bool:
+    """Does a video whose `frames` frames last `held_s` seconds (`held_duration`) hold less than the `declared_s`
+    of its container, with the sampled stretch reaching the end of what it holds (`reaches_end`)?"""
+    if not held_s or declared_s is None or frames < 1 or not reaches_end:
         return False
-    slack = max(_SLACK_S, _SLACK_FRAMES * held_s / frames)
-    if declared_s - held_s <= slack:
-        return False
-    return span is None or span.end_s >= held_s - slack
+    return declared_s - held_s > max(_SLACK_S, _SLACK_FRAMES * held_s / frames)
 
 
 class DecodeDamage:

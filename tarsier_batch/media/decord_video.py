@@ -10,14 +10,14 @@ from typing import Any
 
 from PIL import Image
 
-from .damage import is_cut_short, warnings_of
+from .damage import held_duration, is_cut_short, warnings_of
 from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
 from .memory import return_freed_memory
 from .sampling import FrameSampler
 from .span_cache import kept_for_spans, spans_video
-from .timeline import Span, Timeline, sample_span, timeline_of
+from .timeline import Span, Timeline, reaches_end, sample_span, timeline_of
 
 
 def decord_timeline(reader: Any) -> Timeline:
@@ -30,8 +30,16 @@ def decord_timeline(reader: Any) -> Timeline:
     return replace(timeline, duration_s=float(stamps[:, 1].max() - stamps[:, 0].min()))
 
 
+def decord_held_duration(reader: Any) -> float | None:
+    """How long a decord reader's frames run (`damage.held_duration`), by the start and end times it gives each
+    (an end at the start: a length not stored)."""
+    stamps = reader.get_frame_timestamp(range(len(reader)))
+    return held_duration(stamps[:, 0].tolist(), (stamps[:, 1] - stamps[:, 0]).tolist())
+
+
 class OpenVideo:
-    """A video open with decord, and what sampling needs of it: frame count, keyframes, rate, frame start times."""
+    """A video open with decord, and what sampling needs of it: frame count, keyframes, rate, frame start times; and
+    how long its frames run (`decord_held_duration`)."""
 
     def __init__(self, source: str, with_starts: bool = False):
         import decord
@@ -41,13 +49,14 @@ class OpenVideo:
         self.keyframes = [int(key) for key in self.reader.get_key_indices()]
         self.fps = self.reader.get_avg_fps()
         self.starts = decord_timeline(self.reader).starts if with_starts and self.total else []
+        self.held_s = decord_held_duration(self.reader) if self.total else None
 
 
 def load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
                       sampler: FrameSampler, span: Span | None = None, declared_s: float | None = None) -> Media:
-    """The sampled frames (within `span`), decoded by decord; `cut_short` where its frames last less than the
-    `declared_s` of the container. decord says nothing of packets that fail to decode: it fails, or its FFmpeg
-    conceals the damage unseen."""
+    """The sampled frames (within `span`), decoded by decord; `cut_short` where its frames run shorter than the
+    `declared_s` of the container (both from the first frame). decord says nothing of packets that fail to decode:
+    it fails, or its FFmpeg conceals the damage unseen."""
     import decord
 
     decord.logging.set_level(decord.logging.QUIET)  # FFmpeg's own messages would garble the display
@@ -79,9 +88,9 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
             if transform is not None:
                 return_freed_memory()
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
-    duration = total / fps if fps > 0 else None
-    return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "decord",
-                 warnings_of(is_cut_short(duration, total, declared_s, span), None))
+    cut_short = is_cut_short(opened.held_s, total, declared_s, reaches_end(starts, span))
+    return Media(path, MediaType.VIDEO, frames, indices, width, height, total / fps if fps > 0 else None, "decord",
+                 warnings_of(cut_short, None))
 
 
 @contextlib.contextmanager

@@ -13,14 +13,14 @@ from typing import Any
 from PIL import Image
 
 from ..errors import UNDECODABLE, ItemError
-from .damage import DecodeDamage, declared_duration, is_cut_short, warnings_of
+from .damage import DecodeDamage, declared_duration, held_duration, is_cut_short, warnings_of
 from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
 from .memory import return_freed_memory
 from .sampling import FrameSampler
 from .span_cache import kept_for_spans, spans_packets
-from .timeline import Span, Timeline, sample_span, timeline_of
+from .timeline import Span, Timeline, reaches_end, sample_span, timeline_of
 
 
 @contextlib.contextmanager
@@ -103,10 +103,10 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
             return windowed
     try:
         with video_stream(source) as (container, stream):
-            times = [packet.pts for packet in stream_packets(container, stream)]
-            held = packet_timeline(times, stream)
+            times, held_s = packet_times(container, stream)
+            starts = packet_timeline(times, stream).starts
             declared = declared_duration(container, stream)
-        starts, total = held.starts, len(held.starts)
+        total = len(starts)
         for _ in range(2):
             if total < 1:
                 raise DecoderFailure("no video frame decodes")
@@ -120,7 +120,7 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
     except av.FFmpegError as error:
         raise DecoderFailure(error.strerror or short_error(error)) from error
     frames = [sampled.results[index] for index in indices]  # a repeated index reuses its result
-    cut_short = is_cut_short(held.duration_s, len(starts), declared, span)
+    cut_short = is_cut_short(held_s, len(starts), declared, reaches_end(starts[:total], span))
     return Media(path, MediaType.VIDEO, frames, indices, sampled.width, sampled.height,
                  total / sampled.fps if sampled.fps else None, "pyav", warnings_of(cut_short, sampled.damage))
 
@@ -129,14 +129,14 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
 class PacketTimes:
     """A video's frames as its packets list them: each frame's presentation timestamp in display order (None
     where decoded frames cannot be matched to them by timestamp: some missing, two alike, or time counted in
-    frames), its start time from the first frame's, and the stream's average rate; how long they last, and how long
-    the container declares the video (`damage.declared_duration`)."""
+    frames), its start time from the first frame's, and the stream's average rate; how long they run
+    (`damage.held_duration`), and how long the container declares the video (`damage.declared_duration`)."""
 
     timestamps: list[int] | None
     starts: list[float]
     fps: float | None
     frames: int
-    held_s: float
+    held_s: float | None
     declared_s: float | None
 
 
@@ -155,13 +155,13 @@ def pyav_span(path: str, source: str, span: Span, num_frames: int, sampler: Fram
 
 def read_packet_times(source: str) -> PacketTimes:
     with video_stream(source) as (container, stream):
-        timestamps = [packet.pts for packet in stream_packets(container, stream)]
+        timestamps, held_s = packet_times(container, stream)
         timeline = packet_timeline(timestamps, stream)
         fps = float(stream.average_rate) if stream.average_rate else None
         declared = declared_duration(container, stream)
     matchable = not timeline.by_frames and len(set(timestamps)) == len(timestamps)   # by_frames: some are None
     ordered = sorted(stamp for stamp in timestamps if stamp is not None) if matchable else None
-    return PacketTimes(ordered, timeline.starts, fps, len(timestamps), timeline.duration_s, declared)
+    return PacketTimes(ordered, timeline.starts, fps, len(timestamps), held_s, declared)
 
 
 def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, num_frames: int,
@@ -179,7 +179,8 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
     timestamps = packets.timestamps
     if not timestamps:
         return None
-    indices = sample_span(packets.starts if starts is None else starts, span, num_frames, sampler)
+    starts = packets.starts if starts is None else starts
+    indices = sample_span(starts, span, num_frames, sampler)
     wanted = {timestamps[index]: index for index in indices}
     first, last = min(wanted), max(wanted)
     # A decoded frame's timestamp is a packet's: missing frames are then damage, not timestamps that differ.
@@ -221,9 +222,22 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
         which = f"frame {missing[0]}" if len(missing) == 1 else f"frames {missing[0]} to {missing[-1]}"
         raise ItemError(UNDECODABLE, f"{len(missing)} of the {len(set(indices))} frames sampled in {span} ({which}) "
                                      f"do not decode: the file is damaged there")
-    cut_short = is_cut_short(packets.held_s, packets.frames, packets.declared_s, span)
+    cut_short = is_cut_short(packets.held_s, packets.frames, packets.declared_s, reaches_end(starts, span))
     return Media(path, MediaType.VIDEO, [results[index] for index in indices], indices, width, height,
                  packets.frames / packets.fps if packets.fps else None, "pyav", warnings_of(cut_short, damage))
+
+
+def packet_times(container: Any, stream: Any) -> tuple[list[int | None], float | None]:
+    """The presentation timestamps of the stream's packets (stream order; in its time base), and how long the
+    packets run (`damage.held_duration`; None where one has no timestamp)."""
+    times: list[int | None] = []
+    lengths: list[float] = []
+    for packet in stream_packets(container, stream):
+        times.append(packet.pts)
+        lengths.append(float((packet.duration or 0) * stream.time_base))
+    if None in times:
+        return times, None
+    return times, held_duration([float(time * stream.time_base) for time in times if time is not None], lengths)
 
 
 def packet_timeline(times: list[int | None], stream: Any) -> Timeline:

@@ -37,6 +37,11 @@ def frames_in_span(starts: list[float], span: Span) -> range:
                  bisect.bisect_left(starts, span.end_s - _SPAN_TOLERANCE_S))
 
 
+def reaches_end(starts: list[float], span: Span | None) -> bool:
+    """Does `span` (None: the whole file) hold the last of the frames that start at `starts`?"""
+    return span is None or frames_in_span(starts, span).stop == len(starts)
+
+
 def sample_span(starts: list[float], span: Span | None, num_frames: int, sampler: FrameSampler) -> list[int]:
     """Frame indices `sampler` picks within `span`, as if the span were the whole file (None: the whole file)."""
     if span is None:
