@@ -81,7 +81,7 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
     duration = total / fps if fps > 0 else None
     return Media(path, MediaType.VIDEO, frames, indices, width, height, duration, "decord",
-                 warnings_of(is_cut_short(duration, total, declared_s, span), None))
+                 warnings_of(is_cut_short(duration, total, declared_s, span), None), fps=fps or None)
 
 
 @contextlib.contextmanager
