@@ -7,9 +7,12 @@ transformers' own Qwen3VLForConditionalGeneration.generate."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import av
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -20,7 +23,10 @@ from tarsier_batch.engine import SamplingParams
 from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
 from tarsier_batch.families.qwen3_vl import Qwen3VLCaptionModel
+from tarsier_batch.families.qwen3_vl.family import temporal_patch_seconds
 from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.media import Media, MediaType, even_frame_indices
+from tarsier_batch.media.sampling import TEMPORAL_PATCH_FRAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import qwen_vl_for_generation  # noqa: E402
@@ -110,6 +116,79 @@ def test_positions_are_transformers_own_for_images_and_videos(model: Qwen3VLCapt
     first, second = video.vision_blocks[:2]
     assert video.positions[0, first.start] == video.positions[0, first.end - 1]   # one temporal index a block
     assert video.positions[0, second.start] == video.positions[0, first.end] + second.start - first.end
+
+
+# Frame rates as decoders read them: NTSC's 24000/1001, 30000/1001 and 60000/1001, the rounded 23.976 and 29.97
+# that some containers declare, and whole rates.
+FRAME_RATES = [24000 / 1001, 23.976, 24.0, 25.0, 30000 / 1001, 29.97, 30.0, 50.0, 60000 / 1001, 60.0]
+
+
+def processors_timestamps(indices: list[int], fps: float) -> list[float]:
+    """transformers' Qwen3VLProcessor._calculate_timestamps, which reads nothing of the processor it is on."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    return Qwen3VLProcessor.__new__(Qwen3VLProcessor)._calculate_timestamps(list(indices), fps, TEMPORAL_PATCH_FRAMES)
+
+
+def test_timestamps_are_the_processors_for_every_frame_rate_and_count() -> None:
+    """The processor's times from the same sampled indices and frame rate, to the last bit, so the same
+    `<x.x seconds>` text: over frame rates, clip lengths and sampled counts (an odd count padded as it pads).
+    A time computed otherwise, as index x duration / frames, differs in the last bit and flips roundings at x.x5
+    (41 frames at 30 fps, 32 sampled: 1.0 where the processor writes 1.1)."""
+    differing = []
+    for fps in FRAME_RATES:
+        for total in range(1, 1200, 7):
+            for count in (2, 8, 16, 32):
+                sampled = even_frame_indices(total, count)
+                for indices in (sampled, sampled[:-1]):   # the last left out: an odd count, padded
+                    media = Media("v.mp4", MediaType.VIDEO, [None] * len(indices), indices, 1, 1, total / fps,
+                                  "decord", fps=fps)
+                    ours = temporal_patch_seconds(media, (len(indices) + 1) // TEMPORAL_PATCH_FRAMES)
+                    theirs = processors_timestamps(indices, fps)
+                    if ours != theirs or [f"{t:.1f}" for t in ours] != [f"{t:.1f}" for t in theirs]:
+                        differing.append((fps, total, len(indices)))
+    assert differing == []
+
+
+@pytest.mark.parametrize("container", ["mp4", "mpegts"])
+def test_a_decoded_videos_prompt_times_frames_by_the_files_own_rate(model: Qwen3VLCaptionModel, tmp_path: Path,
+                                                                    container: str) -> None:
+    """67 frames at 30 fps, 16 sampled: the processor writes 1.0 s for the fourth temporal patch (frames 26 and 31,
+    (26 / 30 + 31 / 30) / 2 = 0.9500000000000001, where index x duration / frames gives 0.95 - 1 ulp: 0.9).
+    The rate is the one transformers' loader for that decoder reads: decord's average rate (MP4) or the stream's
+    average rate in PyAV (MPEG-TS, which decord does not read here)."""
+    path = tmp_path / f"clip.{'ts' if container == 'mpegts' else container}"
+    with av.open(str(path), "w", format=container) as output:
+        stream = output.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 64, 64, "yuv420p"
+        for index in range(67):
+            picture = np.full((64, 64, 3), index * 3, np.uint8)
+            output.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        output.mux(stream.encode())
+    media = model.processor.load_media(str(path), MediaType.VIDEO, 16)
+    if container == "mp4":
+        import decord
+
+        rate, decoder = float(decord.VideoReader(str(path)).get_avg_fps()), "decord"
+    else:
+        with av.open(str(path)) as opened:
+            rate, decoder = float(opened.streams.video[0].average_rate), "pyav"
+    assert (media.decoder, media.fps, rate) == (decoder, 30.0, 30.0)
+    text = model.processor.tokenizer.decode(model.processor.process(media, None).token_ids)
+    written = re.findall(r"<(\d+\.\d) seconds>", text)
+    assert written == [f"{t:.1f}" for t in processors_timestamps(media.frame_indices, rate)]
+    assert written[3] == "1.0"
+
+
+def test_an_animations_frames_are_timed_by_its_average_rate(model: Qwen3VLCaptionModel, shared_media: Path) -> None:
+    """clip_5f.gif: 5 frames of 120 ms, so 25 / 3 frames a second, as FFmpeg reads its rate; frames 0, 1, 3, 4
+    sampled: patches at 0.06 and 0.42 s."""
+    media = model.processor.load_media(str(shared_media / "clip_5f.gif"), MediaType.GIF, 16)
+    with av.open(str(shared_media / "clip_5f.gif")) as opened:
+        assert media.fps == float(opened.streams.video[0].average_rate) == 25 / 3
+    text = model.processor.tokenizer.decode(model.processor.process(media, None).token_ids)
+    assert re.findall(r"<(\d+\.\d) seconds>", text) == ["0.1", "0.4"]
+    assert temporal_patch_seconds(media, 2) == processors_timestamps(media.frame_indices, 25 / 3)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])

@@ -90,7 +90,7 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
     cut_short = is_cut_short(opened.held_s, total, declared_s, reaches_end(starts, span))
     return Media(path, MediaType.VIDEO, frames, indices, width, height, total / fps if fps > 0 else None, "decord",
-                 warnings_of(cut_short, None))
+                 warnings_of(cut_short, None), fps=fps or None)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,10 @@ class Media:
     duration_s: float | None
     decoder: str              # what produced the frames: "decord", "pyav" or "pillow"
     warnings: tuple[str, ...] = ()   # damage decoding read past (`damage.WARNING_KINDS`)
+    # The frame rate as the decoder reads the file (decord's average rate, the stream's in PyAV, an animation's
+    # frames over its length): what the official processors divide frame indices by to time frames. None: unknown,
+    # or a still image.
+    fps: float | None = None
 
 
 def finish_frame(frame: Image.Image, transform: FrameTransform | None, frame_count: int) -> Any:

@@ -61,8 +61,10 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
     width, height = animation.size
     if not frames:
         raise ItemError(UNDECODABLE, "the animation has no readable frames")
+    # The average rate, as FFmpeg reads an animation's (integers divided once: exactly its float).
+    fps = frame_count * 1000 / duration_ms if duration_ms else None
     return Media(path, MediaType.GIF, frames, kept, width, height,
-                 duration_ms / 1000 if duration_ms else None, "pillow")
+                 duration_ms / 1000 if duration_ms else None, "pillow", fps=fps)
 
 
 def open_image(path: str, max_pixels: int | None) -> Image.Image:

@@ -122,7 +122,8 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
     frames = [sampled.results[index] for index in indices]  # a repeated index reuses its result
     cut_short = is_cut_short(held_s, len(starts), declared, reaches_end(starts[:total], span))
     return Media(path, MediaType.VIDEO, frames, indices, sampled.width, sampled.height,
-                 total / sampled.fps if sampled.fps else None, "pyav", warnings_of(cut_short, sampled.damage))
+                 total / sampled.fps if sampled.fps else None, "pyav", warnings_of(cut_short, sampled.damage),
+                 fps=sampled.fps)
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
                                      f"do not decode: the file is damaged there")
     cut_short = is_cut_short(packets.held_s, packets.frames, packets.declared_s, reaches_end(starts, span))
     return Media(path, MediaType.VIDEO, [results[index] for index in indices], indices, width, height,
-                 packets.frames / packets.fps if packets.fps else None, "pyav", warnings_of(cut_short, damage))
+                 packets.frames / packets.fps if packets.fps else None, "pyav", warnings_of(cut_short, damage),
+                 fps=packets.fps)
 
 
 def packet_times(container: Any, stream: Any) -> tuple[list[int | None], float | None]:

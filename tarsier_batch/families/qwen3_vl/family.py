@@ -18,25 +18,27 @@ from ...media import Media, MediaType
 from ...media.sampling import TEMPORAL_PATCH_FRAMES
 from ..base import Attention
 from ..decoder import run_decoder_layers
-from ..qwen2_vl.family import QwenVLCaptionModel, QwenVLPromptProcessor, TimedMedia
-from ..qwen2_vl.processing import DEFAULT_FPS
+from ..qwen2_vl.family import QwenVLCaptionModel, QwenVLPromptProcessor
 from ..qwen_vl.positions import VisionSpan
 
 # The chat template's video, replaced whole by the frames' timestamps and blocks, as the model's processor does.
 VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
+# The frame rate transformers' Qwen3VLProcessor times frames by where the video's own is unknown.
+UNKNOWN_RATE_FPS = 24.0
 
 
 def temporal_patch_seconds(media: Media, blocks: int) -> list[float]:
-    """Each temporal patch's time: the mean of its two frames' times, counted from the first sampled frame.
+    """Each temporal patch's time, as transformers' Qwen3VLProcessor computes it: a frame's index over the file's
+    frame rate (the same float division, so the same `:.1f` text), a patch's first and last frames averaged.
 
-    A frame's time is its index over the frame rate; the rate is the frames the sampled stretch spans over its
-    seconds (exact for a whole video, whose indices run from 0 to its last frame), else qwen-vl-utils' default."""
-    indices = list(media.frame_indices)
+    Indices count from the first sampled frame, which for a whole video is frame 0; a segment's times therefore
+    start near 0 s, where qwen-vl-utils' decord and torchcodec readers time a clip cut from a file
+    (`video_start`) by its frames' indices in the whole file."""
+    first = media.frame_indices[0]
+    indices = [index - first for index in media.frame_indices]
     indices += indices[-1:] * (blocks * TEMPORAL_PATCH_FRAMES - len(indices))
-    seconds = media.sampled_seconds if isinstance(media, TimedMedia) else media.duration_s
-    spanned = indices[-1] - indices[0] + 1
-    per_index = seconds / spanned if seconds else 1 / DEFAULT_FPS
-    times = [(index - indices[0]) * per_index for index in indices]
+    fps = media.fps or UNKNOWN_RATE_FPS
+    times = [index / fps for index in indices]
     return [(times[i] + times[i + TEMPORAL_PATCH_FRAMES - 1]) / 2 for i in range(0, len(times), TEMPORAL_PATCH_FRAMES)]
 
 
