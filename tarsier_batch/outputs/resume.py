@@ -44,6 +44,15 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
                 differences="; ".join(differences)))
 
 
+def settings_match(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> bool:
+    """Whether rows made with the `stored` settings may be continued with `now` (`check_settings` refuses none)."""
+    try:
+        check_settings(stored, now)
+    except SettingsMismatchError:
+        return False
+    return True
+
+
 def _difference(name: str, old: Any, now: Any) -> str:
     if name == "prompt_set" and old and now:
         dropped = [question for question in old if question not in now]
