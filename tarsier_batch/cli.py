@@ -84,6 +84,8 @@ T = TypeVar("T")
 # torch and transformers are imported inside the commands, after the arguments are checked,
 # so that a bad flag or a missing input is answered at once.
 
+# The families a flag may name, as `family_named` knows them.
+FAMILY_KEYS = ", ".join(family.key for family in model_families()[:-1]) + f" or {model_families()[-1].key}"
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 app = typer.Typer(
     help="Batch-caption videos and images with Tarsier video-language models.",
@@ -305,7 +307,7 @@ def inspect_command(
         help="Sample frames as this model's family does [default: the default model, Tarsier2].",
         show_default=False)] = None,
     family: Annotated[Optional[str], typer.Option(
-        metavar="NAME", help="Or name the family directly: tarsier (v1), tarsier2 (see 'tarsier models').",
+        metavar="NAME", help=f"Or name the family directly: {FAMILY_KEYS} (see 'tarsier models').",
         show_default=False)] = None,
     frames: Annotated[Optional[int], typer.Option(
         min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
@@ -420,7 +422,7 @@ def eval_demo_command(
 @dev_app.command("make-tiny-model")
 def make_tiny_model_command(
     directory: Annotated[Path, typer.Argument(metavar="DIRECTORY", hidden=True, show_default=False)],
-    family: Annotated[str, typer.Option(metavar="NAME", help="tarsier (v1) or tarsier2.")] = "tarsier",
+    family: Annotated[str, typer.Option(metavar="NAME", help=f"{FAMILY_KEYS} (see 'tarsier models').")] = "tarsier",
     size: Annotated[str, typer.Option(
         metavar="SIZE",
         help="tiny (unit tests), small (real frame geometry), bench (a ~100M-parameter LM, small frames) or wide "

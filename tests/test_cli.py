@@ -191,6 +191,19 @@ def test_make_tiny_model_command(tmp_path: Path) -> None:
     assert wrong.exit_code == 2
 
 
+@pytest.mark.parametrize("command", [["dev", "make-tiny-model"], ["inspect"]])
+def test_family_help_names_every_family(command: list[str]) -> None:
+    import typer
+
+    from tarsier_batch import model_families
+
+    group = typer.main.get_command(app)
+    for name in command:
+        group = group.commands[name]
+    help_text = next(param.help for param in group.params if param.name == "family")
+    assert [family.key for family in model_families() if family.key not in help_text] == [], help_text
+
+
 def test_ctrl_c_keeps_finished_rows_and_exits_130(tiny_model_dir: Path, shared_media: Path, tmp_path: Path,
                                                  monkeypatch) -> None:
     def interrupt() -> None:

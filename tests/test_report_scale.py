@@ -210,6 +210,28 @@ def test_a_resumed_run_that_stopped_shows_the_outputs_rows_and_its_newer_ones(tm
     assert "unfinished run: 3 rows saved so far" in page.read_text() and "failed item" not in page.read_text()
 
 
+@pytest.mark.parametrize("says_so", [True, False])
+def test_a_stopped_run_replacing_the_output_shows_its_own_rows_alone(tmp_path: Path, says_so: bool) -> None:
+    """An --overwrite run's parts say they replace the output; parts made with other settings than the output's
+    (an overwriting run of a version that did not say so) replace it as well."""
+    out = tmp_path / "r.parquet"
+    ResultStore(OutputTarget(out), OutputColumns()).commit([row("/v/a.mp4"), row("/v/b.mp4")], PROVENANCE,
+                                                           {"complete": True})
+    store = ResultStore(OutputTarget(out), OutputColumns())
+    store.begin(PROVENANCE if says_so else {**PROVENANCE, "settings": {"model": "other"}}, fresh=True,
+                replaces_output=says_so)
+    store.add(row("/v/b.mp4", caption="anew"))
+    store.flush()
+    peek = runner.invoke(app, ["peek", str(out), "--last", "5"])
+    assert "1 rows, 1 captioned, 0 failed; unfinished run: 1 rows saved so far in 1 part files" in peek.stderr, \
+        peek.output
+    assert peek.stdout.splitlines() == ["captioned  /v/b.mp4  anew"]
+    page = tmp_path / "report.html"
+    assert runner.invoke(app, ["report", str(out), "-o", str(page), "--workers", "0"]).exit_code == 0
+    assert [(item["path"], item["caption"]) for item in page_data(page)["items"]] == [("/v/b.mp4", "anew")]
+    assert "unfinished run: 1 rows saved so far" in page.read_text()
+
+
 def test_a_part_compacted_away_while_it_is_read_is_read_from_the_merged_part(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from tarsier_batch.outputs import unfinished

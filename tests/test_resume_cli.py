@@ -195,6 +195,49 @@ def test_a_log_file_that_cannot_be_written_stops_at_once_naming_the_flag(folder:
     assert not (tmp_path / "r.parquet").exists()
 
 
+def test_a_stopped_overwrite_is_continued_and_never_mixes_in_the_rows_it_replaces(
+        tiny_model_dir: Path, folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_cli import stop_captioning_at
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    out, reference = tmp_path / "r.parquet", tmp_path / "reference.parquet"
+    common = [str(folder), "--model", str(tiny_model_dir), "--max-new-tokens"]
+    assert caption(*common, "3", "--out", str(reference)).exit_code == 0   # what the overwriting run makes
+    assert caption(*common, "2", "--out", str(out)).exit_code == 0         # the output it replaces
+    replacing = [*common, "3", "--out", str(out), "--overwrite"]
+    for again in (replacing, replacing[:-1]):   # the same command; and a run over the output without the flag
+        with monkeypatch.context() as stopping:
+            stop_captioning_at(stopping, 1, interrupt)
+            stopped = caption(*replacing)
+        assert stopped.exit_code == 130, stopped.output
+        assert (f"1 finished row is saved in {tmp_path / '.r.parquet.tarsier'} and {out} was not changed yet (a "
+                f"run with the same settings goes on replacing it); run the same command again to resume"
+                in stopped.output), stopped.output
+        peek = runner.invoke(app, ["peek", str(out), "--last", "9", "--json"])
+        assert "1 rows, 1 captioned, 0 failed; unfinished run: 1 rows saved so far in 1 part files" in peek.stderr
+        assert [{name: json.loads(line)[name] for name in STABLE} for line in peek.stdout.splitlines()] == \
+            [row for row in stable(reference) if row["path"] == json.loads(peek.stdout)["path"]]
+        resumed = caption(*again)
+        assert resumed.exit_code == 0 and "captioned 2; failed 0; done earlier 1;" in resumed.output, resumed.output
+        assert stable(out) == stable(reference)
+        assert caption(*common, "2", "--out", str(out), "--overwrite").exit_code == 0   # the old output again
+    # Stopped, then overwritten with other settings: it starts over. Other frames than the model's default only
+    # differ once the model is loaded; other tokens before.
+    with monkeypatch.context() as stopping:
+        stop_captioning_at(stopping, 1, interrupt)
+        assert caption(*replacing, "--frames", "4").exit_code == 130
+    over = caption(*replacing)
+    assert over.exit_code == 0 and "captioned 3; failed 0;" in over.output and "done earlier" not in over.output
+    assert stable(out) == stable(reference)
+    with monkeypatch.context() as stopping:
+        stop_captioning_at(stopping, 1, interrupt)
+        assert caption(*replacing).exit_code == 130
+    over = caption(*common, "4", "--out", str(out), "--overwrite")
+    assert over.exit_code == 0 and "captioned 3; failed 0;" in over.output and "done earlier" not in over.output
+
+
 # --- kills and signals, in real processes --------------------------------------------------------------------
 
 def start(args: list[str], file_size_limit: int | None = None) -> subprocess.Popen:

@@ -7,17 +7,20 @@ import os
 import re
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from segment_media import write_numbered_video
 from tarsier_batch.cli import app
-from tarsier_batch.inputs.sources import MediaItem, with_span
+from tarsier_batch.inputs.sources import MediaItem, row_id_of, with_span
 from tarsier_batch.media import MediaType, Span
-from tarsier_batch.outputs.resume import stored_spans
+from tarsier_batch.outputs.resume import plan_run, stored_spans
+from tarsier_batch.outputs.store import StoredRows
 
 runner = CliRunner()
 
@@ -174,3 +177,50 @@ def test_stored_spans_are_a_videos_only_when_every_one_of_its_version_is_stored(
     other = MediaItem("b.mp4", MediaType.VIDEO, key="b.mp4|100|7")
     assert stored_spans([video, other], whole + window_rows("b.mp4", "b.mp4|100|7", spans[:1])) == \
         {"a.mp4": spans, "b.mp4": spans[:1]}
+
+
+def test_a_videos_rows_follow_what_each_run_can_cut_it_into(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Unreadable, then readable, then unreadable again (each a new version): each run's rows of the video take
+    the place of the earlier run's, never beside them."""
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(np.random.default_rng(0).bytes(5000))
+    out = tmp_path / "out.parquet"
+    args = [str(video), "--segments", "fixed:10s", "--model", str(tiny_model_dir), "-o", str(out)]
+
+    def spans() -> list[tuple]:
+        return [(row["segment"], row["num_segments"], row["start_s"], row["end_s"], row["error"] is None)
+                for row in rows_of(out)]
+
+    assert caption(*args).exit_code == 1
+    assert spans() == [(None, None, None, None, False)]   # its length unread: the whole file, failed
+    write_numbered_video(video, 25)
+    planned = caption(*args, "--dry-run")
+    assert f"drop\t{video}\tits file is cut into segments now" in planned.output, planned.output
+    readable = caption(*args)
+    assert readable.exit_code == 0 and "captioned 3; failed 0;" in readable.output, readable.output
+    assert spans() == [(0, 3, 0.0, 10.0, True), (1, 3, 10.0, 20.0, True), (2, 3, 20.0, 25.0, True)]
+    video.write_bytes(np.random.default_rng(1).bytes(6000))
+    planned = caption(*args, "--dry-run")
+    assert f"drop\t{video}#t=20,25\tits file changed and is captioned whole" in planned.output, planned.output
+    assert caption(*args).exit_code == 1
+    assert spans() == [(None, None, None, None, False)]
+
+
+def test_a_video_whose_length_cannot_be_read_now_keeps_only_the_segments_of_its_version() -> None:
+    spans = [Span(0.0, 10.0), Span(10.0, 20.0)]
+    video = MediaItem("a.mp4", MediaType.VIDEO, key="a.mp4|100|7")   # left whole by --segments this run
+
+    def planned(rows: list[dict]):
+        stored = StoredRows(rows={row_id_of(row): {**row, "error": None} for row in rows})
+        return plan_run([video], stored, exists=lambda path: True)
+
+    same_version = planned(window_rows("a.mp4", "a.mp4|100|7", spans))   # its length timed out this time
+    assert [row_id_of(row) for row in same_version.kept] == ["a.mp4#t=0,10", "a.mp4#t=10,20"]
+    assert same_version.superseded == {}
+    older = planned(window_rows("a.mp4", "a.mp4|90|5", spans))
+    assert older.kept == [] and list(older.superseded) == ["a.mp4#t=0,10", "a.mp4#t=10,20"]
+    # A manifest's span of a video this run cuts into segments is the manifest's: kept.
+    listed = {"path": "a.mp4", "key": "a.mp4|100|7#t=3,4", "start_s": 3.0, "end_s": 4.0, "num_segments": None}
+    cut = replace(video, span=spans[0], segment=0, num_segments=1)
+    plan = plan_run([cut], StoredRows(rows={"a.mp4#t=3,4": {**listed, "error": None}}), exists=lambda path: True)
+    assert [row_id_of(row) for row in plan.kept] == ["a.mp4#t=3,4"] and plan.superseded == {}

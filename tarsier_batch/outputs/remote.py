@@ -116,12 +116,12 @@ class RemoteOutput:
                 self.lock.release()
 
     @contextmanager
-    def peek(self) -> Iterator[RemoteOutput]:
-        """This output pulled into a private temporary directory, without the lock (`--dry-run`: it writes
-        nothing, and a run over the same URL on this host may be using the staging directory)."""
+    def peek(self, outputs: bool = True) -> Iterator[RemoteOutput]:
+        """This output pulled into a private temporary directory (as `pull`), without the lock (`--dry-run`: it
+        writes nothing, and a run over the same URL on this host may be using the staging directory)."""
         with tempfile.TemporaryDirectory(prefix="tarsier-peek-") as directory:
             copy = RemoteOutput(self.url, self.target.shard_rows, Path(directory), self.target.webdataset)
-            copy.pull()
+            copy.pull(outputs)
             yield copy
 
     def pull(self, outputs: bool = True) -> None:

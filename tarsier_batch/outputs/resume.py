@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import Worded
 from ..inputs.segments import as_stored_now
 from ..inputs.sources import Discovery, MediaItem, row_id_of, row_source_exists, skipped_kind, with_span
-from ..media import Span
+from ..media import MediaType, Span
 from .store import StoredRows
 
 # With greedy decoding these do not change a caption.
@@ -42,6 +42,15 @@ def check_settings(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> No
                 "{where} holds rows made with other settings ({differences}); run with the same settings to "
                 "continue it, pass {overwrite} to caption everything again, or choose another {out}", where=where,
                 differences="; ".join(differences)))
+
+
+def settings_match(stored: dict[str, dict[str, Any]], now: dict[str, Any]) -> bool:
+    """Whether rows made with the `stored` settings may be continued with `now` (`check_settings` refuses none)."""
+    try:
+        check_settings(stored, now)
+    except SettingsMismatchError:
+        return False
+    return True
 
 
 def _difference(name: str, old: Any, now: Any) -> str:
@@ -78,9 +87,9 @@ class Plan:
     missing_pruned: int = 0   # rows dropped by --prune-missing
     retried: int = 0          # error rows captioned again (--retry-errors)
     changed: int = 0          # stored rows whose file changed since (captioned again)
-    # Stored rows of segments (`--segments`) of a file this run cuts into other segments (it changed since): its new
-    # segments take their place.
-    recut: set[str] = field(default_factory=set)
+    # Stored rows of a video (by row id, with why they go) that this run's rows of the same video take the place of:
+    # with `--segments`, its rows from before it was cut otherwise (`_superseded`).
+    superseded: dict[str, tuple[str, str]] = field(default_factory=dict)   # row id -> (why, kind of why)
     # Stored rows of items captioned again with the same key (errors retried; with a prompt set, items asked
     # only some questions, whose other answers the new rows keep): the row stays if the item is put off.
     earlier: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -121,8 +130,8 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
     `retry_errors`). An item whose content (key) was captioned under another path gets a copy
     of that row. Items sharing a key are captioned once (`todo`) and the others listed in
     `sharing`. Stored rows of paths not in this run are kept, except with `prune_missing`
-    those whose file no longer exists, and a segment's row of a file this run cuts into other
-    segments (`recut`: the file changed). With a prompt set (`questions`: name -> text), a row is
+    those whose file no longer exists, and rows of a video that this run's rows of it replace
+    (`superseded`). With a prompt set (`questions`: name -> text), a row is
     done when it answers every question of the set with its current text; otherwise the item is
     asked only the others (its row keeps the answers it has).
     """
@@ -163,13 +172,11 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             planned[key] = len(plan.todo)
             plan.todo.append(item)
     paths = {item.row_id for item in items}
-    cut = {item.row_path for item in items if item.num_segments is not None}
+    plan.superseded = _superseded(items, {path: row for path, row in stored.rows.items() if path not in paths})
     for path, row in stored.rows.items():
-        if path in paths:
+        if path in paths or path in plan.superseded:
             continue
-        if row.get("num_segments") is not None and row["path"] in cut:
-            plan.recut.add(path)
-        elif exists(path):
+        if exists(path):
             plan.kept.append(row)
         elif prune_missing:
             plan.missing_pruned += 1
@@ -177,6 +184,31 @@ def plan_run(items: list[MediaItem], stored: StoredRows, retry_errors: bool = Fa
             plan.kept.append(row)
             plan.missing_kept += 1
     return plan
+
+
+def _superseded(items: list[MediaItem], others: dict[str, dict[str, Any]]) -> dict[str, tuple[str, str]]:
+    """Of the stored rows that this run does not write again (`others`, by row id), those of a video whose rows this
+    run writes in other spans, with why each goes.
+
+    A video cut into segments (`--segments`) takes the place of its whole-file row (an earlier run could not read
+    its length) and of segments cut otherwise (it changed since). A video `--segments` leaves whole (its length
+    cannot be read now) takes the place of segments of another version of it; those of its current version stay:
+    a length that cannot be read this time (a timeout) does not make their captions wrong. A manifest's spans
+    (rows without `num_segments`) are the manifest's to keep.
+    """
+    cut = {item.row_path for item in items if item.num_segments is not None}
+    whole = {item.row_path: item.stable_key for item in items
+             if item.media_type is MediaType.VIDEO and item.span is None}
+    superseded: dict[str, tuple[str, str]] = {}
+    for row_id, row in others.items():
+        path, segment = row["path"], row.get("num_segments") is not None
+        if path in cut and segment:
+            superseded[row_id] = ("its file changed and is cut anew", "file cut anew")
+        elif path in cut and row.get("start_s") is None:
+            superseded[row_id] = ("its file is cut into segments now", "file cut now")
+        elif path in whole and segment and row["key"] != with_span(whole[path], Span(row["start_s"], row["end_s"])):
+            superseded[row_id] = ("its file changed and is captioned whole", "file whole now")
+    return superseded
 
 
 def stored_spans(videos: list[MediaItem], rows: Iterable[dict[str, Any]]) -> dict[str, list[Span]]:
@@ -261,8 +293,8 @@ def describe_plan(discovery: Discovery, stored: StoredRows, plan: Plan, later: s
     for path in stored.rows:
         if path in kept:
             add("keep", path, "not in this run, row kept" if exists(path) else "file gone, row kept")
-        elif path in plan.recut:
-            add("drop", path, "its file changed and is cut anew", "file cut anew")
+        elif path in plan.superseded:
+            add("drop", path, *plan.superseded[path])
         elif path not in plan.done and path not in todo and path not in shared_with and path not in later:
             add("drop", path, Worded("file gone ({prune_missing})"))
     return lines, counts

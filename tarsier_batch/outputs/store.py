@@ -3,7 +3,8 @@
 Beside `--out` (say `r.parquet`; or a folder of shards) a run keeps a hidden work directory
 `.r.parquet.tarsier/`:
 
-    settings.json                 what decides the captions (model, prompt, frames, generation)
+    settings.json                 what decides the captions (model, prompt, frames, generation), and
+                                  whether the run replaces `--out` (`--overwrite`)
     part-<time>-<pid>.parquet     finished rows, every N rows or T seconds
 
 Each part is written under a temporary name, fsynced, renamed and its directory fsynced, so a
@@ -12,7 +13,8 @@ yet flushed. When the run ends, the rows of `--out` (if any), of the parts and o
 are merged into a temporary file that replaces `--out` atomically (in `--out`'s format, see
 `formats`; with shards, each shard is replaced atomically); then the work directory is removed.
 A reader never sees a half-written file, and a later run reads both `--out` and any parts left
-behind to resume.
+behind to resume. The parts of a run that replaces `--out` replace it for the runs that continue it
+too: those never read `--out`'s rows, which the finished run would not have kept.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from .formats import OutputError, OutputTarget, read_results, what_to_do, with_m
 from .schema import OutputColumns, is_long, with_layout
 
 SETTINGS_FILE = "settings.json"
+# In the settings file of a run that replaces the output (`--overwrite`): its parts are all the rows there are.
+REPLACES_OUTPUT = "replaces_output"
 COMPACT_EVERY = 256   # parts written, after which the work directory's parts are merged into one
 
 
@@ -53,6 +57,7 @@ class StoredRows:
     provenance: dict[str, Any] | None = None                            # of the newest run that left rows
     long: bool = False         # `--out` holds the long layout (`OutputColumns.long`)
     parts: int = 0
+    replaces_output: bool = False   # the parts are of a run replacing `--out`: its rows were not read
     unreadable_parts: list[str] = field(default_factory=list)           # "name: reason"
 
 
@@ -87,21 +92,25 @@ class ResultStore:
         self._parts_written = 0
         self.saved_rows = 0    # rows of this run that are safely in part files
         self.output_existed: bool | None = None   # whether `read` found --out (None: not read yet)
+        self.replaces_output = False   # this run's parts replace --out (`begin`)
 
-    def read(self) -> StoredRows:
-        """The rows and settings of `--out` and of the parts an unfinished run left."""
+    def read(self, output: bool = True) -> StoredRows:
+        """The rows and settings of `--out` (unless not `output`, or the parts left replace it) and of the parts an
+        unfinished run left."""
         stored = StoredRows()
         self.output_existed = self.target.exists()
-        if self.output_existed:
+        settings_file = self.work_dir / SETTINGS_FILE
+        parts = self._parts()
+        work_provenance = json.loads(settings_file.read_text()) if settings_file.exists() and parts else None
+        stored.replaces_output = bool(work_provenance and work_provenance.pop(REPLACES_OUTPUT, False))
+        if self.output_existed and output and not stored.replaces_output:
             table, stored.provenance = _read_output(self.target, self.columns.read_schema())
             stored.settings[self.out_shown] = stored.provenance["settings"]
             stored.long = is_long(stored.provenance)
             _take_rows(stored, self.columns.item_rows(table, stored.long))
-        settings_file = self.work_dir / SETTINGS_FILE
-        parts = self._parts()
-        if settings_file.exists() and parts:
-            stored.provenance = json.loads(settings_file.read_text())
-            stored.settings[self.work_shown] = stored.provenance["settings"]
+        if work_provenance is not None:
+            stored.provenance = work_provenance
+            stored.settings[self.work_shown] = work_provenance["settings"]
         stored.parts = len(parts)
         for part in parts:
             try:
@@ -110,11 +119,13 @@ class ResultStore:
                 stored.unreadable_parts.append(f"{part.name}: {error}")
         return stored
 
-    def begin(self, provenance: dict[str, Any], fresh: bool) -> None:
-        """Prepare the work directory; `fresh` drops the parts of earlier runs (`--overwrite`).
+    def begin(self, provenance: dict[str, Any], fresh: bool, replaces_output: bool = False) -> None:
+        """Prepare the work directory; `fresh` drops the parts of earlier runs (`--overwrite`, not continuing one).
 
-        `provenance` (with the resume settings under "settings") is stored for the next run.
+        `provenance` (with the resume settings under "settings") is stored for the next run, and whether this
+        run's rows replace `--out` (`replaces_output`: the next run continuing them must not read it).
         """
+        self.replaces_output = replaces_output
         if fresh:
             self._removed(self._parts())
             shutil.rmtree(self.work_dir, ignore_errors=True)
@@ -129,7 +140,8 @@ class ResultStore:
 
     def record_provenance(self, provenance: dict[str, Any]) -> None:
         """Keep `provenance` in the work directory: the output's, when a later run resumes it."""
-        write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(provenance)))
+        kept = {**provenance, REPLACES_OUTPUT: True} if self.replaces_output else provenance
+        write_atomically(self.work_dir / SETTINGS_FILE, lambda path: path.write_text(json.dumps(kept)))
         self._written(self.work_dir / SETTINGS_FILE)
 
     def add(self, row: dict[str, Any]) -> None:
@@ -204,6 +216,10 @@ class ResultStore:
     def _replace(self, path: Path, write: Callable[[Path], None]) -> None:
         write_atomically(path, write, temporary=path.parent / f".{path.name}.{os.getpid()}.tmp")
 
+    def holds_parts(self) -> bool:
+        """Whether the work directory holds parts: rows for the next run to continue from."""
+        return bool(self._parts())
+
     def _parts(self) -> list[Path]:
         return sorted(self.work_dir.glob("part-*.parquet")) if self.work_dir.is_dir() else []
 
@@ -264,4 +280,5 @@ def _fsync_directory(directory: Path) -> None:
             os.close(descriptor)
 
 
-__all__ = ["OutputError", "OutputWriteError", "ResultStore", "StoredRows", "work_name", "write_atomically"]
+__all__ = ["REPLACES_OUTPUT", "OutputError", "OutputWriteError", "ResultStore", "StoredRows", "work_name",
+           "write_atomically"]

@@ -5,7 +5,8 @@ a Ctrl-C, a `kill` or a crash they stay there for the next run to resume. A read
 them at any time, even while a run still writes them: a part appears whole, by a rename, or not
 at all (its temporary name is no part's name), and compacting writes the merged part before it
 removes the parts it merged, so a part that was listed and is gone when read has its rows in a
-newer part: the listing is simply read again.
+newer part: the listing is simply read again. The parts of a run that replaces its output
+(`--overwrite`) are all its rows: that output's are not among them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import pyarrow.parquet as pq
 from ..errors import one_line
 from ..inputs.sources import row_id_of
 from .formats import OutputError
+from .resume import settings_match
 from .schema import OutputColumns
-from .store import SETTINGS_FILE, work_name
+from .store import REPLACES_OUTPUT, SETTINGS_FILE, work_name
 
 LISTINGS = 20   # times the parts are listed again while a running compaction removes them under the reader
 
@@ -35,6 +37,14 @@ class SavedParts:
     provenance: dict[str, Any]
     parts: int
     unreadable: list[str] = field(default_factory=list)   # "name: reason"
+    replaces_output: bool = False   # the run replaces its output: the output's rows are not the run's
+
+    def replaces(self, output_settings: dict[str, Any] | None) -> bool:
+        """Whether these rows replace those of the output made with `output_settings`: the run says so, or made
+        them with settings no run continuing that output would take (an overwriting run of an earlier version)."""
+        settings = self.provenance.get("settings")
+        return self.replaces_output or (bool(self.parts) and output_settings is not None and settings is not None
+                                        and not settings_match({"output": output_settings}, settings))
 
 
 def work_dir_of(results: Path) -> Path:
@@ -60,7 +70,9 @@ def read_saved_parts(results: Path, columns: OutputColumns) -> SavedParts:
             rows, unreadable = _read_parts(parts, columns)
         except FileNotFoundError:
             continue   # compacted under us: its rows are in a newer part
-        return SavedParts(rows, _provenance(work_dir), len(parts), unreadable)
+        provenance = _provenance(work_dir)
+        replaces_output = bool(provenance.pop(REPLACES_OUTPUT, False))
+        return SavedParts(rows, provenance, len(parts), unreadable, replaces_output)
     raise OutputError(f"the parts in {work_dir} kept changing while they were read; try again")
 
 

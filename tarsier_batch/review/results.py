@@ -81,16 +81,21 @@ def check_results_path(path: Path) -> None:
 def load_results(path: Path) -> Results:
     """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance; with the rows
     saved so far by a run writing `path` that has not finished (stopped, or still running), read without its
-    lock: those rows come after the output's, an item's newest row winning."""
+    lock: those rows come after the output's, an item's newest row winning; a run replacing the output
+    (`--overwrite`) has its own rows alone."""
     check_results_path(path)
     base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
     # The parts before the output: a run that finishes meanwhile writes its output before it removes its parts,
     # so whichever of the two this meets, every row saved is read (the other order could meet neither).
     saved = _read_saved_parts(path) if has_saved_parts(path) else None
-    written = path.exists() and (OutputTarget.existing(path).exists() or saved is None)
+    unfinished = saved if saved is not None and saved.parts else None   # none left: the run finished meanwhile
+    written = path.exists() and (OutputTarget.existing(path).exists() or saved is None) \
+        and not (unfinished is not None and unfinished.replaces_output)
     results = _read_output(path, base) if written else Results([], {}, {})   # an --out-dir with no shard yet: {}
-    if saved is not None and saved.parts:   # none left: the run finished meanwhile, its output read above
-        _add_saved_parts(results, saved, base)
+    if unfinished is not None:
+        if unfinished.replaces(results.provenance.get("settings")):
+            results = Results([], {}, {})
+        _add_saved_parts(results, unfinished, base)
     return results
 
 

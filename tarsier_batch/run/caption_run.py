@@ -37,7 +37,7 @@ from ..outputs.formats import OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
 from ..outputs.results import CaptionResult
-from ..outputs.resume import Plan, check_settings, describe_plan, stored_spans
+from ..outputs.resume import Plan, check_settings, describe_plan, settings_match, stored_spans
 from ..outputs.store import OutputWriteError, ResultStore, StoredRows
 from ..outputs.stream import JsonLinesStream
 from ..progress import Reporter, RunStats, plural, summary_line, summary_rows
@@ -154,10 +154,10 @@ class CaptionRun:
     def describe(self) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str], int]]:
         """What the run would do with each input, loading no model and writing nothing (`--dry-run`):
         (action, path, reason) lines, and counts by (action, kind of reason)."""
-        if self.remote is None or self.settings.overwrite:
+        if self.remote is None:
             stored = self._stored(self.store)
         else:
-            with self.remote.peek() as copy:
+            with self.remote.peek(outputs=not self.settings.overwrite) as copy:
                 stored = self._stored(self._store(copy.target))
         self._cut_into_segments(stored)
         plan, later = self.plan.resume(self.items, stored)
@@ -276,8 +276,14 @@ class CaptionRun:
                            on_written=remote.written if remote else None, on_removed=remote.removed if remote else None)
 
     def _stored(self, store: ResultStore | None) -> StoredRows:
-        """What earlier runs left (nothing when overwriting or streaming), checked against these settings."""
-        stored = StoredRows() if self.settings.overwrite or store is None else store.read()
+        """What earlier runs left, checked against these settings: nothing when streaming, nor when overwriting
+        unless an overwriting run with the same settings was stopped part way (its rows, continued)."""
+        if store is None:
+            return StoredRows()
+        stored = store.read(output=not self.settings.overwrite)
+        if self.settings.overwrite and not (stored.replaces_output
+                                            and settings_match(stored.settings, resume_settings(self.settings))):
+            return StoredRows()
         check_settings(stored.settings, resume_settings(self.settings))
         return stored
 
@@ -299,9 +305,13 @@ class CaptionRun:
         backend = self._load(len(plan.todo))
         stats.loading_started = self._loading_started
         provenance = run_provenance(backend, self.settings)
+        if self.settings.overwrite and not settings_match(stored.settings, provenance["settings"]):
+            # The stopped overwriting run it continues had its model resolve otherwise (another revision): over.
+            fresh, later_items = self.plan.resume(self.items, StoredRows())
+            return (yield from self._caption(fresh, len(later_items), StoredRows()))
         check_settings(stored.settings, provenance["settings"])
         reuse_before = backend.prompt_reuse()
-        stopped = yield from self._run_loop(backend, loop, provenance)
+        stopped = yield from self._run_loop(backend, loop, provenance, stored.replaces_output)
         reuse = backend.prompt_reuse()
         if reuse is not None and reuse_before is not None:   # this run's share, with a captioner shared by runs
             stats.prompt_positions, stats.reused_positions, stats.shared_positions = (
@@ -331,15 +341,17 @@ class CaptionRun:
         self._backend = backend
         return backend
 
-    def _run_loop(self, backend: Backend, loop: ItemLoop, provenance: dict[str, Any]
+    def _run_loop(self, backend: Backend, loop: ItemLoop, provenance: dict[str, Any], continues_replacing: bool
                  ) -> Generator[CaptionResult, None, RunOutcome | None]:
         """Caption the plan's items, saving rows as they finish; returns None when every item got its row,
-        else the outcome of the stop."""
+        else the outcome of the stop. `continues_replacing`: the stored rows are a stopped overwriting run's."""
         try:
             if self.store is not None:
                 # Under the same stop handling as the captioning: once the work directory exists, a stop
                 # saves rows and says how to resume.
-                self.store.begin(provenance, fresh=self.settings.overwrite)
+                overwrite = self.settings.overwrite
+                self.store.begin(provenance, fresh=overwrite and not continues_replacing,
+                                 replaces_output=overwrite or continues_replacing)
             loop.stats.start_captioning()
             with _entered(self.reporter.progress(loop.stats)) as reporters:
                 yield from loop.run(backend, reporters)
@@ -387,6 +399,8 @@ class CaptionRun:
         assert self.store is not None
         if self.store.output_existed is False:
             return f"{self.store.out_shown} is not written yet"
+        if self.store.replaces_output and self.store.holds_parts():
+            return f"{self.store.out_shown} was not changed yet (a run with the same settings goes on replacing it)"
         return f"{self.store.out_shown} was not changed"
 
     def _write_output(self, loop: ItemLoop, stored: StoredRows, provenance: dict[str, Any]) -> RunOutcome:

@@ -43,8 +43,10 @@ class RunSettings:
         record=lambda settings: str(settings.shard) if settings.shard else None,
         help="Caption only shard I (from 0) of N: a fixed 1/N of the items, by path (Slurm arrays, one process per "
              "GPU); join the outputs with 'tarsier merge'.")
-    overwrite: bool = setting(False, group="resume",
-                              help="Start from scratch: caption everything again and replace --out.")
+    overwrite: bool = setting(
+        False, group="resume",
+        help="Start from scratch: caption everything again and replace --out (stopped part way, the same command "
+             "continues it, without --out's earlier rows).")
     retry_errors: bool = setting(False, group="resume", help="Caption again the items whose stored rows are errors.")
     prune_missing: bool = setting(False, group="resume",
                                   help="Drop stored rows of files that no longer exist (kept by default).")
