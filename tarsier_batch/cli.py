@@ -125,7 +125,8 @@ what is missing (new or changed files, items a stopped run did not finish) is ca
 Exit codes:
   0    every item of this run was captioned (or there was nothing to do)
   1    some items failed (their rows carry an error), or an input gave none (unreadable, or named without media)
-  2    bad usage: flag value, missing input, unusable model or output, other settings than --out's
+  2    bad usage: flag value, missing input, unusable model or output (a disk too full to start on), other
+       settings than --out's
   3    crashed (a bug, while loading too; a failed device; a full disk); saved rows are resumed by the next run
   75   another run is writing the same --out
   130  interrupted (Ctrl-C); finished rows are saved, run the same command to resume

@@ -91,8 +91,13 @@ def _wrote(written: WrittenReport, out: Path, seconds: float) -> str:
     beside = f", frames in {written.strips_folder}" if written.strips_folder else ""
     unfinished = f"; unfinished run: {written.saved_so_far:,} rows saved so far" \
         if written.saved_so_far is not None else ""
-    return (f"tarsier: wrote {out} ({plural(written.items, 'item')}{shown}, {out.stat().st_size / 2**20:.1f} MB"
+    return (f"tarsier: wrote {out} ({plural(written.items, 'item')}{shown}, {_size(out.stat().st_size)}"
             f"{beside}) in {seconds:.1f} s{unfinished}")
+
+
+def _size(size: int) -> str:
+    """A page's size as one reads it: in KB below a MB (a small page is not '0.0 MB')."""
+    return f"{size / 2**20:,.1f} MB" if size >= 2**20 else f"{max(1, round(size / 2**10))} KB"
 
 
 def peek_command(

@@ -126,3 +126,8 @@ def _filled(template: str, words: Mapping[str, str], values: Mapping[str, Any]) 
     # A value that names settings itself (a line of several notes) is worded alike.
     values = {name: value.worded(words) if isinstance(value, Worded) else value for name, value in values.items()}
     return template.format_map(_Names(words, values))
+
+
+def plural(number: int, noun: str) -> str:
+    """'1 item', '2 items'."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .errors import Worded
+from .errors import Worded, plural
 
 if TYPE_CHECKING:
     from .outputs.results import CaptionResult
@@ -227,7 +227,7 @@ class RichReporter:
     def _fields(self) -> dict[str, str]:
         stats = self.stats
         failed = f"[red]{stats.failed} failed[/]" if stats.failed else "0 failed"
-        return {"rates": f"{stats.items_per_s:.2f} items/s  {stats.tokens_per_s:.1f} tok/s",
+        return {"rates": f"{stats.items_per_s:.2f} items/s  {stats.tokens_per_s:,.1f} tok/s",
                 "failed": failed, "eta": _duration(stats.eta_s)}
 
 
@@ -246,7 +246,7 @@ class _RunElapsed(ProgressColumn):
 def progress_line(stats: RunStats) -> str:
     """One log line: done/total, failures, rates, elapsed time and ETA."""
     return (f"{stats.done}/{plural(stats.total, 'item')}, {stats.failed} failed, {stats.items_per_s:.2f} items/s, "
-            f"{stats.tokens_per_s:.1f} tokens/s, elapsed {_duration(stats.elapsed_s)}, "
+            f"{stats.tokens_per_s:,.1f} tokens/s, elapsed {_duration(stats.elapsed_s)}, "
             f"ETA {_duration(stats.eta_s)}")
 
 
@@ -287,6 +287,12 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str,
     return rows + [("output", written)]
 
 
+def failure_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """What `--quiet` keeps of a summary with failures: how many items failed, of how many, and where their error
+    rows are, so that a cron job's mail says why the exit code is not 0."""
+    return [(name, value) for name, value in rows if name in ("captioned", "failed", "failed inputs", "output")]
+
+
 def _throughput(stats: RunStats) -> str:
     """Rows (captions and errors) a second, over the captioning alone where loading the model came first: a short
     run's rate over the whole wall time says more about the load than about captioning."""
@@ -294,7 +300,7 @@ def _throughput(stats: RunStats) -> str:
     captioning = stats.captioning_s
     if captioning is not None and captioning > 0 and stats.done:
         whole = f"{stats.done / captioning:.3f} items/s while captioning ({whole} with loading)"
-    return f"{whole}, {stats.generated_tokens} tokens"
+    return f"{whole}, {stats.generated_tokens:,} tokens"
 
 
 def _wall_time(stats: RunStats) -> str:
@@ -348,11 +354,6 @@ def summary_line(rows: list[tuple[str, str]]) -> str:
 def _warned(result: CaptionResult) -> str:
     """A row's warnings, said on its progress line: the kinds, and that it was captioned all the same."""
     return f"{', '.join(result.warnings or ())} (captioned from what decodes)"
-
-
-def plural(number: int, noun: str) -> str:
-    """'1 item', '2 items'."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _duration(seconds: float | None) -> str:

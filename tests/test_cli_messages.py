@@ -184,3 +184,10 @@ def test_a_missing_extra_is_installed_the_way_the_package_was() -> None:
     # This installation: the documented development set-up (editable, from this checkout), or from an index.
     assert install_extra_command("scenes") in {f"pip install -e '{Path(__file__).resolve().parents[1]}[scenes]'",
                                                "pip install 'tarsier-batch[scenes]'"}
+
+
+def test_the_summary_counts_tokens_with_thousands_separators() -> None:
+    from tarsier_batch.progress import summary_rows
+
+    stats = RunStats(total=2, done=2, generated_tokens=3592)
+    assert dict(summary_rows(stats, "out.parquet", ""))["throughput"].endswith(", 3,592 tokens")

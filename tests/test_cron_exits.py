@@ -13,9 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
-from tarsier_batch.outputs.formats import OutputTarget
+from tarsier_batch.outputs.formats import OutputError, OutputTarget
 from tarsier_batch.outputs.schema import OutputColumns
 from tarsier_batch.outputs.store import OutputWriteError, ResultStore
+from test_resume_cli import start
 
 runner = CliRunner()
 
@@ -51,7 +52,7 @@ def test_an_unreadable_folder_named_alone_exits_1_naming_it(tiny_model_dir: Path
     refuse_listing(monkeypatch, locked)
     done = caption(str(locked), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
     assert done.exit_code == 1
-    assert f"tarsier: warning: cannot read {locked}: Permission denied\n" in done.output
+    assert done.output == f"tarsier: cannot read {locked}: Permission denied\n"   # the reason once, not contradicted
     assert not (tmp_path / "r.parquet").exists()
 
 
@@ -148,5 +149,71 @@ def test_a_full_disk_says_to_free_space(tmp_path: Path, monkeypatch: pytest.Monk
     store.add({"path": "/a"})
     with pytest.raises(OutputWriteError) as raised:
         store.flush()
-    assert str(raised.value) == (f"cannot save 1 finished rows in {store.work_shown}: No space left on device; "
+    assert str(raised.value) == (f"cannot save 1 finished row in {store.work_shown}: No space left on device; "
                                  f"free space on its disk and run the same command again")
+
+
+def test_an_unreadable_folder_beside_an_empty_one_names_both(tiny_model_dir: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    locked, empty = tmp_path / "locked", tmp_path / "empty"
+    locked.mkdir()
+    empty.mkdir()
+    refuse_listing(monkeypatch, locked)
+    done = caption(str(locked), str(empty), "--model", str(tiny_model_dir), "--out", str(tmp_path / "r.parquet"))
+    assert done.exit_code == 1
+    assert done.output == (f"tarsier: cannot read {locked}: Permission denied; no supported media in {locked} {empty} "
+                           f"(0 other files skipped)\n")
+
+
+def test_quiet_with_failures_still_says_what_failed(tiny_model_dir: Path, clip: Path, tmp_path: Path) -> None:
+    """A cron job's mail is never empty when the exit code says that something failed."""
+    (clip.parent / "bad.mp4").write_text("not media\n")
+    out = tmp_path / "r.parquet"
+    args = [str(clip.parent), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2", "--quiet"]
+    done = caption(*args)
+    assert done.exit_code == 1
+    assert done.output == f"tarsier: done: captioned 1; failed 1; output {out} (2 rows)\n"
+    again = caption(*args)   # nothing failed in this run: quiet says nothing
+    assert (again.exit_code, again.output) == (0, "")
+
+
+def test_a_disk_too_full_for_the_settings_stops_in_one_line_before_loading(tiny_model_dir: Path, clip: Path,
+                                                                           tmp_path: Path) -> None:
+    """RLIMIT_FSIZE fails writes past a size (EFBIG) as a full disk fails them (ENOSPC): the lock file fits under
+    it, the settings do not. No model line: the model never loaded."""
+    out = tmp_path / "out" / "r.parquet"
+    run = start([str(clip), "--model", str(tiny_model_dir), "--out", str(out)], file_size_limit=150)
+    _, stderr = run.communicate(timeout=300)
+    assert (run.returncode, stderr) == (2, f"Error: cannot write --out {out}: File too large; free space on its "
+                                           f"disk and run the same command again\n")
+    assert list(out.parent.iterdir()) == []   # no output, no empty work folder, no stand-in, no lock
+
+
+def test_a_disk_that_fills_while_loading_stops_in_one_line_and_leaves_no_empty_work_folder(
+        tiny_model_dir: Path, clip: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_full(store: ResultStore, provenance: dict) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ResultStore, "record_provenance", disk_full)
+    out = tmp_path / "r.parquet"
+    done = caption(str(clip), "--model", str(tiny_model_dir), "--out", str(out), "--quiet")
+    assert done.exit_code == 2
+    assert done.output == (f"Error: cannot write --out {out}: No space left on device; free space on its disk and "
+                           f"run the same command again\n")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_full_disk_at_the_start_keeps_the_rows_of_earlier_runs(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=1)
+    store.begin({"settings": {}}, fresh=False)
+    store.add({"path": "/a"})
+    parts = sorted(store.work_dir.iterdir())
+
+    def disk_full(store: ResultStore, provenance: dict) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ResultStore, "record_provenance", disk_full)
+    with pytest.raises(OutputError, match="No space left on device; free space on its disk"):
+        ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns()).begin({"settings": {}}, fresh=False)
+    assert sorted(store.work_dir.iterdir()) == parts and len(parts) == 2   # the settings and the part

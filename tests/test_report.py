@@ -234,3 +234,18 @@ def test_a_qwen_family_run_renders_with_its_model_family_and_answers(family: str
     assert all(item["strip"] for item in data["items"])
     assert [item["answers"] for item in data["items"]] == \
         [[[name, row[name], row[name + "_prompt"]] for name in ("caption", "objects")] for row in rows]
+
+
+def test_a_small_page_says_its_size_in_kb(tmp_path: Path) -> None:
+    columns = OutputColumns()
+    rows = [{"path": str(tmp_path / "gone.mp4"), "key": "g", "media_type": "video",
+             "error": "the file no longer exists", "error_kind": "not_found",
+             "finish_reason": "error", "elapsed_s": 0.0}]
+    results = tmp_path / "r.parquet"
+    pq.write_table(pa.Table.from_pylist(rows, schema=with_metadata(columns.schema(), {"model": "m", "settings": {}},
+                                                                   {})), results)
+    page = tmp_path / "report.html"
+    done = runner.invoke(app, ["report", str(results), "-o", str(page), "--workers", "1"])
+    assert done.exit_code == 0, done.output
+    size_kb = round(page.stat().st_size / 1024)
+    assert 0 < size_kb < 1024 and f"(1 item, {size_kb} KB) in " in done.output, done.output

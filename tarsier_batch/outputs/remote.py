@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import Worded, one_line
+from ..errors import Worded, one_line, plural
 from ..storage import READ_ONLY_SCHEMES, cache_home, filesystem, is_url, redact, redact_text, scheme, with_retries
 from .formats import META_SUFFIX, OutputError, OutputTarget, TextWithMeta
 from .lock import RemoteLock
@@ -175,7 +175,7 @@ class RemoteOutput:
             self.drain()
             unsent = ""
         except UploadError as error:   # the output holds those rows: they reach the store with it
-            unsent = f"; {error.rows} finished rows had not reached the store either ({error})"
+            unsent = f"; {plural(error.rows, 'finished row')} had not reached the store either ({error})"
         self.lock.check()
         target, uploaded = self.target, ""
         try:

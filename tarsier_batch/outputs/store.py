@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import Worded, one_line
+from ..errors import Worded, one_line, plural
 from ..inputs.sources import row_id_of
 from ..settings import FLUSH_ROWS, FLUSH_SECONDS
 from .formats import OutputError, OutputTarget, read_results, what_to_do, with_metadata
@@ -129,14 +129,35 @@ class ResultStore:
         if fresh:
             self._removed(self._parts())
             shutil.rmtree(self.work_dir, ignore_errors=True)
-        self.work_dir.mkdir(parents=True, exist_ok=True)
-        for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
-            leftover.unlink(missing_ok=True)
-        self.record_provenance(provenance)
+        try:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            for leftover in self.work_dir.glob(".*.tmp"):  # from a run killed mid-write; we hold the lock
+                leftover.unlink(missing_ok=True)
+            self.record_provenance(provenance)
+        except OSError as error:   # a disk that filled up since `check_room`: nothing of this run is saved yet
+            if not self._parts():   # the rows of earlier runs stay; a folder of no rows would only puzzle
+                shutil.rmtree(self.work_dir, ignore_errors=True)
+            raise self.target.unwritable(error) from None
         self._last_save = self._clock()
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
+
+    def check_room(self, provenance: dict[str, Any]) -> None:
+        """Raise `OutputError` if the output's folder cannot take a file as big as `provenance`: a disk too full for
+        the work directory's settings then says so before the model loads (a minute, on a large checkpoint). The
+        settings themselves are written by `begin`, once the model is loaded: they name what it resolved, and
+        `--overwrite` drops the parts of earlier runs only when there is a run to replace them."""
+        stand_in = self.out.parent / f".{self.out.name}.{os.getpid()}.tmp"   # removed by `begin` if left
+        try:
+            with open(stand_in, "w", encoding="utf-8") as file:
+                file.write(json.dumps(provenance))
+                file.flush()
+                os.fsync(file.fileno())   # where a filesystem allocates its blocks only now
+        except OSError as error:
+            raise self.target.unwritable(error) from None
+        finally:
+            stand_in.unlink(missing_ok=True)
 
     def record_provenance(self, provenance: dict[str, Any]) -> None:
         """Keep `provenance` in the work directory: the output's, when a later run resumes it."""
@@ -173,7 +194,7 @@ class ResultStore:
         try:
             write_atomically(part, lambda path: pq.write_table(table, path))
         except OSError as error:
-            raise OutputWriteError(f"cannot save {len(rows)} finished rows in {self.work_shown}: "
+            raise OutputWriteError(f"cannot save {plural(len(rows), 'finished row')} in {self.work_shown}: "
                                    f"{error.strerror or error}; {what_to_do(error)}") from error
         self._written(part)
         self.saved_rows += len(rows)

@@ -33,7 +33,7 @@ from ..inputs.segments import SegmentsError
 from ..inputs.sources import Discovery, MediaItem, discover, row_id_of
 from ..media import MediaType, Span
 from ..model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
-from ..outputs.formats import OutputTarget
+from ..outputs.formats import OutputError, OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
 from ..outputs.results import CaptionResult
@@ -125,9 +125,9 @@ class CaptionRun:
             listed = [str(path) for path in inputs]
             source = source or " ".join(listed)
             inputs = discover(listed, key_mode=key_mode)
-        for problem in inputs.unreadable:
-            self.reporter.warning(f"warning: cannot read {problem}")
-        if inputs.items:   # otherwise the run's outcome says that the inputs hold no media
+        if inputs.items:   # otherwise the run's outcome says why the inputs hold no media
+            for problem in inputs.unreadable:
+                self.reporter.warning(f"warning: cannot read {problem}")
             for named in inputs.without_media:
                 self.reporter.warning(f"warning: no supported media in {named}")
         return inputs, kept_fields, source
@@ -141,7 +141,13 @@ class CaptionRun:
         """The outcome of a run whose inputs hold no media (None when they hold some)."""
         if self.plan.all_items:
             return None
-        message = f"no supported media in {self.source} ({plural(self.discovery.skipped_count, 'other file')} skipped)"
+        found = self.discovery
+        # An unreadable folder is the reason; that the rest holds no media is news only if there is a rest.
+        reasons = [f"cannot read {problem}" for problem in found.unreadable]
+        if not reasons or found.skipped_count or found.without_media:
+            reasons.append(f"no supported media in {self.source} "
+                           f"({plural(found.skipped_count, 'other file')} skipped)")
+        message = "; ".join(reasons)
         return RunOutcome(Status.SOME_FAILED if self.settings.fail_on_empty or self.failed_inputs else Status.NO_MEDIA,
                           message)
 
@@ -325,6 +331,8 @@ class CaptionRun:
         if self._backend is not None:
             return self._backend
         model = self.settings.caption.model
+        if self.store is not None:
+            self.store.check_room({"settings": resume_settings(self.settings)})   # before the minutes of loading
         if needs_building(model):
             self.reporter.info(f"building the random-weight model {model} (first use; cached in "
                                f"{tiny_model_dir(model)}; its captions are noise)")
@@ -357,6 +365,8 @@ class CaptionRun:
                 yield from loop.run(backend, reporters)
                 loop.store.flush()
             return None
+        except OutputError:   # the work directory could not be made: nothing of this run was saved
+            raise
         except GeneratorExit:   # the caller left the loop: save what finished, change nothing else
             self.outcome = self._stopped(loop, Status.INTERRUPTED, "stopped by the caller", None)
             raise

@@ -70,7 +70,8 @@ class CommandOptions:
         None, group="display", metavar="FILE", path=True, show_default=False,
         help="Append timestamped plain lines (start, progress, failures, summary) to this file.")
     quiet: bool = setting(False, group="display", flags=("--quiet", "-q"),
-                          help="No progress display or summary (errors only).")
+                          help="No progress display or summary: errors only (with failures, the summary's "
+                               "counts of them).")
 
     def __post_init__(self) -> None:
         inputs = self.inputs or []
