@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from conftest import caption_probe
 from tarsier_batch.cli import app
 from tarsier_batch.model.checkpoints import DEMO_ACCURACY, download_problem
-from tarsier_batch.progress import RunStats
+from tarsier_batch.progress import RunStats, progress_line
 from tarsier_batch.version import extra_command_for, install_extra_command
 
 runner = CliRunner()
@@ -86,6 +86,30 @@ def test_eta_counts_items_still_generating_by_their_tokens() -> None:
     assert abs(stats.eta_s - 400.0) < 1.0
     stats.streamed_tokens = 400   # 200 more tokens: two items' worth are under way
     assert abs(stats.eta_s - 150.0) < 1.0   # 4 items' worth done in 100 s; 6 left at 25 s
+
+
+def test_eta_is_never_zero_while_items_still_generate() -> None:
+    """A short first item made the mean tokens per item tiny: the long items in flight counted as done and the
+    ETA read 0:00:00 for minutes while 7 of 8 items generated."""
+    stats = RunStats(total=8)
+    stats.started -= 60.0
+    assert "ETA -:--:--" in progress_line(stats)   # nothing finished: unknown, not 0
+    stats.done, stats.generated_tokens = 1, 10
+    stats.streamed_tokens = 10 + 7 * 500   # seven items in flight, 500 tokens each: 350 mean items' worth
+    # What is in flight counts for at most half of the 7 items left: 4.5 items' worth in 60 s, 3.5 left.
+    assert abs(stats.eta_s - 3.5 * 60.0 / 4.5) < 0.5
+    stats.started -= 120.0   # two minutes on, nothing more finished: the estimate grows, it does not run out
+    assert abs(stats.eta_s - 3.5 * 180.0 / 4.5) < 0.5
+    assert "ETA 0:00:00" not in progress_line(stats)
+
+
+def test_eta_is_at_least_a_second_while_items_remain_and_zero_when_all_are_done() -> None:
+    stats = RunStats(total=2)
+    stats.started -= 0.2   # one item done in 0.2 s: a rounded estimate would read 0:00:00
+    stats.done = stats.generated_tokens = stats.streamed_tokens = 1
+    assert stats.eta_s == 1.0 and progress_line(stats).endswith("ETA 0:00:01")
+    stats.done = 2
+    assert stats.eta_s == 0.0
 
 
 def test_the_demo_model_is_offered_and_its_accuracy_is_the_readmes() -> None:
