@@ -21,6 +21,7 @@ from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
 from tarsier_batch.families.qwen3_vl import Qwen3VLCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
+from tarsier_batch.settings import CaptionSettings, SettingsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import qwen_vl_for_generation  # noqa: E402
@@ -165,6 +166,21 @@ def test_fastv_pruning_is_refused_in_one_line(model_dir: Path, shared_media: Pat
     assert result.exit_code == 2, result.output
     assert "DeepStack" in result.output and "--prune-method temporal" in result.output
     assert not (tmp_path / "r.parquet").exists()
+
+
+def test_fastv_pruning_is_refused_before_the_checkpoint_loads(model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The refusal came after loading the weights (100 s for a real checkpoint); config.json says the family."""
+    import tarsier_batch.api as api
+
+    def load(*args: object) -> None:
+        raise AssertionError("the checkpoint loads before the refusal")
+
+    monkeypatch.setattr(api, "load_caption_model", load)
+    monkeypatch.setattr(api.preflight, "estimate", load)
+    settings = CaptionSettings(model=str(model_dir), prune_vision=0.5, prune_method="fastv", isolate_decoding=False)
+    with pytest.raises(SettingsError, match="DeepStack"):
+        api.Captioner(settings)
 
 
 # -- the CLI --------------------------------------------------------------------------------------------
