@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from conftest import caption_probe
+from conftest import REPO, SAMPLE_DATA, caption_probe
 from tarsier_batch.cli import app
 from tarsier_batch.model.checkpoints import DEMO_ACCURACY, download_problem
 from tarsier_batch.progress import RunStats, progress_line
@@ -189,6 +189,45 @@ def test_a_commands_wall_time_starts_when_its_process_did() -> None:
     started, first = map(float, shown.split())
     tick = 1 / os.sysconf("SC_CLK_TCK")   # the kernel's clocks count process ages in ticks
     assert before - tick <= started <= first <= after
+
+
+# `tarsier ARGS` as its console script runs it, in a fresh interpreter of this checkout, with an object that Python's
+# teardown of the main module deletes and an at-exit handler registered before the command's own.
+_ENTRY_PROBE = ("import atexit, os, sys\n"
+                "class TornDown:\n"
+                "    def __del__(self):\n"
+                "        os.write(2, b'interpreter torn down\\n')\n"
+                "kept = TornDown()\n"
+                "atexit.register(os.write, 2, b'at-exit handlers ran\\n')\n"
+                "sys.argv = ['tarsier'] + sys.argv[1:]\n"
+                "from tarsier_batch.cli import run_command\n"
+                "run_command()\n")
+
+
+def test_the_command_ends_with_its_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The process lingered 2-15 s after its summary, tearing down the interpreter (collecting every object torch
+    and the model made): the summary's wall time understated the command's. The at-exit handlers (decoding
+    servers, Ray) still run."""
+    out = tmp_path / "r.parquet"
+    done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(SAMPLE_DATA / "still.png"), "--model",
+                           str(tiny_model_dir), "-o", str(out), "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[-2].startswith("tarsier: done: captioned 1;") and lines[-1] == "at-exit handlers ran", done.stderr
+    assert "interpreter torn down" not in done.stderr
+    assert pq.read_table(out).num_rows == 1
+
+
+def test_the_commands_exit_code_and_messages_come_through_the_entry_point(tmp_path: Path) -> None:
+    usage = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(tmp_path / "none.mp4"), "-o",
+                            str(tmp_path / "r.parquet")], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert usage.returncode == 2 and "none.mp4" in usage.stderr and usage.stderr.endswith("at-exit handlers ran\n")
+    version = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "--version"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert version.returncode == 0 and version.stdout.startswith("tarsier-batch ")
 
 
 def test_a_missing_extra_is_installed_the_way_the_package_was() -> None:
