@@ -192,13 +192,24 @@ def test_a_commands_wall_time_starts_when_its_process_did() -> None:
 
 
 # `tarsier ARGS` as its console script runs it, in a fresh interpreter of this checkout, with an object that Python's
-# teardown of the main module deletes and an at-exit handler registered before the command's own.
+# teardown of the main module deletes and an at-exit handler registered before the command's own (so run after
+# them), which says whether the decoding server is still running.
 _ENTRY_PROBE = ("import atexit, os, sys\n"
                 "class TornDown:\n"
                 "    def __del__(self):\n"
                 "        os.write(2, b'interpreter torn down\\n')\n"
                 "kept = TornDown()\n"
-                "atexit.register(os.write, 2, b'at-exit handlers ran\\n')\n"
+                "def ended():\n"
+                "    from tarsier_batch.workers import fork_server\n"
+                "    try:\n"
+                "        os.kill(fork_server._quiet_server_pid, 0)\n"
+                "        server = 'running'\n"
+                "    except ProcessLookupError:\n"
+                "        server = 'stopped'\n"
+                "    except TypeError:\n"
+                "        server = 'never started'\n"
+                "    os.write(2, f'at-exit handlers ran; decoding server {server}\\n'.encode())\n"
+                "atexit.register(ended)\n"
                 "sys.argv = ['tarsier'] + sys.argv[1:]\n"
                 "from tarsier_batch.cli import run_command\n"
                 "run_command()\n")
@@ -206,8 +217,8 @@ _ENTRY_PROBE = ("import atexit, os, sys\n"
 
 def test_the_command_ends_with_its_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The process lingered 2-15 s after its summary, tearing down the interpreter (collecting every object torch
-    and the model made): the summary's wall time understated the command's. The at-exit handlers (decoding
-    servers, Ray) still run."""
+    and the model made): the summary's wall time understated the command's. The at-exit handlers (Ray's) still
+    run, and the decoding server stops with the command rather than tearing down its own interpreter after it."""
     out = tmp_path / "r.parquet"
     done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(SAMPLE_DATA / "still.png"), "--model",
                            str(tiny_model_dir), "-o", str(out), "--max-new-tokens", "2"],
@@ -215,7 +226,8 @@ def test_the_command_ends_with_its_summary(tiny_model_dir: Path, tmp_path: Path)
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
-    assert lines[-2].startswith("tarsier: done: captioned 1;") and lines[-1] == "at-exit handlers ran", done.stderr
+    assert lines[-2].startswith("tarsier: done: captioned 1;"), done.stderr
+    assert lines[-1] == "at-exit handlers ran; decoding server stopped"   # not left to tear down its own torch
     assert "interpreter torn down" not in done.stderr
     assert pq.read_table(out).num_rows == 1
 
@@ -224,7 +236,8 @@ def test_the_commands_exit_code_and_messages_come_through_the_entry_point(tmp_pa
     usage = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(tmp_path / "none.mp4"), "-o",
                             str(tmp_path / "r.parquet")], capture_output=True, text=True, timeout=60, cwd=tmp_path,
                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert usage.returncode == 2 and "none.mp4" in usage.stderr and usage.stderr.endswith("at-exit handlers ran\n")
+    assert usage.returncode == 2 and "none.mp4" in usage.stderr
+    assert usage.stderr.endswith("at-exit handlers ran; decoding server never started\n")
     version = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "--version"], capture_output=True, text=True,
                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert version.returncode == 0 and version.stdout.startswith("tarsier-batch ")
