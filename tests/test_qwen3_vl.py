@@ -21,7 +21,6 @@ from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
 from tarsier_batch.families.catalog import QWEN3_VL, family_of_config
 from tarsier_batch.families.qwen3_vl import Qwen3VLCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.settings import CaptionSettings, SettingsError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import qwen_vl_for_generation  # noqa: E402
@@ -172,6 +171,7 @@ def test_fastv_pruning_is_refused_before_the_checkpoint_loads(model_dir: Path, m
                                                               ) -> None:
     """The refusal came after loading the weights (100 s for a real checkpoint); config.json says the family."""
     import tarsier_batch.api as api
+    from tarsier_batch.settings import CaptionSettings, SettingsError
 
     def load(*args: object) -> None:
         raise AssertionError("the checkpoint loads before the refusal")
