@@ -30,7 +30,7 @@ from .engine import Engine, EngineConfig, PruneConfig, Sequence
 from .engine.model_runner import fused_attention_available
 from .errors import INTERNAL, Worded
 from .families.base import CaptionModel, Processor
-from .families.loading import load_caption_model, load_processor
+from .families.loading import family_of_checkpoint, load_caption_model, load_processor
 from .inputs.sources import MediaItem
 from .media import decoder_versions
 from .model import preflight
@@ -63,6 +63,7 @@ class Captioner:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        _refuse_for_family(settings)   # before a weight is downloaded or read
         self.resolved = resolve_model(settings.model)
         # Every running row decodes one position per step, so the step budget also caps the rows.
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
@@ -77,8 +78,6 @@ class Captioner:
         if kv_tokens < 1:
             raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
         pruning = settings.pruning if settings.prune_method == "fastv" else None   # temporal: the workers prune
-        if pruning is not None and self.model.family.fastv_refusal is not None:
-            raise SettingsError(f"{{prune_method}} fastv: {self.model.family.fastv_refusal}")
         layers = self.model.kv_geometry.num_layers
         if pruning is not None and pruning["layer"] >= layers:
             raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "
@@ -435,6 +434,20 @@ class _Queued:
     since: float
     rows: int = 1
     done: dict[str | None, Sequence] = field(default_factory=dict)   # by question (None: no prompt set)
+
+
+def _refuse_for_family(settings: CaptionSettings) -> None:
+    """Refuse settings the checkpoint's family cannot run, from its config.json alone (for a Hugging Face id, the
+    configuration is fetched without the weights). A checkpoint whose family cannot be read passes: loading it
+    says what is wrong."""
+    if settings.pruning is None or settings.prune_method != "fastv":
+        return
+    try:
+        family = family_of_checkpoint(resolve_model(settings.model, weights=False).path)
+    except (OSError, ValueError):
+        return
+    if family.fastv_refusal is not None:
+        raise SettingsError(f"{{prune_method}} fastv: {family.fastv_refusal}")
 
 
 def _layer_range(layers: range) -> str:

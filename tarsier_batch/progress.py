@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .outputs.results import CaptionResult
 
 LOG_INTERVAL_S = 30.0  # a progress line at most this often in logs (cron mail stays short)
+MIN_ETA_S = 1.0  # the least ETA shown while items remain: a rounded 0:00:00 would say the run is over
 
 
 @dataclass
@@ -85,18 +86,25 @@ class RunStats:
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left, once an item has finished.
+        """Seconds left; None (unknown) until an item has finished, and never 0 while items remain.
 
         Rows finish a batch at a time, so counting finished items alone makes the first ETAs
         jump. Tokens stream steadily: the tokens of items still generating count as the part of
         an item they are (by the mean tokens per finished item), which smooths the estimate.
+        That mean misleads when the first items to finish were short: the long ones still
+        generating would count as done and the ETA would read 0 while they run. An item still
+        generating is not done, and how long it will run is not known, so what is in flight counts
+        for at most half of the items left (each taken as halfway through, at most).
         """
+        left = self.total - self.done
         if self.done == 0 or self.elapsed_s <= 0:
             return None
+        if left <= 0:
+            return 0.0
         mean_tokens = self.generated_tokens / self.done
         in_flight = (self.streamed_tokens - self.generated_tokens) / mean_tokens if mean_tokens else 0.0
-        progress = self.done + min(max(in_flight, 0.0), self.total - self.done)
-        return max(self.total - progress, 0.0) * self.elapsed_s / progress
+        progress = self.done + min(max(in_flight, 0.0), left / 2)
+        return max((self.total - progress) * self.elapsed_s / progress, MIN_ETA_S)
 
     def record(self, result: CaptionResult) -> None:
         self.done += 1

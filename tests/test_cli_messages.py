@@ -13,10 +13,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from typer.testing import CliRunner
 
-from conftest import caption_probe
+from conftest import REPO, SAMPLE_DATA, caption_probe
 from tarsier_batch.cli import app
 from tarsier_batch.model.checkpoints import DEMO_ACCURACY, download_problem
-from tarsier_batch.progress import RunStats
+from tarsier_batch.progress import RunStats, progress_line
 from tarsier_batch.version import extra_command_for, install_extra_command
 
 runner = CliRunner()
@@ -86,6 +86,30 @@ def test_eta_counts_items_still_generating_by_their_tokens() -> None:
     assert abs(stats.eta_s - 400.0) < 1.0
     stats.streamed_tokens = 400   # 200 more tokens: two items' worth are under way
     assert abs(stats.eta_s - 150.0) < 1.0   # 4 items' worth done in 100 s; 6 left at 25 s
+
+
+def test_eta_is_never_zero_while_items_still_generate() -> None:
+    """A short first item made the mean tokens per item tiny: the long items in flight counted as done and the
+    ETA read 0:00:00 for minutes while 7 of 8 items generated."""
+    stats = RunStats(total=8)
+    stats.started -= 60.0
+    assert "ETA -:--:--" in progress_line(stats)   # nothing finished: unknown, not 0
+    stats.done, stats.generated_tokens = 1, 10
+    stats.streamed_tokens = 10 + 7 * 500   # seven items in flight, 500 tokens each: 350 mean items' worth
+    # What is in flight counts for at most half of the 7 items left: 4.5 items' worth in 60 s, 3.5 left.
+    assert abs(stats.eta_s - 3.5 * 60.0 / 4.5) < 0.5
+    stats.started -= 120.0   # two minutes on, nothing more finished: the estimate grows, it does not run out
+    assert abs(stats.eta_s - 3.5 * 180.0 / 4.5) < 0.5
+    assert "ETA 0:00:00" not in progress_line(stats)
+
+
+def test_eta_is_at_least_a_second_while_items_remain_and_zero_when_all_are_done() -> None:
+    stats = RunStats(total=2)
+    stats.started -= 0.2   # one item done in 0.2 s: a rounded estimate would read 0:00:00
+    stats.done = stats.generated_tokens = stats.streamed_tokens = 1
+    assert stats.eta_s == 1.0 and progress_line(stats).endswith("ETA 0:00:01")
+    stats.done = 2
+    assert stats.eta_s == 0.0
 
 
 def test_the_demo_model_is_offered_and_its_accuracy_is_the_readmes() -> None:
@@ -165,6 +189,58 @@ def test_a_commands_wall_time_starts_when_its_process_did() -> None:
     started, first = map(float, shown.split())
     tick = 1 / os.sysconf("SC_CLK_TCK")   # the kernel's clocks count process ages in ticks
     assert before - tick <= started <= first <= after
+
+
+# `tarsier ARGS` as its console script runs it, in a fresh interpreter of this checkout, with an object that Python's
+# teardown of the main module deletes and an at-exit handler registered before the command's own (so run after
+# them), which says whether the decoding server is still running.
+_ENTRY_PROBE = ("import atexit, os, sys\n"
+                "class TornDown:\n"
+                "    def __del__(self):\n"
+                "        os.write(2, b'interpreter torn down\\n')\n"
+                "kept = TornDown()\n"
+                "def ended():\n"
+                "    from tarsier_batch.workers import fork_server\n"
+                "    try:\n"
+                "        os.kill(fork_server._quiet_server_pid, 0)\n"
+                "        server = 'running'\n"
+                "    except ProcessLookupError:\n"
+                "        server = 'stopped'\n"
+                "    except TypeError:\n"
+                "        server = 'never started'\n"
+                "    os.write(2, f'at-exit handlers ran; decoding server {server}\\n'.encode())\n"
+                "atexit.register(ended)\n"
+                "sys.argv = ['tarsier'] + sys.argv[1:]\n"
+                "from tarsier_batch.cli import run_command\n"
+                "run_command()\n")
+
+
+def test_the_command_ends_with_its_summary(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The process lingered 2-15 s after its summary, tearing down the interpreter (collecting every object torch
+    and the model made): the summary's wall time understated the command's. The at-exit handlers (Ray's) still
+    run, and the decoding server stops with the command rather than tearing down its own interpreter after it."""
+    out = tmp_path / "r.parquet"
+    done = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(SAMPLE_DATA / "still.png"), "--model",
+                           str(tiny_model_dir), "-o", str(out), "--max-new-tokens", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[-2].startswith("tarsier: done: captioned 1;"), done.stderr
+    assert lines[-1] == "at-exit handlers ran; decoding server stopped"   # not left to tear down its own torch
+    assert "interpreter torn down" not in done.stderr
+    assert pq.read_table(out).num_rows == 1
+
+
+def test_the_commands_exit_code_and_messages_come_through_the_entry_point(tmp_path: Path) -> None:
+    usage = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "caption", str(tmp_path / "none.mp4"), "-o",
+                            str(tmp_path / "r.parquet")], capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert usage.returncode == 2 and "none.mp4" in usage.stderr
+    assert usage.stderr.endswith("at-exit handlers ran; decoding server never started\n")
+    version = subprocess.run([sys.executable, "-c", _ENTRY_PROBE, "--version"], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert version.returncode == 0 and version.stdout.startswith("tarsier-batch ")
 
 
 def test_a_missing_extra_is_installed_the_way_the_package_was() -> None:

@@ -16,12 +16,14 @@ from typer.testing import CliRunner
 from awkward_media import Ok, make_awkward_inputs, numbered, write_video
 from conftest import SAMPLE_DATA
 from tarsier_batch.cli import app
+from tarsier_batch.families.catalog import TARSIER
 from tarsier_batch.inputs.sources import MediaItem
 from tarsier_batch.media import WARNING_KINDS, MediaType, Span, load_media, media_type_of
 from tarsier_batch.outputs.formats import OutputTarget
 from tarsier_batch.outputs.results import CaptionResult
 from tarsier_batch.outputs.schema import OutputColumns
 from tarsier_batch.outputs.store import ResultStore
+from tarsier_batch.review.inspection import inspect_file
 from test_report import body_data, chromium
 
 runner = CliRunner()
@@ -78,6 +80,19 @@ def test_a_cut_file_and_a_zeroed_file_are_marked_and_a_healthy_one_is_not(damage
     # them) and samples the 80 frames that decode.
     zeroed = load_media(str(damaged["zeroed"]), MediaType.VIDEO, 8)
     assert (zeroed.decoder, zeroed.frame_indices[-1], zeroed.warnings) == ("pyav", 81, ("corrupt_packets",))
+
+
+def test_inspect_names_the_warnings_the_row_would_carry(damaged: dict[str, Path]) -> None:
+    """`tarsier inspect` said "would caption" of a file whose row then carried corrupt_packets."""
+    verdicts = {name: inspect_file(str(path), TARSIER, frames=8) for name, path in damaged.items()}
+    assert {name: found.warnings for name, found in verdicts.items()} == \
+        {"healthy": [], "cut": ["cut_short"], "zeroed": ["corrupt_packets"]}
+    last_lines = {name: found.as_text().splitlines()[-1].split(None, 1) for name, found in verdicts.items()}
+    assert last_lines["healthy"] == ["verdict", "would caption"]
+    assert last_lines["zeroed"] == ["verdict",
+                                    "would caption, with warning corrupt_packets (from the frames that decode)"]
+    shown = runner.invoke(app, ["inspect", "--family", "tarsier", str(damaged["cut"])])
+    assert shown.exit_code == 0 and "would caption, with warning cut_short" in shown.output
 
 
 def test_no_whole_file_of_any_container_or_codec_is_marked(tmp_path: Path, shared_media: Path) -> None:

@@ -246,6 +246,22 @@ def test_fastv_pruning_is_refused_in_one_line(model_dir: Path, shared_media: Pat
     assert not (tmp_path / "r.parquet").exists()
 
 
+def test_fastv_pruning_is_refused_before_the_checkpoint_loads(model_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """The refusal came after loading the weights (100 s for a real checkpoint); config.json says the family."""
+    import tarsier_batch.api as api
+    from tarsier_batch.settings import CaptionSettings, SettingsError
+
+    def load(*args: object) -> None:
+        raise AssertionError("the checkpoint loads before the refusal")
+
+    monkeypatch.setattr(api, "load_caption_model", load)
+    monkeypatch.setattr(api.preflight, "estimate", load)
+    settings = CaptionSettings(model=str(model_dir), prune_vision=0.5, prune_method="fastv", isolate_decoding=False)
+    with pytest.raises(SettingsError, match="DeepStack"):
+        api.Captioner(settings)
+
+
 # -- the CLI --------------------------------------------------------------------------------------------
 
 def test_make_tiny_model_and_models_commands(tmp_path: Path) -> None:

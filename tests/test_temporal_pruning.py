@@ -181,3 +181,12 @@ def test_prune_vision_alone_prunes_temporally_and_a_layer_alone_chooses_fastv(tm
     assert runner.invoke(app, [*args, "--offload-kv"]).exit_code == 0
     fastv = runner.invoke(app, [*args, "--offload-kv", "--prune-method", "fastv"])
     assert fastv.exit_code == 2 and "--offload-kv and --prune-vision with --prune-method fastv" in fastv.output
+
+
+def test_fastv_without_a_share_to_prune_is_refused(tmp_path: Path) -> None:
+    """--prune-method fastv alone was accepted and pruned nothing."""
+    (tmp_path / "a.jpg").touch()
+    alone = runner.invoke(app, ["caption", str(tmp_path / "a.jpg"), "-o", str(tmp_path / "r.parquet"), "--dry-run",
+                                "--prune-method", "fastv"])
+    assert alone.exit_code == 2
+    assert "--prune-method fastv has no effect without --prune-vision R > 0" in alone.output

@@ -16,15 +16,16 @@ if TYPE_CHECKING:
 
 def load_caption_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CaptionModel:
     """Load the checkpoint in `model_dir` with the family its config.json names."""
-    return _family_of(model_dir).code("loader")(model_dir, dtype, device)
+    return family_of_checkpoint(model_dir).code("loader")(model_dir, dtype, device)
 
 
 def load_processor(model_dir: Path) -> Processor:
     """The checkpoint's CPU side alone (frames and prompt), without its weights: what decoding takes."""
-    return _family_of(model_dir).code("processor_loader")(model_dir)
+    return family_of_checkpoint(model_dir).code("processor_loader")(model_dir)
 
 
-def _family_of(model_dir: Path) -> FamilyInfo:
+def family_of_checkpoint(model_dir: Path) -> FamilyInfo:
+    """The family the checkpoint's config.json names, without loading anything."""
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} has no config.json: not a model checkpoint")

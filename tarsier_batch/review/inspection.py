@@ -52,11 +52,22 @@ class Inspection:
     family: str | None = None
     frames_asked: int | None = None
     frame_indices: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)   # damage read past decoding the frames (the row's `warnings`)
     problem: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.problem is None
+
+    @property
+    def verdict(self) -> str:
+        """What captioning would do with the file, naming the warnings its row would carry."""
+        if not self.ok:
+            return "would fail"
+        if not self.warnings:
+            return "would caption"
+        return (f"would caption, with {'warning' if len(self.warnings) == 1 else 'warnings'} "
+                f"{', '.join(self.warnings)} (from the frames that decode)")
 
     def as_json(self) -> str:
         return json.dumps(asdict(self), ensure_ascii=False)
@@ -64,8 +75,8 @@ class Inspection:
     def as_text(self) -> str:
         """Aligned `name  value` lines, the known ones only, then the verdict."""
         shown = {_LABELS.get(name, name.replace("_", " ")): _shown(name, value)
-                 for name, value in asdict(self).items() if value not in (None, [])}
-        shown["verdict"] = "would caption" if self.ok else "would fail"
+                 for name, value in asdict(self).items() if value not in (None, []) and name != "warnings"}
+        shown["verdict"] = self.verdict
         width = max(map(len, shown))
         return "\n".join(f"{name:<{width}}  {value}" for name, value in shown.items())
 
@@ -162,7 +173,8 @@ def _decode_facts(path: str, media_type: MediaType, family: FamilyInfo, frames: 
     # The loaded media, not the extension, says what the row will: an animated WebP or PNG is a "gif",
     # a multi-picture JPEG (MPO) a still although Pillow calls it animated.
     facts.update(media_type=media.media_type.value, displayed_size=f"{media.width}x{media.height}",
-                 duration_s=media.duration_s, decoder=media.decoder, frame_indices=media.frame_indices)
+                 duration_s=media.duration_s, decoder=media.decoder, frame_indices=media.frame_indices,
+                 warnings=list(media.warnings))
     if media_type is not MediaType.VIDEO:
         facts["animated"] = media.media_type is MediaType.GIF
     if counted:

@@ -220,6 +220,8 @@ class CaptionSettings:
         if self.prune_layer is not None and self.prune_layer < 1:
             raise SettingsError(f"{{prune_layer}} {self.prune_layer}: the first layer can only see every token; "
                                 f"give K >= 1")
+        if self.prune_method == "fastv" and self.prune_vision == 0:   # the default method is temporal's
+            raise SettingsError("{prune_method} fastv has no effect without {prune_vision} R > 0 (pruning is off)")
         if self.prune_vision > 0 and self.prune_method == "fastv" and self.offload_kv:
             raise SettingsError("{offload_kv} and {prune_vision} with {prune_method} fastv do not work together yet; "
                                 "leave one out, or use {prune_method} temporal")

@@ -7,10 +7,13 @@ overcommitted, and forking a threaded process is unsafe. The server is started o
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import re
+import signal
 import sys
+from contextlib import suppress
 from multiprocessing.context import BaseContext
 
 _quiet_server_pid: int | None = None
@@ -56,8 +59,21 @@ def quiet_fork_server(preload: list[str]) -> BaseContext:
             os.dup2(original, descriptor)
             os.close(original)
         os.close(devnull)
+    if _quiet_server_pid is None:   # the first start: a restarted server is stopped the same way
+        atexit.register(_stop_server)
     _quiet_server_pid = getattr(server, "_forkserver_pid", None)
     return context
+
+
+def _stop_server() -> None:
+    """At this process's exit, stop the server at once. Left to notice the exit on its own, it would tear down
+    its own interpreter (the decoders and torch it preloaded: seconds), outliving the command that started it;
+    its decoding workers have stopped by then (or notice the exit themselves)."""
+    if _quiet_server_pid is None:
+        return
+    with suppress(OSError):   # gone already, or reaped by multiprocessing
+        os.kill(_quiet_server_pid, signal.SIGTERM)   # its Python has no handler for it: it ends where it stands
+        os.waitpid(_quiet_server_pid, 0)
 
 
 def check_main_is_guarded() -> None:
