@@ -68,6 +68,7 @@ from .cli_run import (
     CommandReporter,
     dry_run,
     fail,
+    let_waiting_cpu_threads_sleep,
     open_log,
     present,
     stdin_paths,
@@ -157,6 +158,7 @@ def caption(**given: Any) -> None:
     INPUTS are media files, directories or glob patterns; '-' reads paths from stdin, one per
     line (-0: NUL-separated).
     """
+    let_waiting_cpu_threads_sleep()
     options = _settings(from_values, CommandOptions, given)
     output = _output_of(options)
     settings = _settings(from_values, RunSettings,

@@ -59,3 +59,33 @@ def test_quieting_the_library_logs_quiets_a_transformers_imported_already() -> N
         "quiet_library_logs()\n"
         "print(json.dumps([transformers.logging.get_verbosity(), transformers.logging.ERROR]))\n")
     assert found[0] == found[1]
+
+
+def test_a_caption_run_loads_torch_with_its_waiting_cpu_threads_asleep(tmp_path: Path) -> None:
+    """OpenMP reads its wait policy when torch loads it: set any later, spinning threads would hold the core a
+    decoding worker needs. Recorded at the moment the run first imports torch."""
+    found = fresh_python(
+        "import json, os, sys\n"
+        "os.environ.pop('OMP_WAIT_POLICY', None)\n"
+        "seen = {}\n"
+        "class WatchTorch:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch' and 'policy' not in seen:\n"
+        "            seen['policy'] = os.environ.get('OMP_WAIT_POLICY')\n"
+        "sys.meta_path.insert(0, WatchTorch())\n"
+        "from tarsier_batch.cli import app\n"
+        f"sys.argv = ['tarsier', 'caption', {str(REPO / 'sample_data' / 'still.png')!r}, '--model', 'demo',\n"
+        f"            '--out', {str(tmp_path / 'still.parquet')!r}, '--quiet']\n"
+        "try:\n"
+        "    app(prog_name='tarsier')\n"
+        "except SystemExit as stop:\n"
+        "    seen['exit'] = stop.code\n"
+        "print(json.dumps(seen))\n")
+    assert found == {"policy": "PASSIVE", "exit": 0}
+
+
+def test_a_wait_policy_the_user_chose_is_kept(monkeypatch) -> None:
+    from tarsier_batch.cli_run import let_waiting_cpu_threads_sleep
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    let_waiting_cpu_threads_sleep()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
