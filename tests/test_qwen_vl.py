@@ -3,8 +3,11 @@ M-RoPE positions, and the engine against transformers' own generate."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +24,18 @@ from tarsier_batch.families.base import ProcessedPrompt
 from tarsier_batch.families.catalog import QWEN2_5_VL, QWEN2_VL, TARSIER2, family_of_config
 from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.qwen2_vl import QwenVLCaptionModel
+from tarsier_batch.families.qwen2_vl.family import clip_frames
 from tarsier_batch.families.qwen2_vl.processing import (
     resize_for_model,
     seconds_per_temporal_patch,
+    temporal_interval,
     video_frame_max_pixels,
 )
 from tarsier_batch.families.qwen_vl.patches import temporal_patch_of, with_temporal_copies
+from tarsier_batch.families.qwen_vl.positions import VisionSpan
 from tarsier_batch.families.tiny import make_tiny_model
-from tarsier_batch.media import MediaType, Span, even_frame_indices, load_media
+from tarsier_batch.media import Media, MediaType, Span, even_frame_indices, load_media
+from tarsier_batch.media.sampling import TEMPORAL_PATCH_FRAMES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import GenerateLimits, generate_qwen_vl, qwen_vl_for_generation  # noqa: E402
@@ -117,7 +124,7 @@ def test_pixel_budgets_of_qwen_vl_utils() -> None:
     frame = Image.new("RGB", (1920, 800))
     assert resize_for_model(frame, MediaType.VIDEO, 16).size == (1176, 476)   # <= 602,112 px, sides of 28
     assert resize_for_model(frame, MediaType.IMAGE, 1).size == (1932, 812)    # nearest multiples of 28
-    assert seconds_per_temporal_patch(16, 10.5) == pytest.approx(2 / (16 / 10.5))
+    assert seconds_per_temporal_patch(16, 84, 8.0) == 2 / (16 / 84 * 8.0)   # 16 of 84 frames at 8 fps
 
 
 @pytest.mark.parametrize("name", ["demo_test.mp4", "portrait_25fps.mp4", "clip_12f.gif"])
@@ -214,7 +221,7 @@ def test_video_positions_agree_with_transformers_up_to_the_text_after(model: Qwe
     extra = {}
     interval = 1.0
     if config.variant.time_aligned:
-        seconds = seconds_per_temporal_patch(16, 10.5)
+        seconds = seconds_per_temporal_patch(16, 84, 8.0)
         extra["second_per_grid_ts"] = torch.tensor([seconds])
         interval = config.tokens_per_second * seconds
     theirs, _ = hf.model.get_rope_index(video.token_ids[None], types, video_grid_thw=grid, **extra)
@@ -230,7 +237,7 @@ def test_a_spans_temporal_positions_follow_the_spans_own_frame_rate(model: QwenV
     """16 frames of seconds 2-6 of demo_test.mp4 (10.5 s): half a second per temporal patch, whatever the file's
     length; Qwen2.5-VL's temporal positions then step by 2 positions a second x 0.5 s, Qwen2-VL's by one."""
     media = model.processor.load_media(str(shared_media / "demo_test.mp4"), MediaType.VIDEO, 16, span=Span(2.0, 6.0))
-    assert media.sampled_seconds == 4.0 and media.duration_s == 10.5
+    assert (media.frame_indices[0], media.frame_indices[-1], media.duration_s) == (16, 47, 10.5)   # 4 s of frames
     prompt = model.processor.process(media, None)
     starts = [block.start for block in prompt.vision_blocks]
     times = [int(prompt.positions[0, start]) - int(prompt.positions[0, starts[0]]) for start in starts]
@@ -242,6 +249,81 @@ def test_a_spans_temporal_positions_follow_the_spans_own_frame_rate(model: QwenV
     # 16 frames over 10.5 s: 1.3125 s a patch, 2.625 positions (truncated) for Qwen2.5-VL
     expected = [int(index * 2.625) for index in range(8)] if model.config.variant.time_aligned else list(range(8))
     assert whole_times == expected
+
+
+FRAME_RATES = [24000 / 1001, 23.976, 24.0, 25.0, 30000 / 1001, 29.97, 30.0, 50.0, 60000 / 1001, 59.94, 60.0]
+SAMPLED_COUNTS = [2, 3, 4, 5, 8, 9, 15, 16, 17, 32, 33, 64]
+
+
+@functools.cache
+def rope_index_holder(tokens_per_second: int) -> types.SimpleNamespace:
+    """What transformers' `Qwen2_5_VLModel.get_rope_index` reads of the model it is on: its config and its
+    `get_vision_position_ids` (no weights)."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    config = Qwen2_5_VLConfig(vision_config={"tokens_per_second": tokens_per_second, "spatial_merge_size": 2})
+    holder = types.SimpleNamespace(config=config)
+    holder.get_vision_position_ids = functools.partial(Qwen2_5_VLModel.get_vision_position_ids, holder)
+    return holder
+
+
+def official_temporal_positions(frame_count: int, clip_frames: int, fps: float,
+                                tokens_per_second: int = 2) -> tuple[list[int], torch.Tensor]:
+    """The temporal positions of a video's vision block (from 0) and its interval, by the official chain:
+    qwen-vl-utils' `sample_fps = nframes / max(total_frames, 1e-6) * video_fps` (vision_process.py, returned as
+    `video_kwargs['fps']`), Qwen2_5_VLProcessor's `second_per_grid_ts = temporal_patch_size / fps` turned into a
+    tensor by its BatchFeature (`torch.tensor` of Python floats: float32), and transformers' own
+    `Qwen2_5_VLModel.get_rope_index`, which multiplies it by the config's integer `tokens_per_second`."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
+
+    sample_fps = frame_count / max(clip_frames, 1e-6) * fps
+    second_per_grid_ts = torch.tensor([TEMPORAL_PATCH_FRAMES / sample_fps])
+    model = rope_index_holder(tokens_per_second)
+    blocks = math.ceil(frame_count / TEMPORAL_PATCH_FRAMES)   # an odd count's last frame fills its patch
+    video_types = torch.full((1, blocks), 2)   # one video block of 2 x 2 patches: one merged vector a patch
+    positions, _ = Qwen2_5_VLModel.get_rope_index(model, torch.zeros(1, blocks, dtype=torch.long), video_types,
+                                                  video_grid_thw=torch.tensor([[blocks, 2, 2]]),
+                                                  second_per_grid_ts=second_per_grid_ts)
+    return positions[0, 0].tolist(), tokens_per_second * second_per_grid_ts[0]
+
+
+def test_temporal_positions_are_the_official_chains_for_every_frame_rate_and_count() -> None:
+    """Frames sampled as qwen-vl-utils samples them (`torch.linspace(first, last, n).round()`), from a whole video
+    and from a clip cut from it (frames `start` on, counted as a file of its own), over frame rates, clip lengths and
+    sampled counts (odd ones padded as the processor pads): the same interval to the last bit, the same positions.
+    Spacing patches by the clip's seconds (`frames / duration`) instead gives the same float32 interval for whole
+    videos here, by luck of rounding, and other positions for a segment whose span is not its frames' length."""
+    differing = []
+    for fps in FRAME_RATES:
+        for total in range(1, 1200, 13):
+            for count in (count for count in SAMPLED_COUNTS if count <= total):
+                sampled = torch.linspace(0, total - 1, count).round().long().tolist()
+                start = total // 3
+                for indices in (sampled, [start + index for index in sampled]):
+                    media = Media("v.mp4", MediaType.VIDEO, [None] * count, indices, 1, 1, (start + total) / fps,
+                                  "decord", fps=fps)
+                    interval = temporal_interval(count, clip_frames(media), media.fps, 2.0)
+                    ours = VisionSpan(0, (math.ceil(count / TEMPORAL_PATCH_FRAMES), 1, 1), interval).offsets()[0]
+                    theirs, their_interval = official_temporal_positions(count, total, fps)
+                    if ours.tolist() != theirs or interval != float(their_interval):
+                        differing.append((fps, total, count, indices[0]))
+    assert differing == []
+
+
+def test_a_segments_temporal_positions_follow_its_frames_not_the_spans_seconds(model: QwenVLCaptionModel,
+                                                                             shared_media: Path) -> None:
+    """Seconds 0-3.9 of demo_test.mp4 (84 frames at 8 fps) hold frames 0 to 31, four seconds of them: the clip cut
+    from the file is 32 frames, 16 sampled, half a second a temporal patch, positions 0 to 7 for Qwen2.5-VL (the
+    span's 3.9 s would give 0.4875 s a patch and positions 0, 0, 1, ... 6)."""
+    media = model.processor.load_media(str(shared_media / "demo_test.mp4"), MediaType.VIDEO, 16, span=Span(0.0, 3.9))
+    assert (media.frame_indices[0], media.frame_indices[-1], media.fps, len(media.frames)) == (0, 31, 8.0, 16)
+    prompt = model.processor.process(media, None)
+    times = [int(prompt.positions[0, block.start]) - int(prompt.positions[0, prompt.vision_blocks[0].start])
+             for block in prompt.vision_blocks]
+    assert times == list(range(8))
+    if model.config.variant.time_aligned:
+        assert times == official_temporal_positions(16, 32, 8.0)[0]
 
 
 # -- the engine against transformers and against itself -------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -36,26 +35,16 @@ from .processing import (
     IMAGE_MAX_PIXELS,
     resize_for_model,
     scaled,
-    seconds_per_temporal_patch,
+    temporal_interval,
     temporal_patches,
     video_frame_max_pixels,
 )
 
 
-@dataclass(frozen=True)
-class TimedMedia(Media):
-    """Media and the seconds its frames were sampled over: a span's length, else the file's duration (Qwen2.5-VL
-    spaces its temporal positions by the sampled frame rate)."""
-
-    sampled_seconds: float | None = None
-
-
-def sampled_seconds(media: Media, span: Span | None) -> float | None:
-    """The seconds `media`'s frames were sampled over; a span past the file's end ends with the file."""
-    if span is None:
-        return media.duration_s
-    end = span.end_s if media.duration_s is None else min(span.end_s, media.duration_s)
-    return end - span.start_s if end > span.start_s else None
+def clip_frames(media: Media) -> int:
+    """How many frames the clip `media` was sampled from holds: the file's, or a span's (the clip cut from the file,
+    as if a file of its own). `even_frame_indices` spreads the samples from the clip's first frame to its last."""
+    return media.frame_indices[-1] - media.frame_indices[0] + 1
 
 
 class QwenVLPromptProcessor:
@@ -78,10 +67,8 @@ class QwenVLPromptProcessor:
                    max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """An even number of frames spread over the clip; each resized and cut into patches as it is decoded."""
         transform = functools.partial(self.frame_patches, media_type=media_type)
-        media = load_media(path, media_type, num_frames, frame_transform=transform, sampler=even_frame_indices,
-                           max_image_pixels=max_image_pixels, span=span)
-        return TimedMedia(**{field.name: getattr(media, field.name) for field in fields(media)},
-                          sampled_seconds=sampled_seconds(media, span))
+        return load_media(path, media_type, num_frames, frame_transform=transform, sampler=even_frame_indices,
+                          max_image_pixels=max_image_pixels, span=span)
 
     def frame_patches(self, frame: Image.Image, frame_count: int, media_type: MediaType) -> FramePatches:
         """One RGB frame at qwen-vl-utils' size through the checkpoint's image processor (one temporal copy)."""
@@ -120,8 +107,8 @@ class QwenVLPromptProcessor:
         start = vision_run_start(ids, pad_id, per_block * blocks, self.config.vision_start_token_id)
         interval = 1.0
         if self.config.variant.time_aligned and not is_image:
-            seconds = media.sampled_seconds if isinstance(media, TimedMedia) else media.duration_s
-            interval = self.config.tokens_per_second * seconds_per_temporal_patch(len(media.frames), seconds)
+            interval = temporal_interval(len(media.frames), clip_frames(media), media.fps,
+                                         self.config.tokens_per_second)
         return ids, [VisionSpan(start, (blocks, merged_h, merged_w), interval)]
 
     def prompt_ids(self, is_image: bool, vision_tokens: int, instruction: str) -> list[int]:

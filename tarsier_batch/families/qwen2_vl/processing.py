@@ -30,7 +30,7 @@ IMAGE_MAX_PIXELS = 16384 * 28 * 28
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)   # the whole clip's budget, shared by its frames
-# qwen-vl-utils' default sampling rate, used as the rate of clips whose duration is unknown.
+# qwen-vl-utils' default sampling rate, used as the sampled rate of clips whose frame rate is unknown.
 DEFAULT_FPS = 2.0
 # The instructions of the models' own examples.
 DEFAULT_VIDEO_INSTRUCTION = "Describe this video."
@@ -82,10 +82,21 @@ def resize_video_frame(frame: Image.Image, width: int, height: int) -> Image.Ima
     return Image.fromarray(resized.clamp_(0, 255).round_().to(torch.uint8)[0].permute(1, 2, 0).numpy())
 
 
-def seconds_per_temporal_patch(frame_count: int, duration_s: float | None) -> float:
-    """How many seconds of the clip one temporal patch spans: two frames at the rate they were sampled at."""
-    fps = frame_count / duration_s if duration_s else DEFAULT_FPS
-    return TEMPORAL_PATCH_FRAMES / fps
+def seconds_per_temporal_patch(frame_count: int, clip_frames: int, fps: float | None) -> float:
+    """How many seconds one temporal patch of `frame_count` frames sampled from a clip of `clip_frames` frames at
+    `fps` spans, with the official usage's operations in their order: qwen-vl-utils' sampled rate
+    `nframes / total_frames * video_fps`, then the processor's `temporal_patch_size / rate` (other orders differ in
+    the last bit). A clip of unknown rate is taken at qwen-vl-utils' default."""
+    rate = frame_count / clip_frames * fps if fps else DEFAULT_FPS
+    return TEMPORAL_PATCH_FRAMES / rate
+
+
+def temporal_interval(frame_count: int, clip_frames: int, fps: float | None, tokens_per_second: float) -> float:
+    """Qwen2.5-VL's temporal positions per temporal patch, as transformers computes them: the processor's seconds
+    become a float32 tensor (`second_per_grid_ts`), which `get_rope_index` multiplies by the positions per second
+    in float32. Exactly a float32 value, so its products with the patch indices are transformers' too."""
+    seconds = torch.tensor(seconds_per_temporal_patch(frame_count, clip_frames, fps), dtype=torch.float32)
+    return float(tokens_per_second * seconds)
 
 
 def temporal_patches(frame_count: int) -> int:
