@@ -5,11 +5,12 @@ transformers' generate.
                                    [--repeats 1] [--video PATH]
 
 A random-weight checkpoint of the family with a ~100M-parameter language model (`bench`: frames of
-at most 50,176 px; `wide`: the official 460,800 px, Tarsier2 only), 16 videos x 8 frames (../shared/media and
+at most 50,176 px, 65,536 px for Qwen3-VL's 16-px patches, the same merged patches a frame; `wide`: the official
+460,800 px, Tarsier2 only), 16 videos x 8 frames (../shared/media and
 sample_data, repeated; prompts of ~500 positions at `bench`, ~4.9k at `wide` on the official clip),
 128 new tokens with EOS disabled so that every item does the same work, 2 torch threads per side
 (the shape of the vLLM figures bench/README.md quotes). The baseline is
-bench/official_baseline.py: transformers' own Qwen2-VL (Qwen2.5-VL) generate on each item in turn, as
+bench/official_baseline.py: transformers' own Qwen2-VL (Qwen2.5-VL, Qwen3-VL) generate on each item in turn, as
 the official scripts caption. Also measures start-up: a fresh `python -c` that imports the package
 and loads the model, as `tarsier caption` does before its first item. Prints one JSON object.
 """
