@@ -146,6 +146,9 @@ def _or(found: Any, template: str, missing: str) -> str:
 CPU_SPEEDUPS = (
     ("Qwen3-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, a busy machine (prompts 167-329)",
      "qwen3-vl-2026-11-29-uncached.json", "bench"),
+    ("Tarsier2 `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, a busy machine, after the "
+     "Qwen3-VL "
+     "run (prompts 151-503)", "tarsier2-2026-11-29-uncached.json", "bench"),
     ("Qwen2-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, a busy machine (prompts 172-308)",
      "qwen2-vl-2026-11-29-uncached.json", "bench"),
     ("Qwen2.5-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off (prompts 172-308)",
