@@ -1,15 +1,16 @@
-"""Tarsier2 (or Qwen2-VL, Qwen2.5-VL) throughput: `tarsier caption`'s engine vs one item at a time with
+"""Tarsier2 (or Qwen2-VL, Qwen2.5-VL, Qwen3-VL) throughput: `tarsier caption`'s engine vs one item at a time with
 transformers' generate.
 
     python bench/bench_tarsier2.py [--family tarsier2] [--resolutions bench wide] [--frames 8] [--threads 2]
                                    [--repeats 1] [--video PATH]
 
 A random-weight checkpoint of the family with a ~100M-parameter language model (`bench`: frames of
-at most 50,176 px; `wide`: the official 460,800 px, Tarsier2 only), 16 videos x 8 frames (../shared/media and
+at most 50,176 px, 65,536 px for Qwen3-VL's 16-px patches, the same merged patches a frame; `wide`: the official
+460,800 px, Tarsier2 only), 16 videos x 8 frames (../shared/media and
 sample_data, repeated; prompts of ~500 positions at `bench`, ~4.9k at `wide` on the official clip),
 128 new tokens with EOS disabled so that every item does the same work, 2 torch threads per side
 (the shape of the vLLM figures bench/README.md quotes). The baseline is
-bench/official_baseline.py: transformers' own Qwen2-VL (Qwen2.5-VL) generate on each item in turn, as
+bench/official_baseline.py: transformers' own Qwen2-VL (Qwen2.5-VL, Qwen3-VL) generate on each item in turn, as
 the official scripts caption. Also measures start-up: a fresh `python -c` that imports the package
 and loads the model, as `tarsier caption` does before its first item. Prints one JSON object.
 """
@@ -35,6 +36,7 @@ from measured_on import measured_on  # noqa: E402
 from official_baseline import run_baseline  # noqa: E402
 
 from tarsier_batch import Captioner, MediaItem, SamplingParams, discover  # noqa: E402
+from tarsier_batch.families.catalog import family_named  # noqa: E402
 from tarsier_batch.families.tiny import make_tiny_model, sizes  # noqa: E402
 from tarsier_batch.media import MediaType  # noqa: E402
 
@@ -44,7 +46,7 @@ VIDEOS = 16
 # CPU figures bench/README.md quotes (quoted there, not measured here, so not part of the results).
 TARGET = {"bench": 3.5, "wide": 2.4}
 # The families measured here (their names as the results name them): Tarsier2 and the Qwen2-VL lineage it fine-tunes.
-FAMILIES = {"tarsier2": "Tarsier2", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL"}
+FAMILIES = {"tarsier2": "Tarsier2", "qwen2_vl": "Qwen2-VL", "qwen2_5_vl": "Qwen2.5-VL", "qwen3_vl": "Qwen3-VL"}
 
 
 def videos(count: int = VIDEOS, video: str | None = None) -> list[MediaItem]:
@@ -62,6 +64,11 @@ def startup_seconds(model_dir: Path) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return time.perf_counter() - start
+
+
+def tiny_geometry(family: str, size: str) -> dict:
+    """The random-weight checkpoint's sizes (its language model, its image processor's pixel bound)."""
+    return family_named(family).code("tiny_builder").SIZES[size]
 
 
 def one_resolution(family: str, size: str, workdir: Path, repeats: int, frames: int, video: str | None) -> dict:
@@ -82,7 +89,7 @@ def one_resolution(family: str, size: str, workdir: Path, repeats: int, frames: 
         return run_baseline(model_dir, items, NEW_TOKENS, disable_eos=True, frames=frames)["seconds"]
 
     medians = interleaved({"tarsier_caption": ours, "one_at_a_time_generate": official}, repeats)
-    return {"max_pixels_per_frame": 50_176 if size == "bench" else 460_800, "prompt_tokens": prompt_tokens,
+    return {"max_pixels_per_frame": tiny_geometry(family, size)["max_pixels"], "prompt_tokens": prompt_tokens,
             "batch_size": captioner.batch_size, "seconds": medians,
             "items_per_s": {name: round(len(items) / s, 3) for name, s in medians.items()},
             "speedup": round(medians["one_at_a_time_generate"] / medians["tarsier_caption"], 2),

@@ -262,7 +262,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="*", default=[str(path) for path in DEFAULT_INPUTS])
     parser.add_argument("--model", type=Path, help="an existing checkpoint; default: build --size")
-    parser.add_argument("--family", default="tarsier", choices=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl"])
+    parser.add_argument("--family", default="tarsier",
+                        choices=["tarsier", "tarsier2", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
     parser.add_argument("--size", default="bench", choices=sorted(set(sizes("tarsier")) & set(sizes("tarsier2"))))
     parser.add_argument("--frames", type=int, help="default: the family's")
     parser.add_argument("--max-new-tokens", type=int, default=128)

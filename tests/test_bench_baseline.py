@@ -70,7 +70,27 @@ def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame
     assert 95e6 < sum(parameter.numel() for parameter in language_model.parameters()) < 110e6
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_qwen3_vl_benchmark_size_compares_with_qwen2_vl() -> None:
+    """Qwen3-VL's `bench` checkpoint beside Qwen2-VL's: a ~100M-parameter language model of the same width and depth,
+    and as many merged patches a frame (16-px patches merged 2 x 2 are 32 px, Qwen2-VL's 14-px ones 28 px)."""
+    import torch
+
+    from tarsier_batch.families.qwen2_vl import QwenVLConfig, QwenVLModel
+    from tarsier_batch.families.qwen3_vl import QWEN3_VL_VARIANT
+    from tarsier_batch.families.tiny import qwen2_vl, qwen3_vl
+
+    qwen3, qwen2 = qwen3_vl.SIZES["bench"], qwen2_vl.SIZES["bench"]
+    assert qwen3["max_pixels"] // 32**2 == qwen2["max_pixels"] // 28**2 == 64
+    assert all(qwen3[key] == qwen2[key] for key in ("text_hidden", "text_intermediate", "text_layers", "text_heads",
+                                                    "text_kv_heads"))
+    tokens = ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    raw = qwen3_vl.config_dict(qwen3, {token: 700 + index for index, token in enumerate(tokens)}, vocab=768)
+    with torch.device("meta"):
+        language_model = QwenVLModel(QwenVLConfig.from_dict(raw, QWEN3_VL_VARIANT)).language_model
+    assert 95e6 < sum(parameter.numel() for parameter in language_model.parameters()) < 110e6
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_baseline_of_the_qwen_families_equals_the_pipeline(family: str, items: list[MediaItem],
                                                            tmp_path: Path) -> None:
     """The baseline bench_tarsier2.py --family times runs transformers' own Qwen2-VL / Qwen2.5-VL generate, and

@@ -116,6 +116,27 @@ def assert_user_run(summary: dict, stages: dict) -> None:
     assert 0 < summary["pruned_prefill_mfu"] < 1
 
 
+@pytest.mark.bench
+def test_cpu_dry_run_of_qwen2_5_vl_beside_tarsier2(tmp_path: Path) -> None:
+    results = dry_run(tmp_path, "--stages", "qwen")
+    summary, qwen = results["summary"], results["stages"]["qwen2_5_vl"]
+    assert summary["stages_done"] == ["env", "qwen2_5_vl"], qwen.get("traceback")
+    # Its own checkpoint in Qwen2.5-VL's layout (flat config, untied head, weights under visual., model., lm_head.).
+    checkpoint = tmp_path / "work" / "qwen2_5_vl-real-size"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["model_type"] == "qwen2_5_vl" and config["tie_word_embeddings"] is False
+    weights = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {name.split(".")[0] for name in weights} == {"visual", "model", "lm_head"}
+    assert qwen["build"]["parameters"] > 0 and qwen["describe"]
+    # The clips through its own processor and the engine, EOS off: every clip its 8 tokens.
+    assert qwen["engine"]["generated_tokens"] == 4 * 8 and qwen["engine"]["items"] == 4
+    assert summary["qwen2_5_vl_items_per_s"] == qwen["engine"]["items_per_s"] > 0
+    assert qwen["decode"]["context"] == max(qwen["prompt_positions"])
+    assert set(summary["qwen2_5_vl_decode_ms"]) == set(summary["qwen2_5_vl_decode_floor_ms"]) == {"1", "2", "4"}
+    assert all(ms > 0 for ms in summary["qwen2_5_vl_decode_ms"].values())
+    assert all(floor > 0 for floor in summary["qwen2_5_vl_decode_floor_ms"].values())
+
+
 @pytest.mark.compile
 def test_cpu_dry_run_of_the_compiled_stage(tmp_path: Path) -> None:
     results = dry_run(tmp_path, "--with-compile", "--stages", "env,build,engine,compiled")

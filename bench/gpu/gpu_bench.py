@@ -4,6 +4,7 @@ in two prepared calls.
     bash bench/gpu/run.sh --stages targets     # on the device machine: the engine's targets, within --budget-s
     bash bench/gpu/run.sh --stages user --budget-s 280   # then on the same machine: the user's run and the checks
     bash bench/gpu/run.sh --stages compiled,cli   # what an earlier call had no time left for
+    bash bench/gpu/run.sh --stages qwen        # Qwen2.5-VL-7B beside Tarsier2-7B, a call of its own
     bash bench/gpu/run.sh --cpu-dry-run        # here: every stage end to end at tiny sizes, on the CPU
 
 Stages, in the order they run (a stage that would not finish within the budget is skipped and named in
@@ -39,6 +40,9 @@ the output, so that a second call can run it; a stage that fails records its err
 - `pruning`: temporal pruning at R = 0.5 on the real-size checkpoint against unpruned (bench/gpu/pruning.py);
 - `segments`, `e2e_compiled`: the user's command over a 5-minute file with `--segments fixed:10s`, and over the
   clips with `--compile`;
+- `qwen2_5_vl`: Qwen2.5-VL-7B at its real size beside Tarsier2-7B (random weights drawn on the device, its own
+  on-disk layout): the `engine` stage's 64 clips through its processor and the engine (items/s), its decode step
+  at 1, 8, 32 and 64 rows against the bandwidth floor, as the engine runs it;
 - `profile`: torch.profiler over decode steps (1 and 64 rows) and a prefill of two clips: the top ops by
   device and host time, kernel launches per step, device busy time against wall time; and the lines where a
   prefill of two more clips waits for the device (bench/gpu/step_profile.py);
@@ -132,7 +136,8 @@ GPU = Profile("gpu", "cuda", None, frames=16, width=1920, height=800, clips=64, 
               budget_s=540,
               stage_s={"env": 15, "equality": 45, "build": 30, "engine": 110, "baseline": 90, "decode": 20,
                        "profile": 40, "attention": 40, "cli": 100, "compiled": 160,
-                       "e2e": 180, "bf16_demo": 50, "pruning": 75, "segments": 100, "e2e_compiled": 110})
+                       "e2e": 180, "bf16_demo": 50, "pruning": 75, "segments": 100, "e2e_compiled": 110,
+                       "qwen2_5_vl": 150})
 # A 2-layer language model behind the real vision pipeline's pixel budget, bfloat16 as on the GPU.
 DRY_GEOMETRY = dict(embed_dim=32, depth=2, vision_heads=2, text_hidden=128, text_intermediate=320, text_layers=2,
                     text_heads=4, text_kv_heads=2, mrope_section=[4, 6, 6], max_pixels=12_845_056)
@@ -147,10 +152,14 @@ DRY = Profile("cpu-dry-run", "cpu", DRY_GEOMETRY, frames=2, width=640, height=27
 # measured already: left out unless named). Each allowance above is that pace with a margin of a fifth or more.
 # `user`: the user's run and the checks never run on a GPU, most telling first (their allowances are estimates
 # until a run measures them); on the same machine it goes on from the first call's checkpoint and results.
+# `qwen`: Qwen2.5-VL-7B beside Tarsier2-7B, a call of its own (`targets` has no 150 s left): `env` for the copy rate
+# its decode floor is quoted against, then the stage (build ~20 s, load, the 64 clips, the decode steps: an estimate
+# from `build`, `engine` and `decode` above, with fewer positions a clip than Tarsier2's).
 STAGE_SETS = {"targets": ["env", "equality", "build", "engine", "baseline", "decode", "compiled", "cli"],
-              "user": ["e2e", "bf16_demo", "pruning", "segments", "e2e_compiled"]}
-STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"], "profile", "attention"]
-DEFAULT_STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"]]
+              "user": ["e2e", "bf16_demo", "pruning", "segments", "e2e_compiled"],
+              "qwen": ["env", "qwen2_5_vl"]}
+STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"], "qwen2_5_vl", "profile", "attention"]
+DEFAULT_STAGES = [*STAGE_SETS["targets"], *STAGE_SETS["user"], "qwen2_5_vl"]
 DTYPE = torch.bfloat16
 
 
@@ -207,24 +216,29 @@ class Bench:
         path.write_text(text)
         return path
 
+    def load(self, checkpoint: Path) -> Captioner:
+        """`checkpoint` loaded by `Captioner` (memory preflight first) for this profile's workload."""
+        profile = self.profile
+        # Room for the decode timings' most rows (more than the run's batch) at Tarsier2's positions a frame (the
+        # most of the families measured): the engine serves both.
+        rows = max(profile.decode_rows)
+        context = profile.frames * 608 + 128 + profile.new_tokens
+        kv_gb = math.ceil(rows * context * kv_bytes_per_position(checkpoint) / 2**30) + 1
+        settings = CaptionSettings(model=str(checkpoint), device=profile.device, dtype="bfloat16",
+                                   frames=profile.frames, kv_cache_gb=kv_gb, isolate_decoding=False,
+                                   cuda_graphs=self.cuda_graphs, fused_attention=self.fused_attention,
+                                   sampling=SamplingParams(max_new_tokens=profile.new_tokens))
+        release(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return Captioner(settings, items=profile.clips)
+
     def loaded(self) -> Captioner:
-        """The real-size checkpoint loaded by `Captioner` (memory preflight first), once."""
+        """The real-size Tarsier2 checkpoint loaded by `Captioner` (memory preflight first), once."""
         if self.captioner is None:
-            profile = self.profile
             self.built()
-            # Room for the decode timings' most rows (more than the run's batch): the engine serves both.
-            rows = max(profile.decode_rows)
-            context = profile.frames * 608 + 128 + profile.new_tokens
-            kv_gb = math.ceil(rows * context * kv_bytes_per_position(self.checkpoint) / 2**30) + 1
-            settings = CaptionSettings(model=str(self.checkpoint), device=profile.device, dtype="bfloat16",
-                                       frames=profile.frames, kv_cache_gb=kv_gb, isolate_decoding=False,
-                                       cuda_graphs=self.cuda_graphs, fused_attention=self.fused_attention,
-                                       sampling=SamplingParams(max_new_tokens=profile.new_tokens))
-            release(self.device)
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
             started = time.perf_counter()
-            self.captioner = Captioner(settings, items=profile.clips)
+            self.captioner = self.load(self.checkpoint)
             self.eos_token_ids = self.captioner.model.eos_token_ids
             self.captioner.model.eos_token_ids = frozenset()   # every item generates new_tokens: equal work
             self.stage("engine")["load_s"] = round(time.perf_counter() - started, 1)
@@ -243,6 +257,10 @@ class Bench:
             self.stage("engine")["prompt_positions"] = sorted({prompt.length for prompt in self.prompts})
             self.stage("engine")["prompts_s"] = round(time.perf_counter() - started, 1)
         return self.prompts
+
+    def context(self) -> int:
+        """The longest clip prompt's positions: the context the decode steps are timed at."""
+        return max(prompt.length for prompt in self.clip_prompts())
 
     def cli_flags(self) -> list[str]:
         """`tarsier caption`'s flags for this profile. On CUDA the defaults (the device, bfloat16, the frames) as a
@@ -273,7 +291,8 @@ def release(device: torch.device) -> None:
 
 
 def kv_bytes_per_position(model_dir: Path) -> int:
-    text = json.loads((model_dir / "config.json").read_text())["text_config"]
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)   # Qwen2.5-VL keeps its text settings at the top level
     head_dim = text["hidden_size"] // text["num_attention_heads"]
     return 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * DTYPE.itemsize
 
@@ -420,11 +439,10 @@ def run_baseline(bench: Bench) -> None:
     (bench.workdir / "baseline_margins.json").write_text(json.dumps(margins))
 
 
-def decode_figures(bench: Bench, engine: Engine) -> dict:
-    """ms per decode step and its floor, by rows, at the clips' context, in `engine` (emptied, its cache noise)."""
+def decode_figures(bench: Bench, engine: Engine, context: int) -> dict:
+    """ms per decode step and its floor, by rows, at `context`, in `engine` (emptied, its cache noise)."""
     profile = bench.profile
     model = engine.model
-    context = max(prompt.length for prompt in bench.clip_prompts())
     copy_rate = bench.results["stages"].get("env", {}).get("copy_bytes_per_s")
     engine.abort_all()
     real_size.fill_with_noise(engine)
@@ -450,14 +468,14 @@ def run_decode(bench: Bench) -> None:
     step = engine.runner.decode_step
     info["attention"] = type(step.attention).__name__
     if step.graphs is not None:
-        info["graphs"] = decode_figures(bench, engine)
+        info["graphs"] = decode_figures(bench, engine, bench.context())
         info["graphs"]["recorded"] = len(step.graphs.graphs)
     try:
         engine.runner.decode_step = DecodeStep(engine.model, engine.pools, step.attention)
-        info["eager"] = decode_figures(bench, engine)
+        info["eager"] = decode_figures(bench, engine, bench.context())
         if step.graphs is not None and not isinstance(step.attention, SplitDecodeAttention):
             engine.runner.decode_step = DecodeStep(engine.model, engine.pools, SplitDecodeAttention(), graphs=True)
-            info["graphs_split_attention"] = decode_figures(bench, engine)
+            info["graphs_split_attention"] = decode_figures(bench, engine, bench.context())
     finally:
         engine.runner.decode_step = step
 
@@ -467,7 +485,7 @@ def run_profile(bench: Bench) -> None:
     captioner = bench.loaded()
     engine = captioner.engine
     prompts = bench.clip_prompts()
-    context = max(prompt.length for prompt in prompts)
+    context = bench.context()
     info = bench.stage("profile")
     engine.abort_all()
     real_size.fill_with_noise(engine)
@@ -543,7 +561,7 @@ def compiled_parts(bench: Bench) -> None:
         info["bf16_compiled_vs_transformers"] = real_size.agreement(baseline, ids[:len(baseline)], margins)
     done("engine", started)
     started = time.perf_counter()
-    info["decode"] = decode_figures(bench, engine)
+    info["decode"] = decode_figures(bench, engine, bench.context())
     done("decode", started)
     del engine
     bench.drop_model()
@@ -553,6 +571,37 @@ def compiled_parts(bench: Bench) -> None:
     info["equality"] = equality.run_equality(bench.workdir, bench.device, compiled=True,
                                              cuda_graphs=bench.cuda_graphs, fused_attention=bench.fused_attention)
     done("equality", started)
+
+
+def run_qwen2_5_vl(bench: Bench) -> None:
+    """Qwen2.5-VL-7B at its real size (random weights drawn on the device, its own layout), beside Tarsier2-7B: the
+    `engine` stage's clips through its processor and the engine (items/s), and its decode step as the engine runs it
+    against the floor, as `engine` and `decode` measure Tarsier2's."""
+    profile = bench.profile
+    bench.drop_model()   # Tarsier2's weights and KV cache, where an earlier stage loaded them
+    info = bench.stage("qwen2_5_vl")
+    checkpoint = bench.workdir / "qwen2_5_vl-real-size"
+    if not (checkpoint / "model.safetensors.index.json").exists():
+        info["build"] = real_size.write_qwen2_5_vl_checkpoint(checkpoint, DTYPE, bench.device, profile.geometry)
+    started = time.perf_counter()
+    captioner = bench.load(checkpoint)
+    captioner.model.eos_token_ids = frozenset()   # every item generates new_tokens: equal work
+    info["load_s"] = round(time.perf_counter() - started, 1)
+    info["describe"] = captioner.describe()
+    started = time.perf_counter()
+    prompts = workload.prompts(captioner.model.processor, profile.clips, profile.frames, profile.width,
+                               profile.height)
+    info["prompt_positions"] = sorted({prompt.length for prompt in prompts})
+    info["prompts_s"] = round(time.perf_counter() - started, 1)
+    engine = captioner.engine
+    run = real_size.engine_pass(engine, prompts, profile.new_tokens)
+    run.pop("ids")
+    info["engine"] = run
+    info["decode"] = decode_figures(bench, engine, max(info["prompt_positions"]))
+    info["decode"].update(attention=type(engine.runner.decode_step.attention).__name__,
+                          graphs=engine.runner.decode_step.graphs is not None)
+    del captioner, engine
+    release(bench.device)
 
 
 def run_attention(bench: Bench) -> None:
@@ -594,7 +643,8 @@ def run_cli(bench: Bench) -> None:
 RUNNERS = {"env": run_env, "equality": run_equality, "build": run_build, "engine": run_engine,
            "baseline": run_baseline, "decode": run_decode, "profile": run_profile, "attention": run_attention,
            "cli": run_cli, "compiled": run_compiled, "e2e": end_to_end.run_e2e, "bf16_demo": run_bf16_demo,
-           "pruning": run_pruning, "segments": end_to_end.run_segments, "e2e_compiled": end_to_end.run_e2e_compiled}
+           "pruning": run_pruning, "segments": end_to_end.run_segments, "e2e_compiled": end_to_end.run_e2e_compiled,
+           "qwen2_5_vl": run_qwen2_5_vl}
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))
 
-from make_real_size_checkpoint import write_checkpoint  # noqa: E402
+from make_real_size_checkpoint import write_checkpoint, write_qwen2_5_vl_checkpoint  # noqa: E402, F401
 from official_baseline import generate_tarsier2, qwen2_vl_for_generation  # noqa: E402
 
 from tarsier_batch.engine import Engine  # noqa: E402

@@ -11,6 +11,7 @@ def summary(results: dict, order: list[str]) -> dict:
     stages = results["stages"]
     env, engine, baseline = stages.get("env", {}), stages.get("engine", {}), stages.get("baseline", {})
     compiled, decode, cli = stages.get("compiled", {}), stages.get("decode", {}), stages.get("cli", {})
+    qwen = stages.get("qwen2_5_vl", {})
     official = baseline.get("one_at_a_time", {}).get("items_per_s")
     eager = engine.get("eager", {}).get("items_per_s")
     compiled_rate = compiled.get("engine", {}).get("items_per_s")
@@ -48,6 +49,9 @@ def summary(results: dict, order: list[str]) -> dict:
         "preflight_estimate_over_peak": preflight.get("estimate_over_allocated"),
         "preflight_estimate_over_peak_compiled": compiled.get("preflight", {}).get("estimate_over_allocated"),
         "rows_lost": sum(run["rows_lost"] for run in cli_runs_done) if cli_runs_done else None,
+        "qwen2_5_vl_items_per_s": qwen.get("engine", {}).get("items_per_s"),
+        "qwen2_5_vl_decode_ms": qwen.get("decode", {}).get("ms"),
+        "qwen2_5_vl_decode_floor_ms": qwen.get("decode", {}).get("floor_ms"),
         **user_run_summary(stages),
         "stages_done": [name for name in order if name in stages and "error" not in stages[name]
                         and "skipped" not in stages[name]],
@@ -93,5 +97,6 @@ def table(summary_: dict) -> str:
             "bf16_exact_match_rate", "preflight_estimate_over_peak", "rows_lost", "e2e_items_per_s",
             "e2e_over_engine", "gpu_busy", "decode_s_per_clip", "e2e_workers", "e2e_time_to_first_row_s",
             "e2e_compiled_items_per_s", "segments_rows_per_s", "bf16_demo_identical_rate", "pruned_speedup",
-            "pruned_prefill_mfu", "commit", "stages_failed", "stages_skipped"]
+            "pruned_prefill_mfu", "qwen2_5_vl_items_per_s", "qwen2_5_vl_decode_ms", "qwen2_5_vl_decode_floor_ms",
+            "commit", "stages_failed", "stages_skipped"]
     return "\n".join(f"{key:32} {json.dumps(summary_.get(key))}" for key in keys)

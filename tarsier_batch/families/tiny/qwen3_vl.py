@@ -32,6 +32,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(embed_dim=32, depth=3, vision_heads=2, deepstack=[0, 1], text_hidden=64, text_intermediate=128,
                  text_layers=3, text_heads=4, text_kv_heads=2, head_dim=16, mrope_section=[4, 2, 2],
                  max_pixels=128 * 128),
+    # The Qwen families' benchmark shape: Qwen2-VL's `bench` language model (the 8B's head dim and M-RoPE sections)
+    # behind frames of at most 65,536 px, the same 64 merged patches a frame as Qwen2-VL's 50,176 px at 14-px patches.
+    "bench": dict(embed_dim=64, depth=2, vision_heads=2, deepstack=[0, 1], text_hidden=1024, text_intermediate=3072,
+                  text_layers=8, text_heads=8, text_kv_heads=2, head_dim=128, mrope_section=[24, 20, 20],
+                  max_pixels=256 * 256),
 }
 
 
