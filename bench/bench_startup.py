@@ -12,7 +12,7 @@ same load of a shared machine; one discarded run each first writes their bytecod
   passed since the run opened its output, which it has by then), or the output itself if it comes first. Polled
   every 5 ms.
 - `exit_s`: to the process's exit; `cpu_s`: the command's user + system CPU time (its own and the children it
-  waited for: not the decoding fork server's).
+  waited for: the decoding fork server's too where the command stops and reaps it at its exit).
 - `server_preload_cpu_s`: measured apart, in a fresh interpreter, the CPU seconds of importing what the decoding
   fork server preloads before it forks its first worker (the modules the command has imported when it starts the
   server, the decoders, the families' processors).
