@@ -26,7 +26,7 @@ from tarsier_batch.families.base import embed_whole_prompt
 from tarsier_batch.media import MediaType
 
 if TYPE_CHECKING:
-    from gpu_bench import Bench
+    from run_state import Bench
 
 NEW_TOKENS = 24   # a caption is ~10 tokens; `tarsier dev eval-demo` allows 24
 SEED = 1

@@ -37,7 +37,7 @@ from tarsier_batch.media import MediaType
 from tarsier_batch.workers.sizing import default_workers
 
 if TYPE_CHECKING:
-    from gpu_bench import Bench
+    from run_state import Bench
 
 
 @dataclass(frozen=True)

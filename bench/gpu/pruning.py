@@ -18,7 +18,7 @@ from real_size import engine_pass, prefill_flops, prefill_pass, prefix_cache_off
 from tarsier_batch.families.temporal import drop_static_vision
 
 if TYPE_CHECKING:
-    from gpu_bench import Bench
+    from run_state import Bench
 
 RATIO = 0.5
 
