@@ -50,7 +50,7 @@ def caption(model_dir: Path, inputs: list[Path], out: Path, flags: list[str], ti
     while_captioning = next((float(found.group(1)) for line in lines
                              if (found := re.search(r"throughput ([0-9.]+) items/s while captioning", line))), None)
     captioning_s = rows / while_captioning if while_captioning else None
-    return {"flags": flags, "exit_code": code, "seconds": round(seconds, 1), "expected_rows": expected_rows,
+    return {"flags": flags, "exit_code": code, "seconds": round(seconds, 2), "expected_rows": expected_rows,
             "rows": rows, "error_rows": errors, "rows_lost": 0 if refused else expected_rows - rows,
             "refused_at_start": refused, "usage_error": usage_error, "last_lines": lines[-6:],
             "items_per_s": round(rows / seconds, 4), "items_per_s_while_captioning": while_captioning,
