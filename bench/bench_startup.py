@@ -63,9 +63,17 @@ def export(commit: str, into: Path) -> Path:
     return into
 
 
+def user_environment(code: Path) -> dict[str, str]:
+    """This environment with the package at `code` first on the path, and Python writing its bytecode caches as it
+    does by default (a container may turn that off, PYTHONDONTWRITEBYTECODE: every run would compile the package
+    again, which a user's second run never does)."""
+    environment = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    return {**environment, "PYTHONPATH": str(code)}
+
+
 def quick_start(code: Path, folder: Path) -> dict:
     """One quick start with the package at `code`, in the empty `folder`."""
-    environment = {**os.environ, "PYTHONPATH": str(code)}
+    environment = user_environment(code)
     parts = folder / ".sample.parquet.tarsier"
     output = folder / "sample.parquet"
     started = time.perf_counter()
@@ -91,7 +99,7 @@ def quick_start(code: Path, folder: Path) -> dict:
 def server_preload_cpu_s(code: Path, folder: Path) -> float:
     """CPU seconds the decoding fork server spends importing its preload list (the package at `code`; run in
     `folder`, which holds no package: `python -c` puts its working directory first on the path)."""
-    done = subprocess.run([sys.executable, "-c", PRELOAD_CPU], cwd=folder, env={**os.environ, "PYTHONPATH": str(code)},
+    done = subprocess.run([sys.executable, "-c", PRELOAD_CPU], cwd=folder, env=user_environment(code),
                           capture_output=True, text=True, check=True)
     return float(done.stdout.split()[-1])
 
@@ -99,7 +107,7 @@ def server_preload_cpu_s(code: Path, folder: Path) -> float:
 def import_offenders(code: Path, folder: Path, top: int = 12) -> dict:
     """The quick start's top-level imports by cumulative seconds (`-X importtime`), and which watched modules it
     imported."""
-    environment = {**os.environ, "PYTHONPATH": str(code)}
+    environment = user_environment(code)
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "tarsier_batch", *QUICK_START], cwd=folder,
                           env=environment, capture_output=True, text=True, check=True)
     cumulative: dict[str, float] = {}

@@ -246,6 +246,26 @@ def test_a_slow_row_is_saved_at_once_and_fast_rows_share_a_part(tmp_path: Path) 
     assert len(list(store.work_dir.glob("part-*.parquet"))) == 2
 
 
+def test_the_first_row_is_saved_at_once(tmp_path: Path) -> None:
+    """The run's first finished row does not wait for flush_seconds to pass since the start (a quick run's first
+    row would sit in memory for up to a second); the rows after it share parts as before."""
+    clock = Clock()
+    store = ResultStore(OutputTarget(tmp_path / "r.parquet"), OutputColumns(), flush_rows=4096, flush_seconds=1.0,
+                        clock=clock)
+    store.begin({"settings": SETTINGS}, fresh=False)   # at 0 s
+    clock.now = 0.2
+    store.add(row("/first"))
+    store.flush_if_due()
+    assert (store.saved_rows, store.pending_rows) == (1, 0)
+    clock.now = 0.5
+    store.add(row("/second"))
+    store.flush_if_due()
+    assert (store.saved_rows, store.pending_rows) == (1, 1)   # within a second of the first part
+    clock.now = 1.2
+    store.flush_if_due()
+    assert (store.saved_rows, store.pending_rows) == (2, 0)
+
+
 def test_many_parts_are_merged_into_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Slow rows saved one by one would leave a part per row; every COMPACT_EVERY parts they become one."""
     from tarsier_batch.outputs import store as store_module

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,7 +90,9 @@ class ResultStore:
         self.schema = columns.schema()   # of the rows and the part files: one row per item
         self.flush_rows, self.flush_seconds, self._clock = flush_rows, flush_seconds, clock
         self._pending: list[dict[str, Any]] = []
-        self._last_save = clock()   # the last part written, or the start: rows wait at most flush_seconds after it
+        # When the last part was written: rows wait at most flush_seconds after it. Before the first part, none wait:
+        # the run's first row is on disk as soon as it finishes.
+        self._last_save = -math.inf
         self._parts_written = 0
         self.saved_rows = 0    # rows of this run that are safely in part files
         self.output_existed: bool | None = None   # whether `read` found --out (None: not read yet)
@@ -138,10 +142,16 @@ class ResultStore:
             if not self._parts():   # the rows of earlier runs stay; a folder of no rows would only puzzle
                 shutil.rmtree(self.work_dir, ignore_errors=True)
             raise self.target.unwritable(error) from None
-        self._last_save = self._clock()
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
+        threading.Thread(target=self._prepare_conversion, name="tarsier-arrow-warmup", daemon=True).start()
+
+    def _prepare_conversion(self) -> None:
+        """Convert no rows to Arrow once, on a thread, while the run waits for its first items: pyarrow's first
+        conversion of Python values imports pandas where it is installed (0.3-0.5 s), which would otherwise delay
+        the first part. The conversion does not depend on it: a part converted meanwhile is the same."""
+        pa.Table.from_pylist([], schema=self.schema)
 
     def check_room(self, provenance: dict[str, Any]) -> None:
         """Raise `OutputError` if the output's folder cannot take a file as big as `provenance`: a disk too full for
@@ -175,10 +185,11 @@ class ResultStore:
             self.flush()
 
     def flush_if_due(self) -> None:
-        """Save the queued rows if there are `flush_rows` of them or `flush_seconds` passed since the last part.
+        """Save the queued rows if there are `flush_rows` of them or `flush_seconds` passed since the last part (or
+        none was written yet).
 
-        So a row waits at most about `flush_seconds` (rows slower than that are saved one by one, at
-        once), and fast rows share a part: at most one part per `flush_seconds`, whatever the rate.
+        So a row waits at most about `flush_seconds` (rows slower than that, and the run's first, are saved
+        one by one, at once), and fast rows share a part: at most one part per `flush_seconds`, whatever the rate.
         """
         if self._pending and (len(self._pending) >= self.flush_rows
                               or self._clock() - self._last_save >= self.flush_seconds):
