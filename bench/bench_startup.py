@@ -8,9 +8,8 @@ folder each time, with the code of this checkout ("after") and of `--before` ("b
 same load of a shared machine; one discarded run each first writes their bytecode caches. For each run:
 
 - `first_row_s`: from starting the command to the first finished row on disk: the first part file in the output's
-  work directory (a part is written, fsynced and renamed into place as soon as a row finishes, once a second has
-  passed since the run opened its output, which it has by then), or the output itself if it comes first. Polled
-  every 5 ms.
+  work directory (the run's first finished row is written, fsynced and renamed into place at once), or the output
+  itself if it comes first. Polled every 5 ms.
 - `exit_s`: to the process's exit; `cpu_s`: the command's user + system CPU time (its own and the children it
   waited for: the decoding fork server's too where the command stops and reaps it at its exit).
 - `server_preload_cpu_s`: measured apart, in a fresh interpreter, the CPU seconds of importing what the decoding

@@ -82,6 +82,7 @@ def test_a_cut_file_and_a_zeroed_file_are_marked_and_a_healthy_one_is_not(damage
     assert (zeroed.decoder, zeroed.frame_indices[-1], zeroed.warnings) == ("pyav", 81, ("corrupt_packets",))
 
 
+@pytest.mark.long
 def test_inspect_names_the_warnings_the_row_would_carry(damaged: dict[str, Path]) -> None:
     """`tarsier inspect` said "would caption" of a file whose row then carried corrupt_packets."""
     verdicts = {name: inspect_file(str(path), TARSIER, frames=8) for name, path in damaged.items()}
@@ -150,6 +151,7 @@ def caption(*args: str):
     return runner.invoke(app, ["caption", *args, "--max-new-tokens", "2"])
 
 
+@pytest.mark.long
 def test_rows_summary_and_segments_of_damaged_files(damaged: dict[str, Path], tiny_model_dir: Path,
                                                     tmp_path: Path) -> None:
     out = tmp_path / "r.parquet"

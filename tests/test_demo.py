@@ -64,6 +64,7 @@ def test_an_mp4_clip_decodes_to_its_frames(tmp_path: Path) -> None:
         assert abs(drawn[0] - decoded[0]) < 2 and abs(drawn[1] - decoded[1]) < 2
 
 
+@pytest.mark.long
 def test_eval_demo_runs_the_whole_cli_path_and_reports_its_accuracy(tiny_model_dir: Path) -> None:
     """With random weights nothing is right: the plumbing (clips, CLI run, Parquet, comparison) is what runs."""
     done = subprocess.run([sys.executable, "-m", "tarsier_batch.cli", "dev", "eval-demo", "--n", "3", "--model",
@@ -80,6 +81,7 @@ def test_eval_demo_passes_options_after_the_double_dash_to_caption(tiny_model_di
     assert done.returncode == 2 and "--batch-size" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.long
 def test_the_shipped_demo_model_passes_the_gate_on_held_out_clips_and_their_reversals() -> None:
     """Through the whole CLI path: batching, left padding, chunked prefill, Parquet.
 
@@ -97,6 +99,7 @@ def test_the_shipped_demo_model_passes_the_gate_on_held_out_clips_and_their_reve
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.long
 def test_sample_data_demo_clips_get_their_exact_captions(tmp_path: Path) -> None:
     """The README's first command on the demo clips in sample_data, each named after what it shows."""
     from conftest import SAMPLE_DATA

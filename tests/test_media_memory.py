@@ -76,6 +76,7 @@ def whole_batch_pixels(processor: TarsierProcessor, frames: list[Image.Image]) -
     ("tarsier_logo.jpg", MediaType.IMAGE, 8),     # ICC profile, nearly square
     ("portrait_200x333.png", MediaType.IMAGE, 8),
 ])
+@pytest.mark.long
 def test_per_frame_pixels_are_bit_identical_to_the_whole_batch(
         shared_media: Path, processors: dict[str, TarsierProcessor],
         name: str, media_type: MediaType, num_frames: int) -> None:

@@ -164,6 +164,7 @@ def test_unknown_output_suffix_and_out_conflicts_are_refused_at_once(tmp_path: P
         assert result.exit_code == 2 and message in result.output, (flags, result.output)
 
 
+@pytest.mark.long
 def test_stdout_streams_json_lines_in_input_order(tiny_model_dir: Path, media: Path, reference: list[dict]) -> None:
     # Input order differs from both name order and finishing order: the image is done first.
     paths = [media / "short_5f.mp4", media / "clip_5f.gif", media / "tarsier_logo.jpg"]
@@ -178,6 +179,7 @@ def test_stdout_streams_json_lines_in_input_order(tiny_model_dir: Path, media: P
     assert not list(media.parent.glob(".*tarsier*"))   # a stream leaves no work directory or lock
 
 
+@pytest.mark.long
 def test_stdout_closed_early_stops_quietly_with_141(tiny_model_dir: Path, media: Path) -> None:
     # Rows of 100 kB (a kept manifest column): more than the pipe and head's read can take, so the tool is
     # still writing when head exits, whatever the timing (with small rows it could finish first and exit 0).

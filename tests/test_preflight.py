@@ -92,6 +92,7 @@ def _caption(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.long
 def test_a_model_that_does_not_fit_stops_before_loading_with_the_numbers_and_a_fix(tiny_model_dir: Path,
                                                                                   tmp_path: Path) -> None:
     checkpoint = _too_big_checkpoint(tiny_model_dir, tmp_path / "big")
@@ -124,6 +125,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("model", ["tiny", "tiny-tarsier2", "tiny-qwen2_5_vl", "tiny-qwen3_vl", "demo"])
 def test_the_estimate_is_within_15_percent_of_the_measured_peak(model: str, tmp_path: Path, shared_media: Path
                                                                 ) -> None:

@@ -288,6 +288,7 @@ def official_temporal_positions(frame_count: int, clip_frames: int, fps: float,
     return positions[0, 0].tolist(), tokens_per_second * second_per_grid_ts[0]
 
 
+@pytest.mark.long
 def test_temporal_positions_are_the_official_chains_for_every_frame_rate_and_count() -> None:
     """Frames sampled as qwen-vl-utils samples them (`torch.linspace(first, last, n).round()`), from a whole video
     and from a clip cut from it (frames `start` on, counted as a file of its own), over frame rates, clip lengths and

@@ -393,6 +393,7 @@ def test_a_prefix_and_a_shard_in_a_store_caption_as_the_files_do_and_resume(
                                                     local_captions[CLIPS[2]]]
 
 
+@pytest.mark.long
 def test_a_hub_dataset_folder_and_shard_caption_as_the_files_do_and_resume(hf_hub, tmp_path: Path,
                                                                            local_captions: dict[str, str]) -> None:
     """hf:// against a local server speaking the Hub's API (tests/hf_server.py): a dataset folder listed, a shard

@@ -220,6 +220,7 @@ def stop(run: subprocess.Popen, signal_number: int) -> tuple[str, str]:
             os.killpg(run.pid, signal.SIGKILL)   # whatever of the group outlived the run
 
 
+@pytest.mark.kill
 def test_a_run_killed_mid_way_is_resumed_from_its_uploaded_parts(bucket: Bucket, args: list[str], staging: Path,
                                                                 reference: list[dict]) -> None:
     """kill -9 once rows reached the store, then run again: only the rest is captioned."""
@@ -238,6 +239,7 @@ def test_a_run_killed_mid_way_is_resumed_from_its_uploaded_parts(bucket: Bucket,
     assert bucket.keys() == ["r.parquet"] and nothing_staged(staging)
 
 
+@pytest.mark.kill
 def test_sigterm_uploads_the_saved_rows_and_releases_the_lock(s3_bucket: Bucket, args: list[str],
                                                               staging: Path) -> None:
     bucket = s3_bucket   # the uploads are the kill -9 test's, run against every store

@@ -393,6 +393,7 @@ def test_a_full_disk_never_claims_rows_a_readable_file_does_not_hold(many: Path,
     assert stable(out) == reference
 
 
+@pytest.mark.long
 def test_native_decoder_messages_never_reach_the_terminal(tiny_model_dir: Path, folder: Path,
                                                          tmp_path: Path) -> None:
     """In-process, decord prints 'video_reader.cc:83: ERROR opening ...' on fd 2 for this file."""

@@ -163,6 +163,7 @@ def test_every_setting_has_its_flag() -> None:
     assert not missing
 
 
+@pytest.mark.docs
 def test_the_python_api_example_runs_as_written(tmp_path: Path) -> None:
     """The Python API page's example, run as a script (its decoding workers are processes: the `__main__` guard)."""
     text = PYTHON_API_PAGE.read_text(encoding="utf-8")

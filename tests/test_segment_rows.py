@@ -202,6 +202,7 @@ def test_a_bad_segments_spec_stops_at_once(tmp_path: Path) -> None:
     assert result.exit_code == 2 and "'10x' is not a duration" in result.output
 
 
+@pytest.mark.kill
 def test_kill_9_mid_file_then_rerun_captions_only_the_missing_windows(long_video: Path, tiny_model_dir: Path,
                                                                       tmp_path: Path) -> None:
     from test_resume_cli import parts, start, wait_for

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 def fresh_python(code: str, environment: dict[str, str] | None = None) -> dict:
     """Run `code` (which prints one JSON value last) in a new interpreter of this checkout; that value."""
@@ -61,6 +63,7 @@ def test_quieting_the_library_logs_quiets_a_transformers_imported_already() -> N
     assert found[0] == found[1]
 
 
+@pytest.mark.long
 def test_a_caption_run_loads_torch_with_its_waiting_cpu_threads_asleep(tmp_path: Path) -> None:
     """OpenMP reads its wait policy when torch loads it: set any later, spinning threads would hold the core a
     decoding worker needs. Recorded at the moment the run first imports torch."""

@@ -61,8 +61,8 @@ class RunSettings:
                               help="Save finished rows to disk every this many rows...")
     flush_seconds: float = setting(
         FLUSH_SECONDS, group="resume", metavar="SECONDS", at_least=0.0,
-        help="...or once this many seconds passed since the last save (a row finishing later than that is saved at "
-             "once).")
+        help="...or once this many seconds passed since the last save (the run's first row, and a row finishing later "
+             "than that, are saved at once).")
     segments: Segmenting = setting(   # a row per file, or per window or scene of a video
         default_factory=Segmenting, group="rows", metavar="SPEC", parse=Segmenting.parse, flag_default="whole",
         fingerprint=True, record=lambda settings: None if settings.segments.mode == "whole" else str(settings.segments),
