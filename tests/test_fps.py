@@ -1,6 +1,9 @@
 """Sampling by rate (`--fps`), as qwen-vl-utils' `smart_nframes` counts a clip's frames: the rule, the decoders
 reading each clip's rate, the memory plan's cap, the CLI and resume, and the captions against transformers' own
 generate."""
+# The Qwen2 families' `model` fixture is imported and requested by name (pytest's injection): it loads this module's
+# `model_dir`.
+# ruff: noqa: F811
 
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from tarsier_batch.cli import app
-from tarsier_batch.families.loading import load_caption_model
 from tarsier_batch.families.qwen2_vl import QwenVLCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import FramesAtRate, MediaType, Span, even_frame_indices, frames_in_words, media_type_of
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from official_baseline import GenerateLimits, generate_qwen_vl, qwen_vl_for_generation  # noqa: E402
 
 from test_qwen3_vl import processors_timestamps  # noqa: E402
-from test_qwen_vl import official_temporal_positions  # noqa: E402
+from test_qwen_vl import model, official_temporal_positions  # noqa: E402, F401
 
 MAX_NEW = 12
 TWO_FPS = FramesAtRate(2.0, 768, 16)   # what `--fps 2` gives a Qwen-VL checkpoint: the cap 768, else 16 frames
@@ -78,13 +80,6 @@ def test_settings_make_the_rule_and_refuse_what_cannot_work() -> None:
 @pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
 def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp(request.param), "tiny", seed=0, family=request.param)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir: Path) -> QwenVLCaptionModel:
-    loaded = load_caption_model(model_dir, torch.float32, torch.device("cpu"))
-    assert isinstance(loaded, QwenVLCaptionModel)
-    return loaded
 
 
 def test_decoded_clips_give_the_rules_count_spread_as_linspace(model: QwenVLCaptionModel, shared_media: Path) -> None:
