@@ -32,7 +32,7 @@ from .errors import INTERNAL, Worded
 from .families.base import CaptionModel, Processor
 from .families.loading import family_of_checkpoint, load_caption_model, load_processor
 from .inputs.sources import MediaItem
-from .media import decoder_versions
+from .media import FrameCount, decoder_versions, frames_in_words
 from .model import preflight
 from .model.checkpoints import resolve_model
 from .model.devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
@@ -72,7 +72,9 @@ class Captioner:
         if settings.isolate_decoding:
             start_decoding_server()   # its imports overlap the model's load
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
-        self.frames = settings.frames or self.model.processor.default_frames
+        # The most frames a clip gives plans memory and the KV check; `frame_count` is what each clip gives.
+        self.frames = settings.most_frames(self.model.processor.default_frames)
+        self.frame_count = settings.frame_count(self.model.processor.default_frames)
         bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
         kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
         if kv_tokens < 1:
@@ -110,7 +112,8 @@ class Captioner:
         path = self.resolved.path
         try:
             processor = load_processor(path)
-            largest = processor.largest_item(self.settings.frames or processor.default_frames)
+            # A clip sampled by rate takes at most the cap's vision positions (`Processor.largest_item`).
+            largest = processor.largest_item(self.settings.most_frames(processor.default_frames))
             # Items decoded ahead wait with their pixels (`_wants_more`), besides the running rows' own.
             held = min(items or self.batch_size + 2 * self.workers, self.batch_size + 2 * self.workers)
             waiting_bytes = min(held * largest.pixel_bytes, LOOKAHEAD_PIXEL_BYTES + largest.pixel_bytes)
@@ -174,8 +177,9 @@ class Captioner:
         pruning += ", fused decode attention" if self.settled["fused_attention"] else ""
         if self.memory is not None:
             pruning += f", ~{self.memory.peak / 1e9:.2f} GB at the peak (estimated)"
-        described = (f"{settings.model} ({self.model.family.name}, {self.frames} frames) on {self.device} "
-                     f"({str(self.dtype).removeprefix('torch.')}), batch size {self.batch_size}, KV cache {slots} "
+        family = f"{self.model.family.name}, {frames_in_words(self.frame_count)}"
+        described = (f"{settings.model} ({family}) on {self.device} ({str(self.dtype).removeprefix('torch.')}), "
+                     f"batch size {self.batch_size}, KV cache {slots} "
                      f"({engine.kv_bytes / 2**30:.2f} GiB {reserved}), {plural(self.workers, 'decoding worker')}")
         return Worded("{described}{offload}{pruning}", described=described, offload=offload, pruning=pruning)
 
@@ -198,7 +202,7 @@ class Captioner:
         an error); a decoded item joins the running batch as soon as a row frees up. In input
         order, finished rows are held back until every earlier item has been yielded.
         """
-        pool = decode_pool(self.model.processor, self.frames, self.settings, self.workers)
+        pool = decode_pool(self.model.processor, self.frame_count, self.settings, self.workers)
         try:
             yield from self._caption_loads((pool.submit(index, item) for index, item in enumerate(items)), on_tokens,
                                            in_order)
@@ -415,7 +419,7 @@ class _Closed(RuntimeError):
     """Raised to callers of a closed EngineServer."""
 
 
-def decode_pool(processor: Processor, frames: int, settings: CaptionSettings, workers: int) -> DecodePool:
+def decode_pool(processor: Processor, frames: FrameCount, settings: CaptionSettings, workers: int) -> DecodePool:
     """Workers decoding items with `processor` as `settings` say: isolated (or not), with their timeout and
     memory limit, refusing images above the pixel limit."""
     memory = settings.decode_memory_gb
@@ -440,14 +444,18 @@ def _refuse_for_family(settings: CaptionSettings) -> None:
     """Refuse settings the checkpoint's family cannot run, from its config.json alone (for a Hugging Face id, the
     configuration is fetched without the weights). A checkpoint whose family cannot be read passes: loading it
     says what is wrong."""
-    if settings.pruning is None or settings.prune_method != "fastv":
+    fastv = settings.pruning is not None and settings.prune_method == "fastv"
+    if not fastv and settings.fps is None:
         return
     try:
         family = family_of_checkpoint(resolve_model(settings.model, weights=False).path)
     except (OSError, ValueError):
         return
-    if family.fastv_refusal is not None:
+    if fastv and family.fastv_refusal is not None:
         raise SettingsError(f"{{prune_method}} fastv: {family.fastv_refusal}")
+    if settings.fps is not None and not family.samples_by_rate:
+        raise SettingsError(f"{{fps}}: {family.name} samples a fixed count of frames from every clip, as its "
+                            f"official code does; give {{frames}} instead")
 
 
 def _layer_range(layers: range) -> str:

@@ -124,7 +124,8 @@ def test_the_command_checks_its_own_options_as_settings() -> None:
 
 
 # What `resume_settings` gave before the settings were declared, for outputs written then: a run continuing
-# them must compute the same values, in the same order.
+# them must compute the same values, in the same order. A setting declared since is None when off ("fps"), as
+# those outputs read without it.
 RICH = RunSettings(
     caption=CaptionSettings(model="tiny-random", frames=4, prune_vision=0.5, prune_layer=3,
                             sampling=SamplingParams(temperature=0.7, top_p=0.9, seed=3, repetition_penalty=1.1,
@@ -140,18 +141,18 @@ PLAIN_TAIL = {"with_token_ids": False, "key": "path", "shard": None, "segments":
 
 
 @pytest.mark.parametrize(("settings", "resolved", "expected"), [
-    (RunSettings(), None, {"model": "omni-research/Tarsier2-Recap-7b", "prompt": None, "prompt_set": None, **GREEDY,
-                           "prune": None, **PLAIN_TAIL}),
+    (RunSettings(), None, {"model": "omni-research/Tarsier2-Recap-7b", "prompt": None, "prompt_set": None,
+                           "fps": None, **GREEDY, "prune": None, **PLAIN_TAIL}),
     (RunSettings(), Resolved("abc", 8, 1.05),
      {"model": "omni-research/Tarsier2-Recap-7b", "model_revision": "abc", "prompt": None, "prompt_set": None,
-      "frames": 8, **GREEDY, "repetition_penalty": 1.05, "prune": None, **PLAIN_TAIL}),
-    (RICH, None, {"model": "tiny-random", "prompt": None, "prompt_set": None, "frames": 4, **SAMPLED,
+      "frames": 8, "fps": None, **GREEDY, "repetition_penalty": 1.05, "prune": None, **PLAIN_TAIL}),
+    (RICH, None, {"model": "tiny-random", "prompt": None, "prompt_set": None, "frames": 4, "fps": None, **SAMPLED,
                   "repetition_penalty": 1.1, **RICH_TAIL}),
     (RICH, Resolved("abc", 8, 1.05), {"model": "tiny-random", "model_revision": "abc", "prompt": None,
-                                      "prompt_set": None, "frames": 8, **SAMPLED, "repetition_penalty": 1.05,
-                                      **RICH_TAIL}),
+                                      "prompt_set": None, "frames": 8, "fps": None, **SAMPLED,
+                                      "repetition_penalty": 1.05, **RICH_TAIL}),
     (QUESTIONS, None, {"model": "omni-research/Tarsier2-Recap-7b", "prompt": None, "prompt_set": {"a": None, "b": 5},
-                       **GREEDY, "prune": {"vision": 0.25, "method": "temporal"}, **PLAIN_TAIL}),
+                       "fps": None, **GREEDY, "prune": {"vision": 0.25, "method": "temporal"}, **PLAIN_TAIL}),
 ])
 def test_the_fingerprint_of_outputs_written_before_is_unchanged(settings: RunSettings, resolved: Resolved | None,
                                                                  expected: dict) -> None:

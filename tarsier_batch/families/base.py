@@ -20,7 +20,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from ..media import MAX_IMAGE_PIXELS, Media, MediaType, Span
+from ..media import MAX_IMAGE_PIXELS, FrameCount, Media, MediaType, Span
 from .catalog import FamilyInfo
 
 
@@ -164,7 +164,7 @@ class Processor(Protocol):
 
     default_frames: int  # frames sampled from a video when the user does not say
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+    def load_media(self, path: str, media_type: MediaType, num_frames: FrameCount,
                    max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """Decode and sample a file (or, with `span`, a stretch of a video) the family's way; each frame is
         preprocessed as soon as it is decoded."""

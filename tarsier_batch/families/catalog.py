@@ -36,6 +36,9 @@ class FamilyInfo:
     model_type: str = "llava"
     # Why `--prune-method fastv` does not apply to the family's checkpoints; None where it does.
     fastv_refusal: str | None = None
+    # Whether its official usage samples a clip by rate (qwen-vl-utils' frames per second, `--fps`); the others
+    # sample a fixed count from every clip.
+    samples_by_rate: bool = False
     # The vision_config key (config.json) listing the vision layers whose features the language model adds to its
     # first layers' vision positions (DeepStack): each vision vector carries one more hidden-size vector per layer
     # through the prefill, which the memory preflight counts. None where vision vectors carry nothing more.
@@ -91,7 +94,8 @@ def _qwen_vl(key: str, name: str, vision: str, checkpoints: tuple[str, ...], tin
         default_instruction="Describe this video. (images: Describe this image.)", checkpoints=checkpoints,
         tiny_alias=tiny_alias, loader=f"tarsier_batch.families.{package}:load_{key}",
         processor_loader=f"tarsier_batch.families.{package}:load_{key}_processor",
-        frame_sampler="tarsier_batch.media:even_frame_indices", tiny_builder=f"tarsier_batch.families.tiny.{key}")
+        frame_sampler="tarsier_batch.media:even_frame_indices", tiny_builder=f"tarsier_batch.families.tiny.{key}",
+        samples_by_rate=True)
 
 
 QWEN2_VL = _qwen_vl("qwen2_vl", "Qwen2-VL",

@@ -14,13 +14,23 @@ from .frames import Media
 from .images import MAX_IMAGE_PIXELS, open_image
 from .kinds import MediaType, media_type_of
 from .loading import decoder_versions, load_media
-from .sampling import FrameSampler, even_frame_indices, frame_indices, frame_indices_without_repeats
+from .sampling import (
+    FrameCount,
+    FrameSampler,
+    FramesAtRate,
+    even_frame_indices,
+    frame_indices,
+    frame_indices_without_repeats,
+    frames_in_words,
+)
 from .timeline import Span, Timeline, frames_in_span
 from .video import decord_problem, frame_starts, video_timeline
 
 __all__ = [
     "MAX_IMAGE_PIXELS",
+    "FrameCount",
     "FrameSampler",
+    "FramesAtRate",
     "even_frame_indices",
     "Media",
     "MediaType",
@@ -34,6 +44,7 @@ __all__ = [
     "frame_indices_without_repeats",
     "frame_starts",
     "frames_in_span",
+    "frames_in_words",
     "load_media",
     "media_type_of",
     "open_image",

@@ -15,7 +15,7 @@ from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
 from .memory import return_freed_memory
-from .sampling import FrameSampler
+from .sampling import FrameCount, FrameSampler, frames_for
 from .span_cache import kept_for_spans, spans_video
 from .timeline import Span, Timeline, reaches_end, sample_span, timeline_of
 
@@ -52,7 +52,7 @@ class OpenVideo:
         self.held_s = decord_held_duration(self.reader) if self.total else None
 
 
-def load_video_decord(path: str, source: str, num_frames: int, transform: FrameTransform | None,
+def load_video_decord(path: str, source: str, num_frames: FrameCount, transform: FrameTransform | None,
                       sampler: FrameSampler, span: Span | None = None, declared_s: float | None = None) -> Media:
     """The sampled frames (within `span`), decoded by decord; `cut_short` where its frames run shorter than the
     `declared_s` of the container (both from the first frame). decord says nothing of packets that fail to decode:
@@ -66,7 +66,9 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
     reader, total, keyframes, fps, starts = opened.reader, opened.total, opened.keyframes, opened.fps, opened.starts
     if total < 1:
         raise DecoderFailure("no frames")
-    indices = sample_span(starts, span, num_frames, sampler) if span else sampler(total, num_frames)
+    rate = fps or None   # decord's average rate, as the official loaders read it (0: unknown)
+    indices = sample_span(starts, span, num_frames, sampler, rate) if span else \
+        sampler(total, frames_for(num_frames, total, rate))
     # decord's get_batch on the whole index list decodes each distinct index in order (seeking
     # unless the reader can simply decode forward to it) and copies repeats. Calling it with
     # one index at a time, in the same order, runs the same decoder steps (plus a seek between
@@ -90,7 +92,7 @@ def load_video_decord(path: str, source: str, num_frames: int, transform: FrameT
     frames = [done[index] for index in indices]  # a repeated index reuses its result, as get_batch copies it
     cut_short = is_cut_short(opened.held_s, total, declared_s, reaches_end(starts, span))
     return Media(path, MediaType.VIDEO, frames, indices, width, height, total / fps if fps > 0 else None, "decord",
-                 warnings_of(cut_short, None), fps=fps or None)
+                 warnings_of(cut_short, None), fps=rate)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from ..errors import TOO_LARGE, UNDECODABLE, ItemError, plain_message
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
 from .memory import return_freed_memory
-from .sampling import FrameSampler
+from .sampling import FrameCount, FrameSampler, by_rate, frames_for
 
 # Pillow's own limit (89 Mpx: a warning, twice that: an error) is set aside while opening: the
 # caller's `max_image_pixels` decides, and its message names the option.
@@ -33,7 +33,7 @@ _PILLOW_LIMIT = threading.Lock()
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+def load_gif(path: str, num_frames: FrameCount, transform: FrameTransform | None, sampler: FrameSampler,
              max_pixels: int | None) -> Media:
     # Like the official loader, walk the frames once and keep those whose index was sampled:
     # repeated indices collapse, so a short GIF yields fewer frames than requested.
@@ -41,16 +41,19 @@ def load_gif(path: str, num_frames: int, transform: FrameTransform | None, sampl
         return _sample_animation(path, gif, num_frames, transform, sampler, lambda frame: frame.convert("RGB"))
 
 
-def _sample_animation(path: str, animation: Image.Image, num_frames: int, transform: FrameTransform | None,
+def _sample_animation(path: str, animation: Image.Image, num_frames: FrameCount, transform: FrameTransform | None,
                       sampler: FrameSampler, to_rgb: Callable[[Image.Image], Image.Image]) -> Media:
     frames: list[Any] = []
     kept: list[int] = []
     duration_ms = 0
     with _pillow_damage_undecodable("the animation", seeking_frames=True):
         frame_count = animation.n_frames   # counting the frames reads them all
-    wanted = set(sampler(frame_count, num_frames))
+    # Sampled by rate, an animation counts its frames by its own rate (FFmpeg's, which Media.fps records): its
+    # frames' durations, read in a first walk; without durations, the fixed count.
+    rate = _average_rate(frame_count, sum(_frame_durations_ms(animation))) if by_rate(num_frames) else None
+    wanted = set(sampler(frame_count, frames_for(num_frames, frame_count, rate)))
     for index, frame in enumerate(_animation_frames(animation)):
-        duration_ms += frame.info.get("duration", 0) or 0
+        duration_ms += _duration_ms(frame)
         if index in wanted:
             with _pillow_damage_undecodable("the animation"):
                 rgb = to_rgb(frame)
@@ -61,10 +64,22 @@ def _sample_animation(path: str, animation: Image.Image, num_frames: int, transf
     width, height = animation.size
     if not frames:
         raise ItemError(UNDECODABLE, "the animation has no readable frames")
-    # The average rate, as FFmpeg reads an animation's (integers divided once: exactly its float).
-    fps = frame_count * 1000 / duration_ms if duration_ms else None
     return Media(path, MediaType.GIF, frames, kept, width, height,
-                 duration_ms / 1000 if duration_ms else None, "pillow", fps=fps)
+                 duration_ms / 1000 if duration_ms else None, "pillow", fps=_average_rate(frame_count, duration_ms))
+
+
+def _average_rate(frame_count: int, duration_ms: float) -> float | None:
+    """An animation's average rate, as FFmpeg reads it (integers divided once: exactly its float); None: its
+    frames have no durations."""
+    return frame_count * 1000 / duration_ms if duration_ms else None
+
+
+def _duration_ms(frame: Image.Image) -> float:
+    return frame.info.get("duration", 0) or 0
+
+
+def _frame_durations_ms(animation: Image.Image) -> Iterator[float]:
+    return (_duration_ms(frame) for frame in _animation_frames(animation))
 
 
 def open_image(path: str, max_pixels: int | None) -> Image.Image:
@@ -128,7 +143,7 @@ def _read_reduced_if_huge(image: Image.Image) -> None:
 _ANIMATED_FORMATS = frozenset({"GIF", "PNG", "WEBP"})
 
 
-def load_image(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+def load_image(path: str, num_frames: FrameCount, transform: FrameTransform | None, sampler: FrameSampler,
                max_pixels: int | None) -> Media:
     """A still image; an animated one (WebP, APNG) is sampled like a GIF (its rows say media_type "gif")."""
     with open_image(path, max_pixels) as image:

@@ -10,15 +10,16 @@ from .diagnosis import check_regular_file
 from .frames import FrameTransform, Media
 from .images import MAX_IMAGE_PIXELS, load_gif, load_image
 from .kinds import MediaType
-from .sampling import FrameSampler, frame_indices
+from .sampling import FrameCount, FrameSampler, frame_indices
 from .timeline import Span
 from .video import load_video
 
 
-def load_media(path: str, media_type: MediaType, num_frames: int,
+def load_media(path: str, media_type: MediaType, num_frames: FrameCount,
                frame_transform: FrameTransform | None = None, sampler: FrameSampler = frame_indices,
                max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
-    """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame); with `span`, within
+    """Decode `path` and sample `num_frames` frames with `sampler` (images give one frame; a `FramesAtRate` counts
+    each clip's frames from its length and rate); with `span`, within
     that stretch of a video only, as if it were the whole file (`sample_span`).
 
     With `frame_transform`, each sampled frame is transformed soon after it is decoded and only

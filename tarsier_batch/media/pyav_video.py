@@ -18,7 +18,7 @@ from .failures import DecoderFailure, short_error
 from .frames import FrameTransform, Media, finish_frame
 from .kinds import MediaType
 from .memory import return_freed_memory
-from .sampling import FrameSampler
+from .sampling import FrameCount, FrameSampler
 from .span_cache import kept_for_spans, spans_packets
 from .timeline import Span, Timeline, reaches_end, sample_span, timeline_of
 
@@ -67,6 +67,11 @@ def decoded_frames(container: Any, stream: Any) -> Iterator[Any]:
         return
 
 
+def average_rate(stream: Any) -> float | None:
+    """The stream's average frame rate (None: unknown): what transformers' PyAV loader times frames by."""
+    return float(stream.average_rate) if stream.average_rate else None
+
+
 def pixel_aspect(stream: Any) -> Fraction:
     """A stored pixel's displayed width over its height (1 where the file does not say)."""
     return stream.sample_aspect_ratio or Fraction(1)  # None or 0 means unknown
@@ -82,7 +87,7 @@ class _SampledFrames:
     damage: DecodeDamage
 
 
-def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTransform | None,
+def load_video_pyav(path: str, source: str, num_frames: FrameCount, transform: FrameTransform | None,
                     sampler: FrameSampler, span: Span | None = None) -> Media:
     """Decode with FFmpeg through PyAV from the start of the file: no seeking, so the frames asked for.
 
@@ -106,11 +111,12 @@ def load_video_pyav(path: str, source: str, num_frames: int, transform: FrameTra
             times, held_s = packet_times(container, stream)
             starts = packet_timeline(times, stream).starts
             declared = declared_duration(container, stream)
+            fps = average_rate(stream)
         total = len(starts)
         for _ in range(2):
             if total < 1:
                 raise DecoderFailure("no video frame decodes")
-            indices = sample_span(starts[:total], span, num_frames, sampler)
+            indices = sample_span(starts[:total], span, num_frames, sampler, fps)
             sampled = _decode_sampled(source, indices, transform, DecodeDamage(times))
             if sampled.frame_count == total:
                 break
@@ -141,7 +147,7 @@ class PacketTimes:
     declared_s: float | None
 
 
-def pyav_span(path: str, source: str, span: Span, num_frames: int, sampler: FrameSampler,
+def pyav_span(path: str, source: str, span: Span, num_frames: FrameCount, sampler: FrameSampler,
               transform: FrameTransform | None, starts: list[float] | None = None) -> Media | None:
     """`span` decoded by PyAV from the keyframe before it, sampled by `starts` (default: the packets' times);
     None where its timestamps cannot be trusted."""
@@ -158,14 +164,14 @@ def read_packet_times(source: str) -> PacketTimes:
     with video_stream(source) as (container, stream):
         timestamps, held_s = packet_times(container, stream)
         timeline = packet_timeline(timestamps, stream)
-        fps = float(stream.average_rate) if stream.average_rate else None
+        fps = average_rate(stream)
         declared = declared_duration(container, stream)
     matchable = not timeline.by_frames and len(set(timestamps)) == len(timestamps)   # by_frames: some are None
     ordered = sorted(stamp for stamp in timestamps if stamp is not None) if matchable else None
     return PacketTimes(ordered, timeline.starts, fps, len(timestamps), held_s, declared)
 
 
-def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, num_frames: int,
+def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, num_frames: FrameCount,
                      sampler: FrameSampler, transform: FrameTransform | None,
                      starts: list[float] | None = None) -> Media | None:
     """A span's sampled frames, decoded from the keyframe before its first one up to its last: a long video's
@@ -181,7 +187,7 @@ def decode_span_pyav(path: str, source: str, packets: PacketTimes, span: Span, n
     if not timestamps:
         return None
     starts = packets.starts if starts is None else starts
-    indices = sample_span(starts, span, num_frames, sampler)
+    indices = sample_span(starts, span, num_frames, sampler, packets.fps)
     wanted = {timestamps[index]: index for index in indices}
     first, last = min(wanted), max(wanted)
     # A decoded frame's timestamp is a packet's: missing frames are then damage, not timestamps that differ.
@@ -267,7 +273,7 @@ def _decode_sampled(source: str, indices: list[int], transform: FrameTransform |
                 if transform is not None:
                     return_freed_memory()
             frame_count += 1
-        fps = float(stream.average_rate) if stream.average_rate else None
+        fps = average_rate(stream)
     return _SampledFrames(results, width, height, frame_count, fps, damage)
 
 

@@ -2,13 +2,61 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 # Chooses `num_frames` frame indices of a clip of `total_frames` frames.
 FrameSampler = Callable[[int, int], list[int]]
 TEMPORAL_PATCH_FRAMES = 2  # Qwen-VL video frames per temporal patch (qwen-vl-utils' FRAME_FACTOR)
+# The fewest frames a clip sampled by rate gives (qwen-vl-utils' FPS_MIN_FRAMES), and its default most
+# (FPS_MAX_FRAMES).
+RATE_MIN_FRAMES = 4   # even: whole temporal patches
+RATE_MAX_FRAMES = 768
+
+
+@dataclass(frozen=True)
+class FramesAtRate:
+    """Frames sampled at `fps` per second of each clip (qwen-vl-utils' `smart_nframes`), at most `most`; a clip of
+    unknown rate gives the fixed count `unknown_rate` (at most `most`)."""
+
+    fps: float
+    most: int = RATE_MAX_FRAMES
+    unknown_rate: int = 16
+
+    def count(self, clip_frames: int, clip_fps: float | None) -> int:
+        """How many frames a clip of `clip_frames` frames at `clip_fps` gives: its seconds times `fps`, within
+        [RATE_MIN_FRAMES, most] and the clip's frames, floored to fill whole temporal patches; at least one patch
+        (a one-frame clip gives its frame twice, where qwen-vl-utils refuses it)."""
+        if not clip_fps:
+            return min(self.unknown_rate, self.most)
+        wanted = clip_frames / clip_fps * self.fps   # in this order, as qwen-vl-utils computes it
+        bounded = min(max(wanted, RATE_MIN_FRAMES), _floor_to_patches(self.most), clip_frames)
+        return max(TEMPORAL_PATCH_FRAMES, _floor_to_patches(bounded))
+
+
+
+# How many frames each clip gives: a fixed count, or a rate (the count then depends on the clip's length).
+FrameCount = int | FramesAtRate
+
+
+def frames_in_words(frames: FrameCount) -> str:
+    """The rule in words: "16 frames", "2 fps, 4-768 frames"."""
+    if isinstance(frames, FramesAtRate):
+        return f"{frames.fps:g} fps, {min(RATE_MIN_FRAMES, frames.most)}-{frames.most} frames"
+    return f"{frames} frames"
+
+
+def frames_for(frames: FrameCount, clip_frames: int, clip_fps: float | None) -> int:
+    """The count of frames to sample from a clip of `clip_frames` frames at `clip_fps` (None: unknown)."""
+    return frames.count(clip_frames, clip_fps) if isinstance(frames, FramesAtRate) else frames
+
+
+def by_rate(frames: FrameCount) -> bool:
+    """Whether the count depends on the clip's rate (which a decoder then reads before it samples)."""
+    return isinstance(frames, FramesAtRate)
 
 
 def frame_indices(total_frames: int, num_frames: int) -> list[int]:
@@ -51,6 +99,10 @@ def _float32_linspace(end: int, steps: int) -> np.ndarray:
     rising = index * step
     falling = np.float32(end) - (np.float32(steps - 1) - index) * step
     return np.where(np.arange(steps) < steps // 2, rising, falling).astype(np.float32)
+
+
+def _floor_to_patches(frames: float) -> int:
+    return math.floor(frames / TEMPORAL_PATCH_FRAMES) * TEMPORAL_PATCH_FRAMES
 
 
 def _check_counts(total_frames: int, num_frames: int) -> None:

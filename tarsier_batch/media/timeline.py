@@ -7,7 +7,7 @@ import statistics
 from dataclasses import dataclass
 
 from ..errors import UNDECODABLE, ItemError
-from .sampling import FrameSampler
+from .sampling import FrameCount, FrameSampler, frames_for
 
 
 @dataclass(frozen=True)
@@ -42,15 +42,17 @@ def reaches_end(starts: list[float], span: Span | None) -> bool:
     return span is None or frames_in_span(starts, span).stop == len(starts)
 
 
-def sample_span(starts: list[float], span: Span | None, num_frames: int, sampler: FrameSampler) -> list[int]:
-    """Frame indices `sampler` picks within `span`, as if the span were the whole file (None: the whole file)."""
+def sample_span(starts: list[float], span: Span | None, num_frames: FrameCount, sampler: FrameSampler,
+                fps: float | None) -> list[int]:
+    """Frame indices `sampler` picks within `span`, as if the span were the whole file (None: the whole file) at
+    the file's rate `fps`: a span sampled by rate counts its own frames."""
     if span is None:
-        return sampler(len(starts), num_frames)
+        return sampler(len(starts), frames_for(num_frames, len(starts), fps))
     frames = frames_in_span(starts, span)
     if not frames:
         raise ItemError(UNDECODABLE, f"no frame in {span}: the video's frames start between 0 and "
                                      f"{starts[-1]:g} s" if starts else "the video has no frames")
-    return [frames.start + index for index in sampler(len(frames), num_frames)]
+    return [frames.start + index for index in sampler(len(frames), frames_for(num_frames, len(frames), fps))]
 
 
 # Timestamps that step forward by more than this between two frames, or back by more than `_REORDER_S` in

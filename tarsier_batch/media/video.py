@@ -24,12 +24,12 @@ from .pyav_video import (
     stream_packets,
     video_stream,
 )
-from .sampling import FrameSampler
+from .sampling import FrameCount, FrameSampler
 from .span_cache import kept_for_spans, spans_packets, spans_reading, spans_video
 from .timeline import Span, Timeline
 
 
-def load_video(path: str, num_frames: int, transform: FrameTransform | None, sampler: FrameSampler,
+def load_video(path: str, num_frames: FrameCount, transform: FrameTransform | None, sampler: FrameSampler,
                span: Span | None = None) -> Media:
     """decord where it gives the frames asked for, as they are shown (the official decoder, so the
     official pixels); PyAV otherwise, and when decord fails.
@@ -177,13 +177,13 @@ class _SpansReading:
     decord_starts: list[float] | None   # None: decord decodes the spans (where it reads the video at all)
 
     @classmethod
-    def of(cls, path: str, source: str, num_frames: int, sampler: FrameSampler) -> _SpansReading:
+    def of(cls, path: str, source: str, num_frames: FrameCount, sampler: FrameSampler) -> _SpansReading:
         probe = _probe(source)
         return cls(probe, _starts_where_pyav_equals_decord(path, source, num_frames, sampler)
                    if probe.decord_problem is None else None)
 
 
-def _starts_where_pyav_equals_decord(path: str, source: str, num_frames: int,
+def _starts_where_pyav_equals_decord(path: str, source: str, num_frames: FrameCount,
                                      sampler: FrameSampler) -> list[float] | None:
     """decord's frame times of the video, where PyAV gives its spans decord's frames; else None."""
     import av

@@ -261,6 +261,8 @@ def check_fits(needed: MemoryEstimate, available: int, device: torch.device, dty
         fixes.append(f"a smaller {{kv_cache_gb}} (the cache needs ~{_gb(needed.kv_cache)})")
     if rows > 1:
         fixes.append("a smaller {batch_size}")
+    if settings.fps is not None:   # every plan counts the cap's frames
+        fixes.append("a lower {frames} (the most frames a clip gives at {fps})")
     if device.type == "cuda" and not settings.offload_kv:
         fixes.append("{offload_kv}")
     where = "free on " + str(device) if device.type == "cuda" else "available"

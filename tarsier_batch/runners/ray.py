@@ -85,7 +85,7 @@ class RayBackend:
             raise RayResourceError(Worded("the Ray cluster at {address} has no GPUs; pass {device} cpu (or "
                                           "{gpus_per_actor} 0) to caption on its CPUs", address=address))
         self.model = resolve_model(settings.model, weights=False)   # the actors load the weights, not this process
-        frames = settings.frames or load_processor(self.model.path).default_frames
+        frames = settings.most_frames(load_processor(self.model.path).default_frames)
         penalty = settings.sampling.repetition_penalty
         self.resolved = Resolved(self.model.revision, frames,
                                  penalty if penalty is not None else read_repetition_penalty(self.model.path))
@@ -162,7 +162,7 @@ def _decode_pool(settings: CaptionSettings) -> DecodePool:
     (without weights) in one isolated decoding process, as in a single run (a crash, a hang past
     the timeout or the memory limit costs only its item, which becomes an error row)."""
     processor = load_processor(resolve_model(settings.model).path)
-    return decode_pool(processor, settings.frames or processor.default_frames, settings, 1)
+    return decode_pool(processor, settings.frame_count(processor.default_frames), settings, 1)
 
 
 def decode_batch(batch: dict[str, np.ndarray], settings: CaptionSettings) -> dict[str, np.ndarray]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from ..families.catalog import DEFAULT_MODEL, DEFAULT_PRUNE_LAYER
 from ..inputs.prompt_sets import PromptSetError, Question, check_prompt_set
 from ..media import MAX_IMAGE_PIXELS
+from ..media.sampling import RATE_MAX_FRAMES, TEMPORAL_PATCH_FRAMES, FrameCount, FramesAtRate
 from .declaring import SettingsError, setting, shown
 
 PRUNE_METHODS = ("fastv", "temporal")
@@ -88,7 +89,13 @@ class CaptionSettings:
         record=lambda settings: {question.name: question.max_new_tokens for question in settings.prompt_set} or None)
     frames: int | None = setting(
         None, group="rows", provenance="frames", metavar="N", at_least=1, show_default=False, fingerprint=True,
-        help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2, 8 for Tarsier v1].")
+        help="Frames sampled uniformly from each video or GIF [default: 16 for Tarsier2 and Qwen-VL, 8 for Tarsier "
+             f"v1]; with --fps, the most a clip gives [default: {RATE_MAX_FRAMES}].")
+    # None: a fixed count per clip (--frames), as before this setting existed, so earlier outputs resume as they are.
+    fps: float | None = setting(
+        None, group="rows", provenance="fps", metavar="RATE", show_default=False, fingerprint=True,
+        help="Qwen-VL families: sample each video at RATE frames a second of it, as qwen-vl-utils does (at least 4 "
+             "frames, at most --frames, an even count), instead of one count for every video [default: off].")
     sampling: SamplingParams = field(default_factory=SamplingParams)
     batch_size: int | None = setting(   # rows running at once
         None, group="engine", provenance="batch_size", metavar="N", at_least=1, env="TARSIER_BATCH_SIZE",
@@ -183,6 +190,7 @@ class CaptionSettings:
             check_prompt_set(self.prompt_set)
         except PromptSetError as error:
             raise SettingsError("{prompt_set}: " + shown(error)) from None
+        self._check_rate()
         for name in ("frames", "batch_size", "workers", "max_image_pixels"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -203,6 +211,26 @@ class CaptionSettings:
             raise SettingsError(f"{{dtype}} {shown(repr(self.dtype))}: use {', '.join(DTYPES)}")
         if not DEVICE_NAMES.fullmatch(self.device):
             raise SettingsError(f"{{device}} {shown(repr(self.device))}: use auto, cpu, cuda or cuda:N")
+
+    def _check_rate(self) -> None:
+        if self.fps is None:
+            return
+        if not self.fps > 0:
+            raise SettingsError(f"{{fps}} {shown(self.fps)}: give a positive rate (frames a second)")
+        if self.frames is not None and self.frames < TEMPORAL_PATCH_FRAMES:
+            raise SettingsError(f"{{frames}} {self.frames} with {{fps}}: a clip gives at least "
+                                f"{TEMPORAL_PATCH_FRAMES} frames (a temporal patch); give {{frames}} 2 or more")
+
+    def most_frames(self, default_frames: int) -> int:
+        """The most frames a clip gives, which plans a run's memory: the fixed count (`frames`, else the family's
+        `default_frames`), or with `fps` the cap (`frames`, else qwen-vl-utils' own)."""
+        return self.frames or (RATE_MAX_FRAMES if self.fps is not None else default_frames)
+
+    def frame_count(self, default_frames: int) -> FrameCount:
+        """How many frames each clip gives: the fixed count, or with `fps` its rate up to the cap (a clip of
+        unknown rate: the fixed count it would give without `fps`)."""
+        most = self.most_frames(default_frames)
+        return most if self.fps is None else FramesAtRate(self.fps, most, self.frames or default_frames)
 
     def _check_pruning(self) -> None:
         if self.prune_method is None:

@@ -54,7 +54,7 @@ from ..families.temporal import drop_static_vision
 from ..inputs.copies import readable_copy
 from ..inputs.prompt_sets import Question
 from ..inputs.sources import MediaItem
-from ..media import MAX_IMAGE_PIXELS, Media
+from ..media import MAX_IMAGE_PIXELS, FrameCount, Media
 from .faults import misbehave, worker_faults
 from .fork_server import start_decoding_server
 from .member_lane import MemberLane
@@ -69,7 +69,7 @@ class DecodeJob:
     """What every item of a run is decoded with; pickled once and sent to each worker."""
 
     processor: Processor
-    frames: int
+    frames: FrameCount   # per clip: a count, or a rate
     instruction: str | None  # the run's prompt; an item's own prompt replaces it
     max_image_pixels: int | None = MAX_IMAGE_PIXELS   # larger images fail undecoded
     temporal_pruning: float = 0.0   # the share of vision vectors dropped for repeating the previous frame

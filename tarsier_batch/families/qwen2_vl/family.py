@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.initialization import no_init_weights
 
 from ...errors import UNDECODABLE, ItemError
-from ...media import MAX_IMAGE_PIXELS, Media, MediaType, Span, even_frame_indices, load_media
+from ...media import MAX_IMAGE_PIXELS, FrameCount, Media, MediaType, Span, even_frame_indices, load_media
 from ...media.sampling import TEMPORAL_PATCH_FRAMES
 from ..base import LargestItem, ProcessedPrompt, VisionBlock
 from ..catalog import FamilyInfo
@@ -63,7 +63,7 @@ class QwenVLPromptProcessor:
             raise ValueError(f"{model_dir}: temporal_patch_size {self.image_processor.temporal_patch_size} is not "
                              f"the {TEMPORAL_PATCH_FRAMES} frames a temporal patch holds in this lineage")
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+    def load_media(self, path: str, media_type: MediaType, num_frames: FrameCount,
                    max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """An even number of frames spread over the clip; each resized and cut into patches as it is decoded."""
         transform = functools.partial(self.frame_patches, media_type=media_type)
@@ -135,6 +135,16 @@ class QwenVLPromptProcessor:
         return temporal_patches(max(num_frames, TEMPORAL_PATCH_FRAMES)) * per_block
 
     def largest_item(self, num_frames: int) -> LargestItem:
+        """The most an item of at most `num_frames` frames can take (a clip sampled by rate gives any even count up
+        to its cap): the largest of `largest_of_count` over those counts.
+
+        A clip's frames share its pixel budget, so where the budget binds its vision positions stay about the same
+        however many frames it gives; but each frame's share is rounded up to whole patches, so a count a little
+        below the cap can take a few positions more than the cap itself (302 frames: 4 more than 306)."""
+        counts = {num_frames, *range(TEMPORAL_PATCH_FRAMES, num_frames, TEMPORAL_PATCH_FRAMES)}
+        return max((self.largest_of_count(count) for count in counts), key=lambda item: item.vision_positions)
+
+    def largest_of_count(self, num_frames: int) -> LargestItem:
         """A clip's temporal patches at the most pixels a frame may keep, or one image at its cap, whichever is
         more: one vision position per merged patch, both frames of each temporal patch kept in float32."""
         patch, most = self.patch_size, self.image_processor.size.longest_edge   # longest: max_pixels

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ...media import MAX_IMAGE_PIXELS, Media, MediaType, Span, load_media
+from ...media import MAX_IMAGE_PIXELS, FrameCount, Media, MediaType, Span, load_media
 from ..base import KVGeometry, LargestItem, ProcessedPrompt, VisionBlock
 from ..catalog import TARSIER
 from ..decoder import DecoderCaptionModel
@@ -44,7 +44,7 @@ class TarsierPromptProcessor(TarsierProcessor):
         super().__init__(model_dir)
         self.config = config
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+    def load_media(self, path: str, media_type: MediaType, num_frames: FrameCount,
                    max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """v1 sampling (short videos repeat frames, GIFs do not), each frame preprocessed once decoded."""
         return load_media(path, media_type, num_frames, frame_transform=self.frame_pixels,

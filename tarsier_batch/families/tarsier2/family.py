@@ -9,7 +9,15 @@ import torch
 from transformers.initialization import no_init_weights
 
 from ...errors import UNDECODABLE, ItemError
-from ...media import MAX_IMAGE_PIXELS, Media, MediaType, Span, frame_indices_without_repeats, load_media
+from ...media import (
+    MAX_IMAGE_PIXELS,
+    FrameCount,
+    Media,
+    MediaType,
+    Span,
+    frame_indices_without_repeats,
+    load_media,
+)
 from ..base import ProcessedPrompt, VisionBlock
 from ..catalog import TARSIER2
 from ..qwen_vl.network import LineageCaptionModel
@@ -30,7 +38,7 @@ class Tarsier2PromptProcessor(Tarsier2Processor):
         self.config = config
         self.image_token_id = config.image_token_id
 
-    def load_media(self, path: str, media_type: MediaType, num_frames: int,
+    def load_media(self, path: str, media_type: MediaType, num_frames: FrameCount,
                    max_image_pixels: int | None = MAX_IMAGE_PIXELS, span: Span | None = None) -> Media:
         """Tarsier2 sampling (a clip of at most `num_frames` frames gives all of them, no repeats)."""
         transform = functools.partial(self.frame_patches, media_type=media_type)
