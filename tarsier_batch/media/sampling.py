@@ -37,7 +37,6 @@ class FramesAtRate:
         return max(TEMPORAL_PATCH_FRAMES, _floor_to_patches(bounded))
 
 
-
 # How many frames each clip gives: a fixed count, or a rate (the count then depends on the clip's length).
 FrameCount = int | FramesAtRate
 
