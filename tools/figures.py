@@ -144,6 +144,13 @@ def _or(found: Any, template: str, missing: str) -> str:
 # The CPU runs against one item per `generate()` (bench_engine.py b1 for Tarsier v1, bench_tarsier2.py), newest
 # first: a label, the results file, and the frame size inside a bench_tarsier2.py file (None for a B1 file).
 CPU_SPEEDUPS = (
+    ("Qwen2-VL `bench`, 8 frames, 2 threads, 2026-11-29, 3 repeats, prefix cache off, one quiet window with the three "
+     "runs below (prompts 172-308)", "qwen2-vl-2026-11-29-quiet-uncached.json", "bench"),
+    ("Qwen2.5-VL `bench`, the same window (prompts 172-308)", "qwen2-5-vl-2026-11-29-quiet-uncached.json", "bench"),
+    ("Tarsier2 `bench`, the same window (prompts 151-503)", "tarsier2-2026-11-29-quiet-uncached.json", "bench"),
+    ("Tarsier2 `wide`, the same run (prompts 151-4,887)", "tarsier2-2026-11-29-quiet-uncached.json", "wide"),
+    ("Qwen3-VL `bench`, the same window, first (prompts 167-329)", "qwen3-vl-2026-11-29-quiet-uncached.json",
+     "bench"),
     ("Qwen2-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, after the Tarsier2 run below "
      "(prompts 172-308)", "qwen2-vl-2026-11-29-rerun-uncached.json", "bench"),
     ("Qwen3-VL `bench`, 8 frames, 2 threads, 2026-11-29, 1 repeat, prefix cache off, a busy machine (prompts 167-329)",
