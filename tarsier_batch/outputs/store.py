@@ -145,7 +145,7 @@ class ResultStore:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
-        threading.Thread(target=self._prepare_conversion, name="tarsier-arrow-warmup", daemon=True).start()
+        threading.Thread(target=self._prepare_conversion, name="tarsier-arrow-warmup").start()
 
     def _prepare_conversion(self) -> None:
         """Convert no rows to Arrow once, on a thread, while the run waits for its first items: pyarrow's first
