@@ -150,7 +150,9 @@ class ResultStore:
     def _prepare_conversion(self) -> None:
         """Convert no rows to Arrow once, on a thread, while the run waits for its first items: pyarrow's first
         conversion of Python values imports pandas where it is installed (0.3-0.5 s), which would otherwise delay
-        the first part. The conversion does not depend on it: a part converted meanwhile is the same."""
+        the first part. The conversion does not depend on it: a part converted meanwhile is the same. Not a daemon
+        thread, so a process leaving at once (Ctrl-C as the output opens) waits for it: one leaving while pyarrow's
+        C++ converted aborted ("terminate called")."""
         pa.Table.from_pylist([], schema=self.schema)
 
     def check_room(self, provenance: dict[str, Any]) -> None:
