@@ -93,25 +93,3 @@ def test_a_wait_policy_the_user_chose_is_kept(monkeypatch) -> None:
     let_waiting_cpu_threads_sleep()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
-
-def test_opening_the_output_prepares_the_arrow_conversion_on_a_thread(tmp_path: Path) -> None:
-    """pyarrow's first conversion of Python rows imports pandas where it is installed (0.3-0.5 s): a store that
-    has begun does that on a thread, while the run waits for its first items, not when its first row is saved."""
-    found = fresh_python(
-        "import json, sys, threading\n"
-        "from pathlib import Path\n"
-        "from tarsier_batch.outputs.formats import OutputTarget\n"
-        "from tarsier_batch.outputs.schema import OutputColumns\n"
-        "from tarsier_batch.outputs.store import ResultStore\n"
-        f"store = ResultStore(OutputTarget(Path({str(tmp_path / 'r.parquet')!r})), OutputColumns())\n"
-        "before = 'pandas' in sys.modules\n"
-        "store.begin({'settings': {}}, fresh=False)\n"
-        "for thread in threading.enumerate():\n"
-        "    if thread.name == 'tarsier-arrow-warmup':\n"
-        "        thread.join()\n"
-        "import importlib.util\n"
-        "print(json.dumps({'before': before, 'after': 'pandas' in sys.modules,\n"
-        "                  'installed': importlib.util.find_spec('pandas') is not None}))\n")
-    assert found["before"] is False
-    # Where pandas is installed (the ray extra brings it, as ray[data] does for a user), the thread imported it.
-    assert found["after"] is found["installed"]

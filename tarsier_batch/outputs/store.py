@@ -24,7 +24,6 @@ import json
 import math
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -145,15 +144,6 @@ class ResultStore:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         for leftover in self.out.parent.glob(f".{self.out.name}.*.tmp"):
             leftover.unlink(missing_ok=True)
-        threading.Thread(target=self._prepare_conversion, name="tarsier-arrow-warmup").start()
-
-    def _prepare_conversion(self) -> None:
-        """Convert no rows to Arrow once, on a thread, while the run waits for its first items: pyarrow's first
-        conversion of Python values imports pandas where it is installed (0.3-0.5 s), which would otherwise delay
-        the first part. The conversion does not depend on it: a part converted meanwhile is the same. Not a daemon
-        thread, so a process leaving at once (Ctrl-C as the output opens) waits for it: one leaving while pyarrow's
-        C++ converted aborted ("terminate called")."""
-        pa.Table.from_pylist([], schema=self.schema)
 
     def check_room(self, provenance: dict[str, Any]) -> None:
         """Raise `OutputError` if the output's folder cannot take a file as big as `provenance`: a disk too full for
