@@ -51,11 +51,13 @@ def child(path: str, video: str, num_frames: int, model_dir: str) -> None:
     import decord
     import torch
     from PIL import Image
+    from transformers import AutoImageProcessor
 
     from tarsier_batch.families.tarsier.processing import TarsierProcessor, stretch_to_square
     from tarsier_batch.media import MediaType, frame_indices, load_media
 
     processor = TarsierProcessor(Path(model_dir))
+    image_processor = AutoImageProcessor.from_pretrained(model_dir, backend="pil")   # the old path's whole-list call
     before_kb = status_kb("VmRSS")
     start = time.perf_counter()
     if path == "old":
@@ -64,7 +66,7 @@ def child(path: str, video: str, num_frames: int, model_dir: str) -> None:
         batch = reader.get_batch(frame_indices(len(reader), num_frames)).asnumpy()
         frames = [Image.fromarray(array).convert("RGB") for array in batch]
         squares = [stretch_to_square(frame) for frame in frames]
-        pixels = processor.image_processor(images=squares, return_tensors="pt")["pixel_values"]
+        pixels = image_processor(images=squares, return_tensors="pt")["pixel_values"]
     else:
         media = load_media(video, MediaType.VIDEO, num_frames, frame_transform=processor.frame_pixels)
         pixels = torch.stack(media.frames) if path == "new_stacked" else media.frames

@@ -70,7 +70,7 @@ class Captioner:
         self.workers = settings.workers or default_workers(accelerated=self.device.type != "cpu")
         self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
         if settings.isolate_decoding:
-            start_decoding_server()   # its imports overlap the model's load
+            start_decoding_server(self.resolved.path)   # its imports overlap the model's load
         self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
         # The most frames a clip gives plans memory and the KV check; `frame_count` is what each clip gives.
         self.frames = settings.most_frames(self.model.processor.default_frames)

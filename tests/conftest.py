@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tarsier_batch.families.loading import load_caption_model
-from tarsier_batch.families.tarsier import TarsierCaptionModel
+from tarsier_batch.families.tarsier.family import TarsierCaptionModel
 from tarsier_batch.families.tiny import make_tiny_model
 
 # Real stores on loopback: `s3` (moto's S3 API), `gcs` (gcp-storage-emulator), `azure` (Azurite), `http_store`

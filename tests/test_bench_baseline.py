@@ -57,7 +57,8 @@ def test_disabled_eos_runs_to_the_limit(tiny_model_dir: Path, items: list[MediaI
 def test_benchmark_sizes_have_a_100m_language_model(size: str, vectors_per_frame: int) -> None:
     import torch
 
-    from tarsier_batch.families.tarsier import TarsierConfig, TarsierModel
+    from tarsier_batch.families.tarsier.config import TarsierConfig
+    from tarsier_batch.families.tarsier.modeling import TarsierModel
     from tarsier_batch.families.tiny.tarsier import SIZES, _config_dict
 
     # Ids as in the built checkpoints (702-token tokenizer, table of 704 rows); no weights are made.

@@ -11,7 +11,7 @@ import torch
 from conftest import all_pages_free
 from tarsier_batch.engine import Engine, EngineConfig, SamplingParams, Sequence
 from tarsier_batch.families.base import ProcessedPrompt, embed_whole_prompt
-from tarsier_batch.families.tarsier import TarsierCaptionModel
+from tarsier_batch.families.tarsier.family import TarsierCaptionModel
 from tarsier_batch.media import load_media, media_type_of
 
 MAX_NEW = 24

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 from tarsier_batch.cli import app
 from tarsier_batch.families import catalog
 from tarsier_batch.families.catalog import FamilyInfo, register_family
-from tarsier_batch.families.tarsier import TarsierCaptionModel, TarsierPromptProcessor, load_processor
+from tarsier_batch.families.tarsier.family import TarsierCaptionModel
+from tarsier_batch.families.tarsier.processing import TarsierPromptProcessor, load_processor
 from tarsier_batch.families.tiny import make_tiny_model
 
 runner = CliRunner()

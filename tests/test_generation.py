@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tarsier_batch import Captioner, CaptionSettings, MediaItem, SamplingParams
-from tarsier_batch.families.tarsier import TarsierCaptionModel
+from tarsier_batch.families.tarsier.family import TarsierCaptionModel
 from tarsier_batch.media import MediaType, media_type_of
 
 MAX_NEW = 24

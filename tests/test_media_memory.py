@@ -3,7 +3,7 @@
 `load_media(..., frame_transform=processor.frame_pixels)` decodes one frame at a time and keeps
 only its pixel tensor. The reference below is the previous code path, kept here as the
 specification: decord `get_batch` on all sampled indices at once, PIL frames, stretch to a
-square, then the checkpoint's CLIP processor (PIL backend) on the whole list.
+square, then the checkpoint's CLIP processor (transformers' class, PIL backend) on the whole list.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import decord
 import pytest
 import torch
 from PIL import Image, ImageSequence
+from transformers import AutoImageProcessor
 
 from tarsier_batch.families.tarsier.processing import TarsierProcessor
 from tarsier_batch.families.tiny import make_tiny_model
@@ -28,10 +29,13 @@ Facts = tuple[list[int], int, int, float | None]  # frame indices, width, height
 
 
 @pytest.fixture(scope="module")
-def processors(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, TarsierProcessor]:
-    """56 px (the unit-test checkpoint) and 336 px (the real models' processor settings)."""
+def processors(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[TarsierProcessor,
+                                                                                                   Any]]:
+    """56 px (the unit-test checkpoint) and 336 px (the real models' processor settings): each with transformers'
+    own image processor for its checkpoint."""
     small_dir = make_tiny_model(tmp_path_factory.mktemp("small-model"), "small", seed=0)
-    return {"tiny": TarsierProcessor(tiny_model_dir), "small": TarsierProcessor(small_dir)}
+    return {name: (TarsierProcessor(folder), AutoImageProcessor.from_pretrained(str(folder), backend="pil"))
+            for name, folder in (("tiny", tiny_model_dir), ("small", small_dir))}
 
 
 def whole_batch_frames(path: Path, media_type: MediaType, num_frames: int) -> tuple[list[Image.Image], Facts]:
@@ -59,10 +63,10 @@ def whole_batch_frames(path: Path, media_type: MediaType, num_frames: int) -> tu
     return [frame], ([0], frame.width, frame.height, None)
 
 
-def whole_batch_pixels(processor: TarsierProcessor, frames: list[Image.Image]) -> torch.Tensor:
+def whole_batch_pixels(image_processor: Any, frames: list[Image.Image]) -> torch.Tensor:
     """The previous preprocessing: stretch each frame to a square, one processor call on the list."""
     squares = [frame.resize((max(frame.size),) * 2, resample=Image.Resampling.BICUBIC) for frame in frames]
-    return processor.image_processor(images=squares, return_tensors="pt")["pixel_values"]
+    return image_processor(images=squares, return_tensors="pt")["pixel_values"]
 
 
 @pytest.mark.parametrize(("name", "media_type", "num_frames"), [
@@ -78,7 +82,7 @@ def whole_batch_pixels(processor: TarsierProcessor, frames: list[Image.Image]) -
 ])
 @pytest.mark.long
 def test_per_frame_pixels_are_bit_identical_to_the_whole_batch(
-        shared_media: Path, processors: dict[str, TarsierProcessor],
+        shared_media: Path, processors: dict[str, tuple[TarsierProcessor, Any]],
         name: str, media_type: MediaType, num_frames: int) -> None:
     path = shared_media / name
     reference_frames, reference_facts = whole_batch_frames(path, media_type, num_frames)
@@ -91,12 +95,12 @@ def test_per_frame_pixels_are_bit_identical_to_the_whole_batch(
         assert (frame.mode, frame.size) == (expected.mode, expected.size)
         assert frame.tobytes() == expected.tobytes()
 
-    for size, processor in processors.items():
-        expected = whole_batch_pixels(processor, reference_frames)
+    for size, (processor, image_processor) in processors.items():
+        expected = whole_batch_pixels(image_processor, reference_frames)
         media = load_media(str(path), media_type, num_frames, frame_transform=processor.frame_pixels)
         assert (media.frame_indices, media.width, media.height, media.duration_s) == reference_facts
         assert len(media.frames) == expected.shape[0]
-        side = processor.image_processor.crop_size["height"]
+        side = image_processor.crop_size["height"]
         for index, pixels in enumerate(media.frames):
             assert pixels.shape == (3, side, side) and pixels.dtype == torch.float32
             assert torch.equal(pixels, expected[index]), f"{size}: frame {index} differs"

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 def fresh_python(code: str, environment: dict[str, str] | None = None) -> dict:
@@ -93,3 +95,51 @@ def test_a_wait_policy_the_user_chose_is_kept(monkeypatch) -> None:
     let_waiting_cpu_threads_sleep()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
+
+
+NETWORK_MODULES = ("transformers.modeling_utils", "transformers.image_processing_utils",
+                   "transformers.models.llama.configuration_llama", "torch.distributed.tensor", "sympy")
+
+
+@pytest.mark.parametrize("model", ["demo", "tiny-random"])
+def test_a_tarsier_v1_decoding_worker_imports_none_of_the_networks_modules(tmp_path: Path, model: str) -> None:
+    """A decoding worker forks from the fork server once it has imported its preload list: for a Tarsier v1 run,
+    the worker's processor (pickled by the model's process, its network built) preprocesses frames and prompts
+    with transformers' tokenizer and image transforms alone. Its modeling utilities (imported by its image
+    processor classes and its Llama configuration) would put seconds before the run's first decoded item."""
+    from tarsier_batch.families.loading import load_caption_model
+    from tarsier_batch.model.checkpoints import resolve_model
+
+    checkpoint = resolve_model(model).path
+    processor = load_caption_model(checkpoint, torch.float32, torch.device("cpu")).processor
+    pickled = tmp_path / "processor.pickle"
+    pickled.write_bytes(pickle.dumps(processor))
+    found = fresh_python(
+        "import importlib, json, pickle, sys\n"
+        "from pathlib import Path\n"
+        "from tarsier_batch.workers.fork_server import decoding_preload\n"
+        "from tarsier_batch.media import MediaType\n"
+        f"preload = decoding_preload(Path({str(checkpoint)!r}))\n"
+        "for name in preload:\n"
+        "    importlib.import_module(name)\n"
+        f"processor = pickle.loads(Path({str(pickled)!r}).read_bytes())\n"
+        f"media = processor.load_media({str(REPO / 'sample_data' / 'still.png')!r}, MediaType.IMAGE, 8)\n"
+        "prompt = processor.process(media, None)\n"
+        f"heavy = [name for name in {NETWORK_MODULES!r} if name in sys.modules]\n"
+        "families = [name for name in preload if name.startswith('tarsier_batch.families.') and\n"
+        "            name.count('.') == 3]\n"
+        "print(json.dumps({'heavy': heavy, 'families': families, 'frames': len(prompt.pixel_values)}))\n")
+    assert found == {"heavy": [], "families": ["tarsier_batch.families.tarsier.processing"], "frames": 1}
+
+
+def test_without_a_readable_checkpoint_the_fork_server_preloads_every_familys_processor(tmp_path: Path) -> None:
+    found = fresh_python(
+        "import json\n"
+        "from pathlib import Path\n"
+        "from tarsier_batch.families.catalog import model_families\n"
+        "from tarsier_batch.workers.fork_server import decoding_preload\n"
+        "every = [family.processor_loader.partition(':')[0] for family in model_families()]\n"
+        f"lists = [decoding_preload(checkpoint) for checkpoint in (None, Path({str(tmp_path)!r}))]\n"
+        "print(json.dumps({'every': every, 'preloaded': [[name for name in preload if name in every]\n"
+        "                                                for preload in lists]}))\n")
+    assert len(found["every"]) == 5 and found["preloaded"] == [found["every"]] * 2   # tmp_path: no config.json

@@ -13,8 +13,9 @@ from safetensors import safe_open
 from transformers import CLIPVisionModel
 
 from tarsier_batch.families.loading import load_caption_model
-from tarsier_batch.families.tarsier import TarsierCaptionModel, TarsierConfig, merged_layout
-from tarsier_batch.families.tarsier.processing import build_prompt, stretch_to_square
+from tarsier_batch.families.tarsier.config import TarsierConfig
+from tarsier_batch.families.tarsier.family import TarsierCaptionModel
+from tarsier_batch.families.tarsier.processing import build_prompt, merged_layout, stretch_to_square
 from tarsier_batch.families.tarsier.weights import load_model
 from tarsier_batch.families.tiny import make_tiny_model
 from tarsier_batch.media import MediaType, load_media

@@ -30,9 +30,9 @@ sys.path.insert(0, str(REPO))
 
 from tarsier_batch.demo import DEMO_GEOMETRY, TRAIN_SEEDS, caption_vocabulary  # noqa: E402
 from tarsier_batch.demo.clips import SHAPES, make_clip  # noqa: E402
-from tarsier_batch.families.tarsier import TarsierConfig  # noqa: E402
-from tarsier_batch.families.tarsier.family import TarsierPromptProcessor  # noqa: E402
+from tarsier_batch.families.tarsier.config import TarsierConfig  # noqa: E402
 from tarsier_batch.families.tarsier.modeling import TarsierModel  # noqa: E402
+from tarsier_batch.families.tarsier.processing import TarsierPromptProcessor  # noqa: E402
 from tarsier_batch.families.tarsier.weights import checkpoint_to_module_key, save_model  # noqa: E402
 from tarsier_batch.families.tiny.tarsier import build  # noqa: E402
 from tarsier_batch.media import Media, MediaType, frame_indices  # noqa: E402

@@ -68,8 +68,8 @@ TARSIER = FamilyInfo(
     key="tarsier", name="Tarsier v1", text_model_type="llama", vision="CLIP ViT-L/14 at 336 px, 601 vectors per frame",
     default_frames=8, default_instruction="Describe the video in detail. (images: Describe the image in detail.)",
     checkpoints=("omni-research/Tarsier-7b", "omni-research/Tarsier-34b"), tiny_alias="tiny-random",
-    loader="tarsier_batch.families.tarsier:TarsierCaptionModel",
-    processor_loader="tarsier_batch.families.tarsier:load_processor",
+    loader="tarsier_batch.families.tarsier.family:TarsierCaptionModel",
+    processor_loader="tarsier_batch.families.tarsier.processing:load_processor",
     frame_sampler="tarsier_batch.media:frame_indices", tiny_builder="tarsier_batch.families.tiny.tarsier")
 TARSIER2 = FamilyInfo(
     key="tarsier2", name="Tarsier2", text_model_type="qwen2_vl",

@@ -93,6 +93,17 @@ def resolve_model(reference: str, weights: bool = True) -> ResolvedModel:
     return _download(reference, _CHECKPOINT_PATTERNS if weights else _PROCESSOR_PATTERNS)
 
 
+def local_checkpoint(reference: str) -> Path | None:
+    """The folder `reference` names where it is on this disk already (the demo, a built-in random model built
+    before, a local directory); None where finding it would download or build it."""
+    if reference == DEMO_ALIAS:
+        return DEMO_CHECKPOINT
+    if any(reference == family.tiny_alias for family in model_families()):
+        return None if needs_building(reference) else tiny_model_dir(reference)
+    local = Path(reference).expanduser()
+    return local.resolve() if local.is_dir() else None
+
+
 def _download(repo_id: str, patterns: list[str]) -> ResolvedModel:
     from huggingface_hub import snapshot_download
 

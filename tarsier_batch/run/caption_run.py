@@ -32,7 +32,7 @@ from ..inputs.manifest import Manifest
 from ..inputs.segments import SegmentsError
 from ..inputs.sources import Discovery, MediaItem, discover, row_id_of
 from ..media import MediaType, Span
-from ..model.checkpoints import ModelNotFoundError, needs_building, tiny_model_dir
+from ..model.checkpoints import ModelNotFoundError, local_checkpoint, needs_building, tiny_model_dir
 from ..outputs.formats import OutputError, OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
@@ -53,10 +53,16 @@ if TYPE_CHECKING:
     from ..api import Captioner
 
 
+def start_decoding_for(settings: CaptionSettings) -> None:
+    """Start the decoding fork server, preloading the processor of the model's family where the model is on this
+    disk already (which it reads from its config.json)."""
+    start_decoding_server(local_checkpoint(settings.model))
+
+
 def load_captioner(settings: CaptionSettings, items: int | None = None) -> Backend:
     """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
     if settings.isolate_decoding:
-        start_decoding_server()   # first: its imports overlap this process's (torch, the model's code) and the load
+        start_decoding_for(settings)   # first: its imports overlap this process's (torch, the model's code), the load
     from ..api import Captioner
 
     return Captioner(settings, items)
@@ -262,6 +268,7 @@ class CaptionRun:
         from ..workers.sizing import default_workers
 
         segmenting, caption = self.settings.segments, self.settings.caption
+        start_decoding_for(caption)   # the probing workers' server, then the model's decoding workers'
         facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
                             meanwhile=partial(self._load, None) if load_meanwhile else None)
         spans: dict[str, list[Span]] = {}

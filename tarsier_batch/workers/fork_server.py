@@ -15,6 +15,7 @@ import signal
 import sys
 from contextlib import suppress
 from multiprocessing.context import BaseContext
+from pathlib import Path
 
 _quiet_server_pid: int | None = None
 _MAIN_GUARD = re.compile(r"""__name__\s*==\s*['"]__main__['"]|['"]__main__['"]\s*==\s*__name__""")
@@ -99,22 +100,24 @@ def check_main_is_guarded() -> None:
             f"CaptionSettings(isolate_decoding=False))")
 
 
-def start_decoding_server() -> None:
+def start_decoding_server(checkpoint: Path | None = None) -> None:
     """Start the fork server that decoding workers come from, if it is not running yet.
 
     A run calls this before it imports torch and loads the model: the server's own imports (the
-    decoders, torch, the families' processors: 3-5 s) then overlap the parent's instead of
-    following them, and the first items decode that much sooner (on a short or resumed run, most
-    of what a restart pays).
+    decoders, torch, the processor of `checkpoint`'s family, or of every built-in family where it is not given
+    or not readable: 2-5 s) then overlap the parent's instead of following them, and the first items decode
+    that much sooner (on a short or resumed run, most of what a restart pays).
     """
-    quiet_fork_server(decoding_preload())
+    quiet_fork_server(decoding_preload(checkpoint))
 
 
-def decoding_preload() -> list[str]:
+def decoding_preload(checkpoint: Path | None = None) -> list[str]:
     """What the decoding fork server imports once, so that a new worker only has to fork.
 
     The decoders (imported lazily by the media package: about 70 ms per worker otherwise), the decoding
-    workers' module, the built-in families' processors, the storage backends (the fsspec
+    workers' module, the processor of `checkpoint`'s family (of every built-in family without it: the Qwen-VL
+    ones import transformers' image processors, and with them its modeling utilities, seconds that a Tarsier v1
+    run's workers never need), the storage backends (the fsspec
     modules this process has loaded), and every module of this package the parent has
     imported: a worker also imports the parent's main script again (the `tarsier` console script
     imports the CLI, about 0.25 s) and finds them loaded. Only the first list counts (the server
@@ -122,11 +125,16 @@ def decoding_preload() -> list[str]:
     not preloaded, because a module that fails in the server stops every worker.
     """
     from ..families import catalog
+    from ..families.loading import family_of_checkpoint
 
     package = __name__.split(".")[0]
     ours = sorted(name for name in sys.modules if name == package or name.startswith(package + "."))
-    families = [family.processor_loader.partition(":")[0] for family in catalog.model_families()
-                if family.processor_loader.startswith(package + ".")]
+    families = catalog.model_families()
+    if checkpoint is not None:
+        with suppress(OSError, ValueError):   # not a checkpoint: loading it says so
+            families = (family_of_checkpoint(checkpoint),)
+    processors = [family.processor_loader.partition(":")[0] for family in families
+                  if family.processor_loader.startswith(package + ".")]
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
-    return ["decord", "av", f"{package}.workers.pool", *families, *storage, *ours]
+    return ["decord", "av", f"{package}.workers.pool", *processors, *storage, *ours]

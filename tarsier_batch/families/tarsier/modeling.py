@@ -7,69 +7,14 @@ LM's input-embedding table. Module names match the checkpoint's key prefixes.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from transformers import CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
+from transformers import CLIPVisionModel, LlamaForCausalLM
 from transformers.activations import ACT2FN
 
-ARCHITECTURE = "TarsierForConditionalGeneration"
-
-
-@dataclass(frozen=True)
-class TarsierConfig:
-    """The parts of a Tarsier `config.json` this implementation uses."""
-
-    vision: CLIPVisionConfig
-    text: LlamaConfig
-    image_token_index: int
-    image_newline_idx: int
-    image_new_idx: int
-    vision_feature_layer: int
-    projector_hidden_act: str
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> TarsierConfig:
-        if raw.get("model_type") != "llava" or ARCHITECTURE not in raw.get("architectures", []):
-            raise ValueError(
-                f"not a Tarsier v1 checkpoint: expected model_type 'llava' and architecture "
-                f"{ARCHITECTURE}, found {raw.get('model_type')!r} {raw.get('architectures')}")
-        strategy = raw.get("vision_feature_select_strategy", "default")
-        if strategy != "default":
-            raise ValueError(f"unsupported vision_feature_select_strategy {strategy!r} (Tarsier uses 'default')")
-        vision = {k: v for k, v in raw["vision_config"].items() if k != "model_type"}
-        text = {k: v for k, v in raw["text_config"].items() if k != "model_type"}
-        return cls(
-            vision=CLIPVisionConfig(**vision),
-            text=LlamaConfig(**text),
-            image_token_index=raw.get("image_token_index", 32000),
-            image_newline_idx=raw.get("image_newline_idx", 32002),
-            image_new_idx=raw.get("image_new_idx", 32003),
-            vision_feature_layer=raw.get("vision_feature_layer", -2),
-            projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
-            raw=raw,
-        )
-
-    @classmethod
-    def from_file(cls, path: Path) -> TarsierConfig:
-        return cls.from_dict(json.loads(path.read_text()))
-
-    @property
-    def patch_grid(self) -> int:
-        """Patches along one side of a frame (24 for 336 px and patch 14)."""
-        return self.vision.image_size // self.vision.patch_size
-
-    @property
-    def tokens_per_frame(self) -> int:
-        """Vectors one frame contributes: a row of patches plus a newline, per row, then a separator."""
-        grid = self.patch_grid
-        return grid * (grid + 1) + 1
+from .config import TarsierConfig
 
 
 class TarsierProjector(nn.Module):

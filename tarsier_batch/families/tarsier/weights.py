@@ -8,7 +8,8 @@ import torch
 from transformers.initialization import no_init_weights
 
 from ..weights import load_weights, save_weights
-from .modeling import TarsierConfig, TarsierModel
+from .config import TarsierConfig
+from .modeling import TarsierModel
 
 # transformers 5 flattened CLIPVisionModel (no `vision_model.` level); the checkpoints keep it.
 _CHECKPOINT_VISION_PREFIX = "vision_tower.vision_model."

@@ -16,7 +16,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import CLIPVisionConfig, LlamaConfig, LlamaTokenizer
 
-from ..tarsier import ARCHITECTURE, TarsierConfig, TarsierModel
+from ..tarsier.config import ARCHITECTURE, TarsierConfig
+from ..tarsier.modeling import TarsierModel
 from ..tarsier.weights import save_model
 from .common import (
     BASE_VOCAB_SIZE,
