@@ -152,7 +152,7 @@ def test_a_dying_actor_is_restarted_and_a_crashing_decoder_is_an_error_row(clust
     assert sorted(Path(row["path"]).name for row in rows) == sorted(path.name for path in folder.iterdir())
     errors = {Path(row["path"]).name: row["error"] for row in rows if row["error"] is not None}
     assert (list(errors) == [f"{CRASH_SUBSTRING}.png"]
-            and "the decoder crashed (SIGSEGV" in errors[f"{CRASH_SUBSTRING}.png"])
+            and "the decoder crashed (SIGSEGV" in errors[f"{CRASH_SUBSTRING}.png"]), errors
     assert all(row["caption"] for row in rows if row["error"] is None)
 
 
