@@ -63,7 +63,7 @@ class Captioner:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        _refuse_for_family(settings)   # before a weight is downloaded or read
+        refuse_for_family(settings)   # before a weight is downloaded or read
         self.resolved = resolve_model(settings.model)
         # Every running row decodes one position per step, so the step budget also caps the rows.
         self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
@@ -440,7 +440,7 @@ class _Queued:
     done: dict[str | None, Sequence] = field(default_factory=dict)   # by question (None: no prompt set)
 
 
-def _refuse_for_family(settings: CaptionSettings) -> None:
+def refuse_for_family(settings: CaptionSettings) -> None:
     """Refuse settings the checkpoint's family cannot run, from its config.json alone (for a Hugging Face id, the
     configuration is fetched without the weights). A checkpoint whose family cannot be read passes: loading it
     says what is wrong."""

@@ -167,6 +167,23 @@ def test_wrong_ray_flags_stop_at_once(args: list[str], message: str, tmp_path: P
     assert done.exit_code == 2 and message in done.output, done.output
 
 
+def test_a_setting_the_models_family_cannot_run_is_refused_before_the_cluster_starts(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Tarsier v1 samples a fixed count of frames: `--fps` is refused in one line from config.json, on the driver,
+    not by every actor as it builds its model."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+    def start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the cluster starts before the refusal")
+
+    monkeypatch.setattr(ray, "init", start)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    done = caption(tiny_model_dir, str(SAMPLE_DATA / "still.png"), "--ray", "local", "--out-dir",
+                   str(tmp_path / "d"), "--fps", "2")
+    assert done.exit_code == 2, done.output
+    assert "--fps: Tarsier v1 samples a fixed count of frames from every clip" in done.output
+
+
 def test_ray_without_the_extra_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import importlib.util
 

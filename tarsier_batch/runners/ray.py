@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..api import Captioner, decode_pool
+from ..api import Captioner, decode_pool, refuse_for_family
 from ..errors import Worded
 from ..families.generation_config import read_repetition_penalty
 from ..families.loading import load_processor
@@ -71,6 +71,7 @@ class RayBackend:
     """
 
     def __init__(self, settings: CaptionSettings, ray_settings: RaySettings, reporter: RunReporter):
+        refuse_for_family(settings)   # here, before a cluster starts, not in every actor
         import ray
 
         self.settings, self.ray, self.reporter = settings, ray_settings, reporter
