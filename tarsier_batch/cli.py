@@ -318,6 +318,9 @@ def inspect_command(
         show_default=False)] = None,
     frames: Annotated[Optional[int], typer.Option(
         min=1, metavar="N", help="Frames to sample [default: the family's].", show_default=False)] = None,
+    fps: Annotated[Optional[float], typer.Option(
+        metavar="RATE", help="Sample each video at RATE frames per second, as `caption --fps` does (the Qwen-VL "
+        "families; --frames caps the count).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per file, one per line.")] = False,
 ) -> None:
     """What captioning would see in each FILE: type, size, codec, rotation, frame rate, duration, frame count,
@@ -335,9 +338,16 @@ def inspect_command(
         chosen = family_named(family) if family else family_for(model or DEFAULT_MODEL)
     except ValueError as error:   # named as this command's own flags
         fail(error, {"model": "--model", "family": "--family"})
+    if fps is not None and not chosen.samples_by_rate:
+        fail(f"--fps: {chosen.name} samples a fixed count of frames from every clip, as its official code does; "
+             f"give --frames instead")
+    try:
+        count = CaptionSettings(frames=frames, fps=fps).frame_count(chosen.default_frames)
+    except SettingsError as error:
+        fail(error)
     failed = 0
     for index, path in enumerate(member for path in files for member in _members_if_shard(path)):
-        found = inspect_file(path, chosen, frames)
+        found = inspect_file(path, chosen, count)
         failed += not found.ok
         typer.echo(found.as_json() if as_json else ("\n" if index else "") + found.as_text())
     raise typer.Exit(EXIT_SOME_FAILED if failed else EXIT_OK)

@@ -8,6 +8,7 @@ generate."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import sys
 import types
@@ -223,3 +224,26 @@ def test_tarsier_refuses_a_rate_in_one_line_before_loading(tiny_model_dir: Path,
     assert result.exit_code == 2, result.output
     assert "--fps: Tarsier v1 samples a fixed count of frames from every clip" in result.output
     assert "--frames" in result.output and not (tmp_path / "r.parquet").exists()
+
+
+@pytest.mark.parametrize("name", list(CLIPS))
+def test_inspect_samples_at_a_rate_as_captioning_does(model: QwenVLCaptionModel, shared_media: Path,
+                                                      name: str) -> None:
+    """`tarsier inspect --fps` shows the frames a run with `--fps` samples from the clip, and its rule in words."""
+    media = model.processor.load_media(str(shared_media / name), media_type_of(name), TWO_FPS)
+    result = CliRunner().invoke(app, ["inspect", str(shared_media / name), "--family", model.family.key, "--fps",
+                                      "2", "--json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.output)
+    assert (found["frame_indices"], found["fps_asked"], found["frames_asked"]) == (media.frame_indices, 2.0, 768)
+    text = CliRunner().invoke(app, ["inspect", str(shared_media / name), "--family", model.family.key, "--fps", "2",
+                                    "--frames", "8"]).output
+    assert re.search(r"^frames +2 fps, 4-8 frames$", text, re.MULTILINE), text
+
+
+def test_inspect_refuses_a_rate_for_a_family_that_samples_a_fixed_count(shared_media: Path) -> None:
+    for family, name in (("tarsier", "Tarsier v1"), ("tarsier2", "Tarsier2")):
+        result = CliRunner().invoke(app, ["inspect", str(shared_media / "short_5f.mp4"), "--family", family,
+                                          "--fps", "2"])
+        assert result.exit_code == 2
+        assert f"--fps: {name} samples a fixed count of frames from every clip" in result.output

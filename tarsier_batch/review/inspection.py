@@ -23,7 +23,18 @@ from ..families.catalog import TARSIER, FamilyInfo, family_of_config, model_fami
 from ..inputs import tars
 from ..inputs.copies import readable_copy
 from ..inputs.sources import item_of_path
-from ..media import FrameSampler, MediaType, check_regular_file, decord_problem, load_media, media_type_of, open_image
+from ..media import (
+    FrameCount,
+    FrameSampler,
+    FramesAtRate,
+    MediaType,
+    check_regular_file,
+    decord_problem,
+    frames_in_words,
+    load_media,
+    media_type_of,
+    open_image,
+)
 from ..workers.fork_server import quiet_fork_server
 
 DECODE_TIMEOUT_S = 120.0
@@ -50,7 +61,8 @@ class Inspection:
     decoder: str | None = None
     decoder_reason: str | None = None
     family: str | None = None
-    frames_asked: int | None = None
+    frames_asked: int | None = None     # a fixed count, or with a rate the most a clip gives
+    fps_asked: float | None = None       # frames sampled per second of each clip (the Qwen-VL families' rule)
     frame_indices: list[int] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)   # damage read past decoding the frames (the row's `warnings`)
     problem: str | None = None
@@ -75,7 +87,10 @@ class Inspection:
     def as_text(self) -> str:
         """Aligned `name  value` lines, the known ones only, then the verdict."""
         shown = {_LABELS.get(name, name.replace("_", " ")): _shown(name, value)
-                 for name, value in asdict(self).items() if value not in (None, []) and name != "warnings"}
+                 for name, value in asdict(self).items()
+                 if value not in (None, []) and name not in ("warnings", "fps_asked")}
+        if self.fps_asked is not None and self.frames_asked is not None:
+            shown["frames"] = frames_in_words(FramesAtRate(self.fps_asked, self.frames_asked))
         shown["verdict"] = self.verdict
         width = max(map(len, shown))
         return "\n".join(f"{name:<{width}}  {value}" for name, value in shown.items())
@@ -112,13 +127,14 @@ def family_for(model: str) -> FamilyInfo:
                             "use {family} tarsier or tarsier2", name=model))
 
 
-def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
+def inspect_file(path: str, family: FamilyInfo, frames: FrameCount | None = None,
                  timeout_s: float = DECODE_TIMEOUT_S) -> Inspection:
-    """Everything `tarsier inspect` prints about `path` (a file, an object's URL, or a shard's `shard.tar#member`)."""
+    """Everything `tarsier inspect` prints about `path` (a file, an object's URL, or a shard's `shard.tar#member`),
+    sampling `frames` (the family's count when None)."""
+    rule = family.default_frames if frames is None else frames
     if storage.is_url(path) or tars.split_member_path(path) is not None:
-        return _inspect_copy(path, family, frames, timeout_s)
-    found = Inspection(printable(os.path.abspath(path)), family=family.name,
-                       frames_asked=frames or family.default_frames)
+        return _inspect_copy(path, family, rule, timeout_s)
+    found = _asked(Inspection(printable(os.path.abspath(path)), family=family.name), rule)
     media_type = media_type_of(path)
     if media_type is None:
         found.problem = f"not media: {Path(path).suffix.lower() or 'no extension'} files are skipped by caption"
@@ -128,14 +144,22 @@ def inspect_file(path: str, family: FamilyInfo, frames: int | None = None,
         found.size_bytes = os.stat(path).st_size
     except OSError:
         pass
-    found.__dict__.update(_in_child(_decode_facts, (path, media_type, family, found.frames_asked), timeout_s))
+    found.__dict__.update(_in_child(_decode_facts, (path, media_type, family, rule), timeout_s))
     return found
 
 
-def _inspect_copy(path: str, family: FamilyInfo, frames: int | None, timeout_s: float) -> Inspection:
+def _asked(found: Inspection, rule: FrameCount) -> Inspection:
+    """`found` with the frames it samples."""
+    if isinstance(rule, FramesAtRate):
+        found.frames_asked, found.fps_asked = rule.most, rule.fps
+    else:
+        found.frames_asked = rule
+    return found
+
+
+def _inspect_copy(path: str, family: FamilyInfo, rule: FrameCount, timeout_s: float) -> Inspection:
     """`inspect_file` of an object or a shard's member, read into a local copy first."""
-    found = Inspection(printable(storage.redact(path)), family=family.name,
-                       frames_asked=frames or family.default_frames)
+    found = _asked(Inspection(printable(storage.redact(path)), family=family.name), rule)
     try:
         item = item_of_path(path)
         if item is None:
@@ -144,14 +168,13 @@ def _inspect_copy(path: str, family: FamilyInfo, frames: int | None, timeout_s: 
             return found
         found.media_type, found.size_bytes = item.media_type.value, item.facts.size_bytes
         with readable_copy(item) as local:
-            found.__dict__.update(_in_child(_decode_facts, (local, item.media_type, family, found.frames_asked),
-                                            timeout_s))
+            found.__dict__.update(_in_child(_decode_facts, (local, item.media_type, family, rule), timeout_s))
     except (OSError, ValueError, tars.ShardError, storage.StorageError) as error:
         found.problem = storage.redact_text(str(error) or one_line(error))
     return found
 
 
-def _decode_facts(path: str, media_type: MediaType, family: FamilyInfo, frames: int) -> dict[str, Any]:
+def _decode_facts(path: str, media_type: MediaType, family: FamilyInfo, frames: FrameCount) -> dict[str, Any]:
     """Probe, then decode the sampled frames exactly as captioning does (the pixels are dropped)."""
     try:
         check_regular_file(path)   # before any decoder opens it: a FIFO would block for ever
