@@ -16,9 +16,11 @@ same load of a shared machine; one discarded run each first writes their bytecod
   fork server preloads before it forks its first worker (the modules the command has imported when it starts the
   server, the decoders, the families' processors).
 
-Prints JSON: each side's medians and every run, and the `-X importtime` offenders of one run per side (the main
-process's imports: the decoding fork server writes to /dev/null): the top-level imports by cumulative time, and
-whether torch, transformers' modeling utilities, decord, PyAV and pandas were imported by the command itself.
+Run it with the Python of the environment to measure (`/path/to/venv/bin/python bench/bench_startup.py`: the README's
+install, or one with the extras); the JSON's `environment` says which. Prints JSON: each side's medians and every
+run, and the `-X importtime` offenders of one run per side (the main process's imports: the decoding fork server
+writes to /dev/null): the top-level imports by cumulative time, and whether torch, transformers' modeling utilities,
+decord, PyAV and pandas were imported by the command itself.
 """
 
 from __future__ import annotations
@@ -42,12 +44,17 @@ QUICK_START = ["caption", str(REPO / "sample_data"), "--model", "demo", "--out",
 WATCHED_MODULES = ("torch", "transformers.modeling_utils", "decord", "av", "pandas")
 POLL_S = 0.005
 # In a fresh interpreter, what the decoding fork server imports before it can fork a worker: the parent has the CLI
-# and the run imported when it launches the server, which preloads those and the decoding modules.
+# and the run imported when it launches the server, which preloads those, the decoding modules and the processors.
 PRELOAD_CPU = """
 import importlib, time
 import tarsier_batch.cli, tarsier_batch.run.caption_run
 from tarsier_batch.workers.fork_server import decoding_preload
-preload, started = decoding_preload(), time.process_time()
+try:   # the run's checkpoint names the one family whose processor is preloaded
+    from tarsier_batch.model.checkpoints import local_checkpoint
+    preload = decoding_preload(local_checkpoint("demo"))
+except ImportError:   # code from before that: every family's
+    preload = decoding_preload()
+started = time.process_time()
 for name in preload:
     importlib.import_module(name)
 print(round(time.process_time() - started, 3))
@@ -122,6 +129,16 @@ def import_offenders(code: Path, folder: Path, top: int = 12) -> dict:
     return {"top_level_s": dict(ranked), "imported": {name: name in imported for name in WATCHED_MODULES}}
 
 
+def environment() -> dict:
+    """The Python the runs used, and which optional packages that change start-up it has: the README's install
+    has none of them (pandas comes with the ray extra and pyarrow imports it; Triton is imported by torch._dynamo
+    where installed)."""
+    import importlib.util
+
+    return {"python": sys.prefix, "installed": {name: importlib.util.find_spec(name) is not None
+                                                for name in ("pandas", "triton", "ray")}}
+
+
 def summary(runs: list[dict]) -> dict:
     return {key: round(statistics.median(run[key] for run in runs), 3) for key in ("first_row_s", "exit_s", "cpu_s",
                                                                              "server_preload_cpu_s")}
@@ -146,7 +163,8 @@ def main() -> None:
         offenders = {side: import_offenders(code, Path(tempfile.mkdtemp(dir=scratch))) for side, code in trees.items()}
     medians = {side: summary(side_runs) for side, side_runs in runs.items()}
     print(json.dumps({**measured_on(), "benchmark": "bench/bench_startup.py", "command": "tarsier " + " ".join(
-        ["caption", "sample_data", *QUICK_START[2:]]), "before_commit": before_commit, "repeats": args.repeats,
+        ["caption", "sample_data", *QUICK_START[2:]]), "environment": environment(), "before_commit": before_commit,
+        "repeats": args.repeats,
         "load_average_at_end": list(os.getloadavg()), "median": medians,
         "first_row_before_over_after": round(medians["before"]["first_row_s"] / medians["after"]["first_row_s"], 2),
         "runs": runs, "imports": offenders}, indent=1))
