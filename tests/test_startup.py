@@ -143,3 +143,22 @@ def test_without_a_readable_checkpoint_the_fork_server_preloads_every_familys_pr
         "print(json.dumps({'every': every, 'preloaded': [[name for name in preload if name in every]\n"
         "                                                for preload in lists]}))\n")
     assert len(found["every"]) == 5 and found["preloaded"] == [found["every"]] * 2   # tmp_path: no config.json
+
+
+def test_a_dry_run_with_segments_reads_lengths_without_torch_or_the_decoding_server(tmp_path: Path) -> None:
+    """Cutting videos into windows needs their lengths alone, read by the decoders in fresh worker processes: the
+    decoding fork server's preload (torch, the model's processor) is seconds a dry run does not need."""
+    clip = REPO / "sample_data" / "ball_h264.mp4"
+    found = fresh_python(
+        "import json, sys\n"
+        "from multiprocessing import forkserver\n"
+        "from tarsier_batch.cli import app\n"
+        f"sys.argv = ['tarsier', 'caption', {str(clip)!r}, '--model', 'demo', '--segments', 'fixed:1s',\n"
+        f"            '--out', {str(tmp_path / 'w.parquet')!r}, '--dry-run']\n"
+        "try:\n"
+        "    app(prog_name='tarsier')\n"
+        "except SystemExit as stop:\n"
+        "    code = stop.code\n"
+        "print(json.dumps({'exit': code, 'server': forkserver._forkserver._forkserver_pid is not None,\n"
+        "                  'torch': 'torch' in sys.modules}))\n")
+    assert found == {"exit": 0, "server": False, "torch": False}

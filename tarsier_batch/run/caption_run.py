@@ -268,7 +268,6 @@ class CaptionRun:
         from ..workers.sizing import default_workers
 
         segmenting, caption = self.settings.segments, self.settings.caption
-        start_decoding_for(caption)   # the probing workers' server, then the model's decoding workers'
         facts = video_facts(videos, segmenting, caption.workers or default_workers(), caption.decode_timeout_s,
                             meanwhile=partial(self._load, None) if load_meanwhile else None)
         spans: dict[str, list[Span]] = {}

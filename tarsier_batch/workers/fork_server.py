@@ -138,3 +138,17 @@ def decoding_preload(checkpoint: Path | None = None) -> list[str]:
     # Importing a backend starts no thread or event loop (checked for s3fs), so the server stays safe to fork.
     storage = sorted(name for name in ("fsspec", "s3fs", "gcsfs", "adlfs") if name in sys.modules)
     return ["decord", "av", f"{package}.workers.pool", *processors, *storage, *ours]
+
+
+def quiet_worker(environment: dict[str, str] | None = None) -> None:
+    """What a worker process does first: native log lines off the terminal, Ctrl-C left to the parent, SIGTERM
+    final; `environment` (object-store settings) set, as a fork server keeps the one it started with."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # decord and FFmpeg log from native code: keep it off the terminal
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
+    # pebble's SIGTERM handler is Python code, which never runs while a decoder hangs in native
+    # code: pebble would wait 3 s before SIGKILL on each timeout and each worker at shutdown.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.update(environment or {})

@@ -56,7 +56,7 @@ from ..inputs.prompt_sets import Question
 from ..inputs.sources import MediaItem
 from ..media import MAX_IMAGE_PIXELS, FrameCount, Media
 from .faults import misbehave, worker_faults
-from .fork_server import start_decoding_server
+from .fork_server import quiet_worker, start_decoding_server
 from .member_lane import MemberLane
 
 STOPPED = "stopped before it was decoded"
@@ -403,20 +403,6 @@ _job: DecodeJob | None = None
 _memory_limit: int | None = None
 _faults: tuple[tuple[str, str], ...] = ()
 _start_error: str | None = None
-
-
-def quiet_worker(environment: dict[str, str] | None = None) -> None:
-    """What a worker process does first: native log lines off the terminal, Ctrl-C left to the parent, SIGTERM
-    final; `environment` (object-store settings) set, as a fork server keeps the one it started with."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # decord and FFmpeg log from native code: keep it off the terminal
-    os.dup2(devnull, 2)
-    os.close(devnull)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent decides
-    # pebble's SIGTERM handler is Python code, which never runs while a decoder hangs in native
-    # code: pebble would wait 3 s before SIGKILL on each timeout and each worker at shutdown.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.environ.update(environment or {})
 
 
 def _start_worker(job: bytes, memory_limit_bytes: int | None, faults: tuple[tuple[str, str], ...]) -> None:

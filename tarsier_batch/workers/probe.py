@@ -29,8 +29,7 @@ from ..inputs.copies import readable_copy
 from ..inputs.segments import Segmenting, VideoFacts
 from ..inputs.sources import MediaItem
 from ..media import Timeline, video_timeline
-from .fork_server import start_decoding_server
-from .pool import quiet_worker
+from .fork_server import quiet_worker
 from .scenes import cut_times
 
 DETECTION_S_PER_VIDEO_S = 2.0   # scene detection's time limit, on top of the decoding timeout
@@ -51,9 +50,11 @@ def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, ti
         if meanwhile is not None:
             meanwhile()
         return [known[index] for index in range(len(items))]
-    start_decoding_server()
-    pool = ProcessPool(workers, initializer=quiet_worker, initargs=(storage.environment(credentials=True),),
-                       context=multiprocessing.get_context("forkserver"))
+    # Fresh interpreters, not the decoding fork server: reading lengths and cuts needs the decoders alone, where
+    # that server first imports torch and the model's processor (seconds before a first worker, and all of a
+    # dry run's time). As many as there are videos to read, at most `workers`.
+    pool = ProcessPool(min(workers, len(unknown)), initializer=quiet_worker,
+                       initargs=(storage.environment(credentials=True),), context=multiprocessing.get_context("spawn"))
     try:
         lengths = {index: pool.schedule(_length, (items[index],), timeout=timeout_s) for index in unknown}
         if meanwhile is not None:
