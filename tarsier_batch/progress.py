@@ -94,21 +94,29 @@ class RunStats:
 
         Rows finish a batch at a time, so counting finished items alone makes the first ETAs
         jump. Tokens stream steadily: the tokens of items still generating count as the part of
-        an item they are (by the mean tokens per finished item), which smooths the estimate.
+        an item they are (by the mean tokens per captioned item), which smooths the estimate.
         That mean misleads when the first items to finish were short: the long ones still
         generating would count as done and the ETA would read 0 while they run. An item still
         generating is not done, and how long it will run is not known, so what is in flight counts
         for at most half of the items left (each taken as halfway through, at most).
+
+        The items left go at the rate of captioned items once some are captioned or generating:
+        a file that fails to decode fails in milliseconds, so 9,000 quick failures first would
+        otherwise make the rate of all items promise seconds where minutes of captioning remain.
+        Failures still to come count as long as captions: the estimate errs long, not short.
+        Until anything is captioned or generating, the failures' rate is all that is known.
         """
         left = self.total - self.done
         if self.done == 0 or self.elapsed_s <= 0:
             return None
         if left <= 0:
             return 0.0
-        mean_tokens = self.generated_tokens / self.done
+        mean_tokens = self.generated_tokens / self.captioned if self.captioned else 0.0
         in_flight = (self.streamed_tokens - self.generated_tokens) / mean_tokens if mean_tokens else 0.0
-        progress = self.done + min(max(in_flight, 0.0), left / 2)
-        return max((self.total - progress) * self.elapsed_s / progress, MIN_ETA_S)
+        in_flight = min(max(in_flight, 0.0), left / 2)
+        captioning = self.captioned + in_flight
+        finished = captioning if captioning > 0 else self.done
+        return max((left - in_flight) * self.elapsed_s / finished, MIN_ETA_S)
 
     def record(self, result: CaptionResult) -> None:
         self.done += 1
