@@ -21,7 +21,7 @@ from .cli_options import FLAGS, in_flags
 from .outputs.formats import OutputError
 from .outputs.resume import SettingsMismatchError
 from .outputs.store import OutputWriteError
-from .progress import LineLog, Reporter, RunStats, failure_rows, make_reporters, print_summary, summary_line
+from .progress import LineLog, Reporter, RunStats, make_reporters, print_summary, quiet_report
 from .run import CaptionRun, RunOutcome, Status, Terminated
 
 EXIT_OK, EXIT_SOME_FAILED, EXIT_USAGE, EXIT_CRASHED = 0, 1, 2, 3
@@ -71,9 +71,10 @@ def present(outcome: RunOutcome, console: Console, quiet: bool, log: LineLog) ->
             print_summary(console, [(name, in_flags(value)) for name, value in outcome.summary])
         else:
             console.print(f"tarsier: {in_flags(outcome.message)}", highlight=False, markup=False)
-    elif outcome.status is Status.SOME_FAILED and outcome.summary:   # quiet: errors only, and these are errors
-        console.print(f"tarsier: {in_flags(summary_line(failure_rows(outcome.summary)))}", highlight=False,
-                      markup=False)
+    else:   # quiet: what failed or was captioned from damaged files, in a few lines
+        assert outcome.stats is not None
+        for line in quiet_report(outcome.stats, outcome.summary, outcome.output):
+            console.print(f"tarsier: {in_flags(line)}", highlight=False, markup=False)
     log(in_flags(outcome.message))
     return EXIT_CODES[outcome.status]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from .errors import Worded, plural
+from .errors import UNKNOWN, Worded, plural
+from .settings.command import QUIET_FAILURES_NAMED
 
 if TYPE_CHECKING:
     from .outputs.results import CaptionResult
@@ -43,6 +45,8 @@ class RunStats:
     left_for_later: int = 0   # beyond --limit
     done: int = 0
     failed: int = 0
+    failure_kinds: dict[str, int] = field(default_factory=dict)   # how many failed items have each `error_kind`
+    first_failures: list[tuple[str, str]] = field(default_factory=list)   # (path, error), QUIET_FAILURES_NAMED at most
     warned: int = 0   # rows captioned from a damaged file (their `warnings`)
     warning_kinds: dict[str, int] = field(default_factory=dict)   # how many rows carry each kind
     generated_tokens: int = 0
@@ -90,25 +94,38 @@ class RunStats:
 
         Rows finish a batch at a time, so counting finished items alone makes the first ETAs
         jump. Tokens stream steadily: the tokens of items still generating count as the part of
-        an item they are (by the mean tokens per finished item), which smooths the estimate.
+        an item they are (by the mean tokens per captioned item), which smooths the estimate.
         That mean misleads when the first items to finish were short: the long ones still
         generating would count as done and the ETA would read 0 while they run. An item still
         generating is not done, and how long it will run is not known, so what is in flight counts
         for at most half of the items left (each taken as halfway through, at most).
+
+        The items left go at the rate of captioned items once some are captioned or generating:
+        a file that fails to decode fails in milliseconds, so 9,000 quick failures first would
+        otherwise make the rate of all items promise seconds where minutes of captioning remain.
+        Failures still to come count as long as captions: the estimate errs long, not short.
+        Until anything is captioned or generating, the failures' rate is all that is known.
         """
         left = self.total - self.done
         if self.done == 0 or self.elapsed_s <= 0:
             return None
         if left <= 0:
             return 0.0
-        mean_tokens = self.generated_tokens / self.done
+        mean_tokens = self.generated_tokens / self.captioned if self.captioned else 0.0
         in_flight = (self.streamed_tokens - self.generated_tokens) / mean_tokens if mean_tokens else 0.0
-        progress = self.done + min(max(in_flight, 0.0), left / 2)
-        return max((self.total - progress) * self.elapsed_s / progress, MIN_ETA_S)
+        in_flight = min(max(in_flight, 0.0), left / 2)
+        captioning = self.captioned + in_flight
+        finished = captioning if captioning > 0 else self.done
+        return max((left - in_flight) * self.elapsed_s / finished, MIN_ETA_S)
 
     def record(self, result: CaptionResult) -> None:
         self.done += 1
-        self.failed += not result.ok
+        if not result.ok:
+            self.failed += 1
+            kind = result.error_kind or UNKNOWN
+            self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + 1
+            if len(self.first_failures) < QUIET_FAILURES_NAMED:
+                self.first_failures.append((result.path, result.error or ""))
         self.warned += bool(result.warnings)
         for kind in result.warnings or ():
             self.warning_kinds[kind] = self.warning_kinds.get(kind, 0) + 1
@@ -183,7 +200,7 @@ class LogReporter:
 
     def on_result(self, result: CaptionResult) -> None:
         if not result.ok:
-            self.log(f"failed {result.path}: {result.error}")
+            self.log(failed_line(result.path, result.error))
         elif result.warnings:
             self.log(f"warning {result.path}: {_warned(result)}")
         self._maybe_progress(force=self.stats.done == self.stats.total)
@@ -262,11 +279,10 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str,
                  notes: list[tuple[str, str]] | None = None) -> list[tuple[str, str]]:
     """The closing summary's (name, value) rows; `notes` are what the run found of its inputs (videos without a
     scene cut), shown after the skipped files."""
-    rows = [("captioned", str(stats.captioned)), ("failed", str(stats.failed))]
+    failed = f"{stats.failed} ({by_kind(stats.failure_kinds)})" if stats.failed else "0"
+    rows = [("captioned", str(stats.captioned)), ("failed", failed)]
     if stats.warned:
-        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(stats.warning_kinds.items(),
-                                                                     key=lambda pair: (-pair[1], pair[0])))
-        rows.append(("with warnings", f"{stats.warned} ({kinds}: captioned from damaged files)"))
+        rows.append(("with warnings", f"{stats.warned} ({by_kind(stats.warning_kinds)}: captioned from damaged files)"))
     if stats.failed_inputs:
         rows.append(("failed inputs", f"{stats.failed_inputs} (unreadable or without media, named above)"))
     if stats.failed_earlier:
@@ -295,10 +311,35 @@ def summary_rows(stats: RunStats, written: str, skipped_detail: str,
     return rows + [("output", written)]
 
 
-def failure_rows(rows: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """What `--quiet` keeps of a summary with failures: how many items failed, of how many, and where their error
-    rows are, so that a cron job's mail says why the exit code is not 0."""
-    return [(name, value) for name, value in rows if name in ("captioned", "failed", "failed inputs", "output")]
+def by_kind(counts: dict[str, int]) -> str:
+    """`undecodable 290, timeout 10`: counts by kind, the most frequent first (ties by name)."""
+    return ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items(), key=lambda pair: (-pair[1], pair[0])))
+
+
+def quiet_report(stats: RunStats, rows: list[tuple[str, str]], output: str | None) -> list[str]:
+    """What `--quiet` prints of a finished run: nothing when every row is clean; else the summary's counts of
+    failures and warnings (this run's and the failures earlier runs left), the first QUIET_FAILURES_NAMED failed items
+    with their errors, and where the rest are, so that a cron job's mail says what went wrong and where to look.
+    `output` is where the rows went (None: stdout)."""
+    if not (stats.failed or stats.warned or stats.failed_inputs or stats.failed_earlier):
+        return []
+    kept = {"captioned", "failed", "with warnings", "failed inputs", "output"} | \
+        ({"done earlier"} if stats.failed_earlier else set())
+    lines = [summary_line([(name, value) for name, value in rows if name in kept])]
+    lines += [failed_line(path, error) for path, error in stats.first_failures]
+    unnamed = stats.failed - len(stats.first_failures)
+    if unnamed:
+        lines.append(f"... and {unnamed} more failed")
+    if output is not None and (stats.failed or stats.failed_earlier):
+        quoted = shlex.quote(output)
+        lines.append(f"the failed rows' errors are in {output} (tarsier peek {quoted} counts them by kind; "
+                     f"tarsier report {quoted} -o report.html groups them, with examples)")
+    return lines
+
+
+def failed_line(path: str, error: str | None) -> str:
+    """A failed item's line: its path and its error."""
+    return f"failed {path}: {error}"
 
 
 def _throughput(stats: RunStats) -> str:

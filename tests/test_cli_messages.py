@@ -112,6 +112,22 @@ def test_eta_is_at_least_a_second_while_items_remain_and_zero_when_all_are_done(
     assert stats.eta_s == 0.0
 
 
+def test_eta_goes_at_the_rate_of_captioned_items_when_quick_failures_came_first() -> None:
+    """9,000 files failed to decode in the first seconds, then 399 were captioned in 100 s: the 601 items left take
+    about 150 s more, not the 6 s the rate of all finished items promised."""
+    stats = RunStats(total=10_000)
+    stats.started -= 100.0
+    stats.done, stats.failed = 9_399, 9_000
+    stats.generated_tokens = stats.streamed_tokens = 399 * 50
+    assert abs(stats.eta_s - 601 * 100.0 / 399) < 1.0
+    stats.streamed_tokens += 2 * 50   # two captions' worth in flight, by the tokens of captioned items
+    assert abs(stats.eta_s - 599 * 100.0 / 401) < 1.0
+    only_failures = RunStats(total=20)   # nothing captioned nor generating: the failures' rate is all there is
+    only_failures.started -= 10.0
+    only_failures.done = only_failures.failed = 10
+    assert abs(only_failures.eta_s - 10.0) < 0.1
+
+
 def test_the_demo_model_is_offered_and_its_accuracy_is_the_readmes() -> None:
     """`tarsier models` said "nine in ten right" where the README, measured, says 99.9 %; --model's help left
     the demo out."""

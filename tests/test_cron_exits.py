@@ -16,7 +16,8 @@ from tarsier_batch.cli import app
 from tarsier_batch.outputs.formats import OutputError, OutputTarget
 from tarsier_batch.outputs.schema import OutputColumns
 from tarsier_batch.outputs.store import OutputWriteError, ResultStore
-from test_resume_cli import start
+from test_damaged_files import write_small_cut
+from test_resume_cli import quiet_with_one_failure, start, where_failures_are
 
 runner = CliRunner()
 
@@ -166,15 +167,50 @@ def test_an_unreadable_folder_beside_an_empty_one_names_both(tiny_model_dir: Pat
 
 
 def test_quiet_with_failures_still_says_what_failed(tiny_model_dir: Path, clip: Path, tmp_path: Path) -> None:
-    """A cron job's mail is never empty when the exit code says that something failed."""
+    """A cron job's mail is never empty when the exit code says that something failed, nor when the output holds
+    failures of earlier runs."""
     (clip.parent / "bad.mp4").write_text("not media\n")
     out = tmp_path / "r.parquet"
     args = [str(clip.parent), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2", "--quiet"]
     done = caption(*args)
     assert done.exit_code == 1
-    assert done.output == f"tarsier: done: captioned 1; failed 1; output {out} (2 rows)\n"
-    again = caption(*args)   # nothing failed in this run: quiet says nothing
-    assert (again.exit_code, again.output) == (0, "")
+    assert done.output == quiet_with_one_failure(out, 2, clip.parent / "bad.mp4")
+    again = caption(*args)   # nothing failed in this run (exit 0), but the output holds a failure to retry
+    assert again.exit_code == 0
+    assert again.output == (f"tarsier: done: captioned 0; failed 0; done earlier 2, 1 of them failed; "
+                            f"--retry-errors tries them again; output {out} (2 rows, unchanged)\n"
+                            + where_failures_are(out))
+
+
+def test_quiet_names_a_few_failures_and_counts_the_rest(tiny_model_dir: Path, clip: Path, tmp_path: Path) -> None:
+    """Seven failures: the first five named with their errors, the other two counted, never a line each."""
+    for index in range(7):
+        (clip.parent / f"bad{index}.mp4").write_text("not media\n")
+    (clip.parent / "empty.png").touch()
+    out = tmp_path / "r.parquet"
+    done = caption(str(clip.parent), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2",
+                   "--quiet")
+    assert done.exit_code == 1
+    failed = {f"tarsier: failed {row['path']}: {row['error']}" for row in pq.read_table(out).to_pylist()
+              if row["error"]}
+    lines = done.output.splitlines()
+    assert lines[0] == (f"tarsier: done: captioned 1; failed 8 (undecodable 7, unreadable 1); "
+                        f"output {out} (9 rows)")
+    assert len(set(lines[1:6])) == 5 and set(lines[1:6]) <= failed
+    assert "\n".join(lines[6:]) + "\n" == "tarsier: ... and 3 more failed\n" + where_failures_are(out)
+
+
+def test_quiet_counts_rows_captioned_from_damaged_files_and_a_clean_run_says_nothing(
+        tiny_model_dir: Path, clip: Path, tmp_path: Path) -> None:
+    clean = caption(str(clip), "--model", str(tiny_model_dir), "--out", str(tmp_path / "clean.parquet"),
+                    "--max-new-tokens", "2", "--quiet")
+    assert (clean.exit_code, clean.output) == (0, "")
+    out = tmp_path / "r.parquet"
+    damaged = caption(str(write_small_cut(tmp_path / "cut")), "--model", str(tiny_model_dir), "--out", str(out),
+                      "--max-new-tokens", "2", "--quiet")
+    assert (damaged.exit_code, damaged.output) == (0, f"tarsier: done: captioned 1; failed 0; with warnings 1 "
+                                                      f"(cut_short 1: captioned from damaged files); "
+                                                      f"output {out} (1 row)\n")
 
 
 def test_a_disk_too_full_for_the_settings_stops_in_one_line_before_loading(tiny_model_dir: Path, clip: Path,

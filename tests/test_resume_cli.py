@@ -27,6 +27,20 @@ def caption(*args: str, env: dict[str, str] | None = None):
     return runner.invoke(app, ["caption", *args], env=env)
 
 
+def where_failures_are(out: Path) -> str:
+    """The line `--quiet` ends with when `out` holds failed rows."""
+    return (f"tarsier: the failed rows' errors are in {out} (tarsier peek {out} counts them by kind; "
+            f"tarsier report {out} -o report.html groups them, with examples)\n")
+
+
+def quiet_with_one_failure(out: Path, rows: int, path: Path) -> str:
+    """What `--quiet` prints of a run whose one failure, of `rows`, is the file at `path` (its error read from
+    `out`)."""
+    error, = [row["error"] for row in pq.read_table(out).to_pylist() if row["error"]]
+    return (f"tarsier: done: captioned {rows - 1}; failed 1 (undecodable 1); output {out} ({rows} rows)\n"
+            f"tarsier: failed {path}: {error}\n" + where_failures_are(out))
+
+
 def stable(out: Path) -> list[dict]:
     """The rows without timings, which differ between runs."""
     return [{name: row[name] for name in STABLE} for row in pq.read_table(out).to_pylist()]
@@ -176,7 +190,7 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
     out = tmp_path / "r.parquet"
     result = caption(str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2",
                      "--quiet", "--log-file", str(log))
-    assert result.exit_code == 1 and result.output == f"tarsier: done: captioned 3; failed 1; output {out} (4 rows)\n"
+    assert result.exit_code == 1 and result.output == quiet_with_one_failure(out, 4, folder / "broken.mp4")
     lines = log.read_text().splitlines()
     assert all(re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d tarsier: ", line) for line in lines), lines
     texts = [line.split(" tarsier: ", 1)[1] for line in lines]
@@ -184,7 +198,7 @@ def test_log_file_has_timestamped_start_failures_progress_and_summary(tiny_model
     assert texts[1] == "captioning 4 items"
     assert any(text.startswith(f"failed {folder / 'broken.mp4'}: ") for text in texts)
     assert texts[-2].startswith("4/4 items, 1 failed")
-    assert texts[-1].startswith("done: captioned 3; failed 1;")
+    assert texts[-1].startswith("done: captioned 3; failed 1 (undecodable 1);")
 
 
 def test_a_log_file_that_cannot_be_written_stops_at_once_naming_the_flag(folder: Path, tmp_path: Path) -> None:
@@ -403,7 +417,7 @@ def test_native_decoder_messages_never_reach_the_terminal(tiny_model_dir: Path, 
     run = start([str(folder), "--model", str(tiny_model_dir), "--out", str(out), "--max-new-tokens", "2", "--quiet"])
     stdout, stderr = run.communicate(timeout=300)
     assert run.returncode == 1   # quiet: what failed, and nothing else
-    assert (stdout, stderr) == ("", f"tarsier: done: captioned 3; failed 1; output {out} (4 rows)\n")
+    assert (stdout, stderr) == ("", quiet_with_one_failure(out, 4, folder / "bad.mp4"))
     rows = {Path(row["path"]).name: row for row in pq.read_table(tmp_path / "r.parquet").to_pylist()}
     assert rows["bad.mp4"]["error"].startswith("not a video: no media stream found (the file starts like text); "
                                                "decord: Error reading")

@@ -452,7 +452,7 @@ class CaptionRun:
             if self._no_cut else []
         summary = summary_rows(stats, written, skipped, notes)
         return RunOutcome(Status.SOME_FAILED if stats.failed or stats.failed_inputs else Status.DONE,
-                          summary_line(summary), stats, summary)
+                          summary_line(summary), stats, summary, output=store.out_shown if store else None)
 
 
 def _same_segment_counts(rows: list[dict[str, Any]], stored: StoredRows) -> bool:

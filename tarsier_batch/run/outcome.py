@@ -29,6 +29,7 @@ class RunOutcome:
     stats: RunStats | None = None
     summary: list[tuple[str, str]] = field(default_factory=list)   # the closing summary (a finished run)
     error: BaseException | None = None              # what crashed the run, for a traceback
+    output: str | None = None                       # where a finished run's rows are (None: stdout)
 
     @property
     def ok(self) -> bool:

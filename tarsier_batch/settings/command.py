@@ -13,6 +13,7 @@ from .declaring import SettingsError, setting
 
 OUT_FORMATS = ("parquet", "webdataset")
 SHARD_ROWS = 10_000
+QUIET_FAILURES_NAMED = 5   # failed items --quiet names with their errors: a cron mail stays short whatever fails
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,10 @@ class CommandOptions:
         None, group="display", metavar="FILE", path=True, show_default=False,
         help="Append timestamped plain lines (start, progress, failures, summary) to this file.")
     quiet: bool = setting(False, group="display", flags=("--quiet", "-q"),
-                          help="No progress display or summary: errors only (with failures, the summary's "
-                               "counts of them).")
+                          help="No progress display: a clean run prints nothing. With failed items, failed "
+                               "inputs, rows captioned from damaged files, or failures earlier runs left in the "
+                               "output, a few lines on stderr: the summary's counts of them by kind, the first "
+                               f"{QUIET_FAILURES_NAMED} failed files with their errors, and where the rest are.")
 
     def __post_init__(self) -> None:
         inputs = self.inputs or []
