@@ -6,7 +6,8 @@ them at any time, even while a run still writes them: a part appears whole, by a
 at all (its temporary name is no part's name), and compacting writes the merged part before it
 removes the parts it merged, so a part that was listed and is gone when read has its rows in a
 newer part: the listing is simply read again. The parts of a run that replaces its output
-(`--overwrite`) are all its rows: that output's are not among them.
+(`--overwrite`) are all its rows: that output's are not among them. A run that has saved no row
+yet is told by its lock, held while it loads its model, or by its settings in the work directory.
 """
 
 from __future__ import annotations
