@@ -19,7 +19,7 @@ from . import OutputError, write_report
 from .cli_run import fail
 from .progress import plural
 from .review import WrittenReport, check_results_path
-from .review.peek import counts_line, last_rows_json, last_rows_table
+from .review.peek import counts_line, last_rows_json, last_rows_table, no_row_json, no_row_saved
 from .review.results import load_results
 from .review.selection import DEFAULT_SAMPLE, DEFAULT_SEED
 from .review.strip_files import INLINE_STRIPS_AT_MOST, THUMBNAIL_MODES
@@ -89,8 +89,7 @@ def report_command(
 def _wrote(written: WrittenReport, out: Path, seconds: float) -> str:
     shown = f", {written.shown:,} shown" if written.shown < written.items else ""
     beside = f", frames in {written.strips_folder}" if written.strips_folder else ""
-    unfinished = f"; unfinished run: {written.saved_so_far:,} rows saved so far" \
-        if written.saved_so_far is not None else ""
+    unfinished = f"; {written.unfinished}" if written.unfinished is not None else ""
     return (f"tarsier: wrote {out} ({plural(written.items, 'item')}{shown}, {_size(out.stat().st_size)}"
             f"{beside}) in {seconds:.1f} s{unfinished}")
 
@@ -103,13 +102,17 @@ def _size(size: int) -> str:
 def peek_command(
     results: Annotated[Path, typer.Argument(metavar="RESULTS", hidden=True, show_default=False)],
     last: Annotated[int, typer.Option(min=0, metavar="N", help="Rows to print, the last saved.")] = 10,
-    as_json: Annotated[bool, typer.Option("--json", help="The rows as JSON Lines, every column.")] = False,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="The rows as JSON Lines, every column (a run with no row saved yet: one object saying so)."
+    )] = False,
 ) -> None:
     """How far RESULTS has got, and its last rows: also a run that has not finished (stopped, or still running),
     from the rows it has saved so far, read without waiting for it or changing anything.
 
-    The counts (rows, captioned, failed by kind, finished or not) go to stderr; the last N rows
-    to stdout, one a line: status, item and caption (or error), or with --json every column.
+    The counts (rows, captioned, failed by kind, with warnings by kind, finished or not) go to
+    stderr; the last N rows to stdout, one a line: status (and warnings), item and caption (or
+    error), or with --json every column. A run that has saved no row yet is said to be running
+    (its lock held: loading its model, say) or stopped (run the same command again to resume).
     """
     try:
         check_results_path(results)
@@ -117,6 +120,10 @@ def peek_command(
     except (OutputError, OSError) as error:
         fail(error)
     typer.echo(counts_line(found, str(results)), err=True)
+    run = no_row_saved(found)
+    if as_json and run is not None:
+        typer.echo(no_row_json(run, str(results)), nl=False)
+        return
     shown = last_rows_json(found, last) if as_json else last_rows_table(found, last)
     if shown:
         typer.echo(shown, nl=not as_json)

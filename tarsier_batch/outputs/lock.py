@@ -22,6 +22,7 @@ DEFAULT_LEASE_S = 60.0
 MIN_LEASE_S = 1.0
 _ATTEMPTS = 3   # to take a lock whose object changes under us (its holder finishing, another run taking it over)
 _JOIN_TIMEOUT_S = 10.0
+_READER_WAIT_S = 0.001   # a reader holds the lock for two system calls: a run meeting one tries again this soon
 
 
 class OutputLockedError(Exception):
@@ -48,7 +49,11 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
+                if _only_readers(fd):   # a reader asking `holder` this instant, not a run: its lock is gone at once
+                    os.close(fd)
+                    time.sleep(_READER_WAIT_S)
+                    continue
+                holder = _named_holder(fd)
                 os.close(fd)
                 raise OutputLockedError(Worded("another run is writing {path} ({holder}); wait for it to finish or "
                                                "use another {out}", path=self.out, holder=holder)) from None
@@ -61,6 +66,22 @@ class OutputLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
         self._fd = fd
+
+    def holder(self) -> str | None:
+        """The live run holding this lock, as it named itself; None if no process holds it. Read without creating
+        the lock file and without waiting: a shared lock taken and dropped at once (a run taking the lock in that
+        instant waits it out, see `acquire`)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _named_holder(fd)
+        finally:
+            os.close(fd)   # drops the shared lock, if taken
+        return None
 
     def release(self) -> None:
         """Remove the lock file while still holding it, so that no run can lock a deleted file."""
@@ -77,6 +98,20 @@ class OutputLock:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.release()
+
+
+def _named_holder(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown process"
+
+
+def _only_readers(fd: int) -> bool:
+    """Whether the lock `fd` could not take exclusively is held shared only (by `holder`'s readers): a run holds
+    it exclusively, so a shared lock is refused then. The shared lock taken here is dropped with `fd`."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:

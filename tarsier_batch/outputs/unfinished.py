@@ -6,7 +6,8 @@ them at any time, even while a run still writes them: a part appears whole, by a
 at all (its temporary name is no part's name), and compacting writes the merged part before it
 removes the parts it merged, so a part that was listed and is gone when read has its rows in a
 newer part: the listing is simply read again. The parts of a run that replaces its output
-(`--overwrite`) are all its rows: that output's are not among them.
+(`--overwrite`) are all its rows: that output's are not among them. A run that has saved no row
+yet is told by its lock, held while it loads its model, or by its settings in the work directory.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pyarrow.parquet as pq
 from ..errors import one_line
 from ..inputs.sources import row_id_of
 from .formats import OutputError
+from .lock import OutputLock
 from .resume import settings_match
 from .schema import OutputColumns
 from .store import REPLACES_OUTPUT, SETTINGS_FILE, work_name
@@ -56,6 +58,26 @@ def has_saved_parts(results: Path) -> bool:
     """Whether a run writing `results` left (or is writing) rows in part files."""
     work_dir = work_dir_of(results)
     return work_dir.is_dir() and any(work_dir.glob("part-*.parquet"))
+
+
+@dataclass(frozen=True)
+class RunWithoutRows:
+    """A run writing an output that has saved no row of it yet: one starting (its model loading, say) or one stopped
+    before its first row."""
+
+    holder: str | None   # the live run holding the output's lock, as it names itself; None: stopped
+
+
+def run_without_rows(results: Path) -> RunWithoutRows | None:
+    """The run of `results` that has saved no row, where `results` does not exist and no part was saved: one whose
+    lock a live process holds, or one that left its work directory with its settings and no part. None otherwise
+    (a wrong name, or a run that died loading its model, before it recorded anything)."""
+    if results.exists() or has_saved_parts(results):
+        return None
+    holder = OutputLock(results).holder()
+    if holder is None and not (work_dir_of(results) / SETTINGS_FILE).is_file():
+        return None
+    return RunWithoutRows(holder)
 
 
 def read_saved_parts(results: Path, columns: OutputColumns) -> SavedParts:
@@ -102,4 +124,4 @@ def _provenance(work_dir: Path) -> dict[str, Any]:
         raise OutputError(f"cannot read {work_dir / SETTINGS_FILE}: {one_line(error)}") from error
 
 
-__all__ = ["SavedParts", "has_saved_parts", "read_saved_parts", "work_dir_of"]
+__all__ = ["RunWithoutRows", "SavedParts", "has_saved_parts", "read_saved_parts", "run_without_rows", "work_dir_of"]

@@ -21,7 +21,7 @@ class WrittenReport:
 
     items: int                  # rows the figures count
     shown: int                  # items on the page one by one (a sample or the first ones, when fewer)
-    saved_so_far: int | None    # an unfinished run's rows in its part files (None: a finished output)
+    unfinished: str | None      # how far an unfinished run has got (None: a finished output)
     strips_folder: Path | None  # the frame strips beside the page, when not inside it
 
 
@@ -56,7 +56,7 @@ def write_report(results_path: Path, out: Path, frames_per_item: int = 8, thumb_
     finally:
         temporary.unlink(missing_ok=True)
     return WrittenReport(len(results.rows), len(shown),
-                         results.unfinished.saved_rows if results.unfinished else None, folder)
+                         results.unfinished.note if results.unfinished else None, folder)
 
 
 __all__ = ["THUMBNAIL_MODES", "WrittenReport", "check_results_path", "write_report"]

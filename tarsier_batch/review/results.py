@@ -14,7 +14,7 @@ from ..errors import UNKNOWN, one_line
 from ..inputs.sources import row_id_of
 from ..outputs.formats import FORMATS, OutputError, OutputTarget, read_results
 from ..outputs.schema import OutputColumns, is_long
-from ..outputs.unfinished import SavedParts, has_saved_parts, read_saved_parts
+from ..outputs.unfinished import SavedParts, has_saved_parts, read_saved_parts, run_without_rows
 
 HISTOGRAM_BINS = 12
 EXAMPLES_PER_ERROR_KIND = 3
@@ -32,15 +32,20 @@ class Results:
 
 @dataclass(frozen=True)
 class Unfinished:
-    """The rows of a run that was stopped, or is still running, as far as its part files go."""
+    """The rows of a run that was stopped, or is still running, as far as its part files go (none: no row yet)."""
 
     parts: int        # part files read
     saved_rows: int   # every row saved so far: the parts', and the output's where an earlier run wrote one
     unreadable: list[str] = field(default_factory=list)
+    holder: str | None = None   # the live run writing the output: looked for only while it has saved no row
 
     @property
     def note(self) -> str:
-        return f"unfinished run: {self.saved_rows:,} rows saved so far"
+        if self.parts:
+            return f"unfinished run: {self.saved_rows:,} rows saved so far"
+        if self.holder is not None:
+            return f"a run is writing it ({self.holder}); no row saved yet"
+        return "an unfinished run saved no row yet; run the same command again to resume"
 
 
 @dataclass
@@ -72,7 +77,7 @@ class ErrorGroup:
 
 def check_results_path(path: Path) -> None:
     """Answer a wrong RESULTS argument before anything is read."""
-    if not path.exists() and not has_saved_parts(path):
+    if not path.exists() and not has_saved_parts(path) and run_without_rows(path) is None:
         raise OutputError(f"{path}: no such file or folder (nor the saved rows of a run writing it)")
     if path.is_file() and path.suffix.lower() not in FORMATS:
         raise OutputError(f"{path}: not results of tarsier caption (.parquet, .jsonl, .csv or a folder of shards)")
@@ -82,8 +87,12 @@ def load_results(path: Path) -> Results:
     """The rows of `path` (Parquet, JSON Lines, CSV or a folder of shards) with their provenance; with the rows
     saved so far by a run writing `path` that has not finished (stopped, or still running), read without its
     lock: those rows come after the output's, an item's newest row winning; a run replacing the output
-    (`--overwrite`) has its own rows alone."""
+    (`--overwrite`) has its own rows alone. A run that has saved no row (loading its model, or stopped before its
+    first row) gives no rows, its `unfinished` saying whether it is running."""
     check_results_path(path)
+    started = run_without_rows(path)
+    if started is not None:   # a run loading its model, or one stopped before its first row
+        return Results([], {}, {}, unfinished=Unfinished(0, 0, holder=started.holder))
     base = OutputColumns(with_token_ids=True, hashed=True, spans=True).schema()
     # The parts before the output: a run that finishes meanwhile writes its output before it removes its parts,
     # so whichever of the two this meets, every row saved is read (the other order could meet neither).
@@ -172,9 +181,14 @@ def figures(results: Results) -> Figures:
         words_median=statistics.median(words) if words else None,
         histogram=_histogram(words),
         errors=error_groups(failed),
-        warned=sum(bool(row.get("warnings")) for row in rows),
-        warning_kinds=sorted(Counter(kind for row in rows for kind in row.get("warnings") or ()).items(),
-                             key=lambda pair: (-pair[1], pair[0])))
+        warned=sum(bool(row.get("warnings")) for row in rows), warning_kinds=warning_kinds(rows))
+
+
+def warning_kinds(rows: list[dict[str, Any]]) -> list[tuple[str, int]]:
+    """The kinds of `warnings` the rows carry (an output older than the column: none), each with how many rows carry
+    it, the most frequent first, then by name."""
+    counts = Counter(kind for row in rows for kind in row.get("warnings") or ())
+    return sorted(counts.items(), key=lambda pair: (-pair[1], pair[0]))
 
 
 def error_groups(failed: list[dict[str, Any]]) -> list[ErrorGroup]:
