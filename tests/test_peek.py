@@ -121,6 +121,17 @@ def warned_rows() -> list[dict]:
             {**row("/v/d.mp4", error="cut", kind="undecodable"), "warnings": None}]
 
 
+def test_asking_who_holds_a_lock_this_process_holds_leaves_it_held(tmp_path: Path) -> None:
+    """On NFS, flock is emulated with POSIX locks, which belong to the process: a shared lock taken and dropped on
+    another descriptor would drop the process's own. This process's lock is named without touching it."""
+    out = tmp_path / "r.parquet"
+    with OutputLock(out):
+        assert OutputLock(out).holder() == f"pid {os.getpid()} on {os.uname().nodename} (this process)"
+        with pytest.raises(lock_module.OutputLockedError):
+            OutputLock(out).acquire()
+    assert OutputLock(out).holder() is None
+
+
 def test_peek_counts_and_lists_the_rows_warnings(tmp_path: Path) -> None:
     out = write_results(tmp_path / "r.parquet", warned_rows())
     peek = runner.invoke(app, ["peek", str(out), "--last", "3"])

@@ -23,6 +23,9 @@ MIN_LEASE_S = 1.0
 _ATTEMPTS = 3   # to take a lock whose object changes under us (its holder finishing, another run taking it over)
 _JOIN_TIMEOUT_S = 10.0
 _READER_WAIT_S = 0.001   # a reader holds the lock for two system calls: a run meeting one tries again this soon
+# The locks this process holds, by lock file. On NFS, Linux emulates flock with POSIX locks, which belong to the
+# process: a shared lock taken and dropped here on another descriptor would drop this process's own lock.
+_HELD_HERE: set[Path] = set()
 
 
 class OutputLockedError(Exception):
@@ -66,11 +69,14 @@ class OutputLock:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n".encode(), 0)
         self._fd = fd
+        _HELD_HERE.add(self.path.resolve())
 
     def holder(self) -> str | None:
         """The live run holding this lock, as it named itself; None if no process holds it. Read without creating
         the lock file and without waiting: a shared lock taken and dropped at once (a run taking the lock in that
-        instant waits it out, see `acquire`)."""
+        instant waits it out, see `acquire`). This process's own lock is named without touching it."""
+        if self.path.resolve() in _HELD_HERE:
+            return f"pid {os.getpid()} on {socket.gethostname()} (this process)"
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -87,6 +93,7 @@ class OutputLock:
         """Remove the lock file while still holding it, so that no run can lock a deleted file."""
         if self._fd is None:
             return
+        _HELD_HERE.discard(self.path.resolve())
         self.path.unlink(missing_ok=True)
         os.close(self._fd)
         self._fd = None
