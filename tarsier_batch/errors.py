@@ -129,5 +129,5 @@ def _filled(template: str, words: Mapping[str, str], values: Mapping[str, Any]) 
 
 
 def plural(number: int, noun: str) -> str:
-    """'1 item', '2 items'."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+    """'1 item', '2 items', '10,000 items'."""
+    return f"{number:,} {noun}{'' if number == 1 else 's'}"

@@ -91,7 +91,7 @@ def test_a_sample_keeps_rare_failures_is_seeded_and_the_figures_count_every_row(
     made = runner.invoke(app, ["report", str(results), "-o", str(page), "--sample", "100", "--seed", "7",
                                "--workers", "0"])
     assert made.exit_code == 0, made.output
-    assert "5000 items, 100 shown" in made.output
+    assert "5,000 items, 100 shown" in made.output
     text = page.read_text()
     assert "showing 100 of 5,000 items, sampled" in text and "23 failed items: undecodable 20, not_found 3" in text
     assert [item["path"] for item in page_data(page)["items"]] == [rows[index]["path"] for index in chosen.indices]
