@@ -13,7 +13,9 @@ fresh process as a user runs it again, the first two interleaved:
 - windows_uncounted: the same re-run over the windowed output with `num_segments` dropped (an output written before
   rows counted segments): every video's length is read again in decoding workers, what every re-run cost before.
   The output is written back with the counts, so the column is dropped again before each repeat; these repeats
-  come after the others.
+  come after the others;
+- dry_run_plain, dry_run_windows: `--dry-run` towards a new output, plain against windows: every video's length is
+  read in worker processes for the windows (what a first run plans before anything loads). Target: within 1.5x.
 
 Each figure is the median of the seconds measured around the process (`measured_s`) and the summary's own wall time
 (`reported`, whole seconds, from the process's start). Prints JSON.
@@ -74,6 +76,17 @@ def caption(folder: Path, out: Path, model: str, *more: str) -> tuple[float, int
     return seconds, 3600 * int(hours) + 60 * int(minutes) + int(whole), summary
 
 
+def dry_run(folder: Path, out: Path, model: str, *more: str) -> float:
+    """Seconds of one `tarsier caption --dry-run` process towards `out`, which does not exist."""
+    command = [sys.executable, "-m", "tarsier_batch", "caption", str(folder), "--model", model, "-o", str(out),
+               "--dry-run", *more]
+    began = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command} failed: {done.stderr[-2000:]}")
+    return time.perf_counter() - began
+
+
 def drop_counts(out: Path) -> None:
     """The windowed output as written before rows counted their files' segments."""
     pq.write_table(pq.read_table(out).drop_columns(["num_segments"]), out)
@@ -112,12 +125,22 @@ def main() -> None:
         for _ in range(args.repeats):
             drop_counts(windows)
             timed["windows_uncounted"].append(caption(folder, windows, args.model, "--segments", spec))
+        fresh = Path(scratch) / "new.parquet"
+        planned: dict[str, list[float]] = {"dry_run_plain": [], "dry_run_windows": []}
+        for repeat in range(args.repeats):
+            for name in ["dry_run_plain", "dry_run_windows"] if repeat % 2 == 0 else ["dry_run_windows",
+                                                                                      "dry_run_plain"]:
+                planned[name].append(dry_run(folder, fresh, args.model, *(
+                    ("--segments", spec) if name == "dry_run_windows" else ())))
     result = {name: figures(runs) for name, runs in timed.items()}
+    result.update({name: {"measured_s": round(statistics.median(runs), 3)} for name, runs in planned.items()})
     plain_s = result["plain"]["measured_s"]
     print(json.dumps({**measured_on(), "files": args.files, "seconds_per_file": args.seconds, "segments": spec,
                       "windowed_rows": windowed_rows, "repeats": args.repeats, "model": args.model, **result,
                       "windows_over_plain": round(result["windows"]["measured_s"] / plain_s, 2),
                       "uncounted_over_plain": round(result["windows_uncounted"]["measured_s"] / plain_s, 2),
+                      "dry_run_windows_over_plain": round(result["dry_run_windows"]["measured_s"]
+                                                          / result["dry_run_plain"]["measured_s"], 2),
                       "target_windows_over_plain": 1.5}, indent=2))
 
 
