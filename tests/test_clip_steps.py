@@ -95,6 +95,7 @@ def test_the_steps_give_the_processor_class_pixels_bit_for_bit(tmp_path: Path, c
     {**MODERN, "do_pad": True},                                    # a key the steps do not follow
     {**MODERN, "size": {"height": 300, "width": 200}},              # an exact size, not a shortest edge
     {**MODERN, "size": {"shortest_edge": 336, "longest_edge": 500}},
+    {**MODERN, "do_convert_rgb": None},                             # a null: the class decides what it means
 ])
 def test_a_configuration_the_steps_do_not_follow_goes_to_the_processor_class(tmp_path: Path,
                                                                            config: dict[str, Any]) -> None:

@@ -99,14 +99,14 @@ class ClipFrameSteps:
     @classmethod
     def of_checkpoint(cls, model_dir: Path) -> ClipFrameSteps | None:
         """The steps `model_dir`'s preprocessor_config.json describes; None where it names another processor,
-        a key these steps do not follow, or a size they do not take (transformers' class then runs)."""
+        a key these steps do not follow, a null value, or a size they do not take (transformers' class then runs)."""
         try:
             config: dict[str, Any] = json.loads((model_dir / "preprocessor_config.json").read_text())
         except (OSError, ValueError):
             return None
         kind = config.get("image_processor_type") or config.get("feature_extractor_type")
-        if kind not in _CLIP_PROCESSORS or not set(config) <= _CLIP_KEYS:
-            return None
+        if kind not in _CLIP_PROCESSORS or not set(config) <= _CLIP_KEYS or None in config.values():
+            return None   # a null turns a step off or to a default in ways the class decides
         size, crop = config.get("size", 224), config.get("crop_size", 224)   # the class's default: 224 px
         if isinstance(size, dict):
             size = size["shortest_edge"] if set(size) == {"shortest_edge"} else None
