@@ -15,7 +15,7 @@ fresh process as a user runs it again, the first two interleaved:
   The output is written back with the counts, so the column is dropped again before each repeat; these repeats
   come after the others;
 - dry_run_plain, dry_run_windows: `--dry-run` towards a new output, plain against windows: every video's length is
-  read in worker processes for the windows (what a first run plans before anything loads). Target: within 1.5x.
+  read for the windows, in worker processes (fresh interpreters: what a first run plans before anything loads).
 
 Each figure is the median of the seconds measured around the process (`measured_s`) and the summary's own wall time
 (`reported`, whole seconds, from the process's start). Prints JSON.
