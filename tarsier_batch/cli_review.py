@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -21,7 +22,7 @@ from .progress import plural
 from .review import WrittenReport, check_results_path
 from .review.peek import counts_line, last_rows_json, last_rows_table, no_row_json, no_row_saved
 from .review.results import load_results
-from .review.selection import DEFAULT_SAMPLE, DEFAULT_SEED
+from .review.selection import DEFAULT_SAMPLE, DEFAULT_SEED, status_of
 from .review.strip_files import INLINE_STRIPS_AT_MOST, THUMBNAIL_MODES
 
 
@@ -102,6 +103,7 @@ def _size(size: int) -> str:
 def peek_command(
     results: Annotated[Path, typer.Argument(metavar="RESULTS", hidden=True, show_default=False)],
     last: Annotated[int, typer.Option(min=0, metavar="N", help="Rows to print, the last saved.")] = 10,
+    failed: Annotated[bool, typer.Option("--failed", help="Print failed rows only (the last N of them).")] = False,
     as_json: Annotated[bool, typer.Option(
         "--json", help="The rows as JSON Lines, every column (a run with no row saved yet: one object saying so)."
     )] = False,
@@ -124,6 +126,8 @@ def peek_command(
     if as_json and run is not None:
         typer.echo(no_row_json(run, str(results)), nl=False)
         return
+    if failed:
+        found = replace(found, rows=[row for row in found.rows if status_of(row) != "captioned"])
     shown = last_rows_json(found, last) if as_json else last_rows_table(found, last)
     if shown:
         typer.echo(shown, nl=not as_json)

@@ -332,8 +332,8 @@ def quiet_report(stats: RunStats, rows: list[tuple[str, str]], output: str | Non
         lines.append(f"... and {unnamed} more failed")
     if output is not None and (stats.failed or stats.failed_earlier):
         quoted = shlex.quote(output)
-        lines.append(f"the failed rows' errors are in {output} (tarsier peek {quoted} counts them by kind; "
-                     f"tarsier report {quoted} -o report.html groups them, with examples)")
+        lines.append(f"the failed rows' errors are in {output} (tarsier peek {quoted} --failed --last 100 lists "
+                     f"them; tarsier report {quoted} -o report.html groups them by kind, with examples)")
     return lines
 
 

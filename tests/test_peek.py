@@ -155,3 +155,16 @@ def test_an_output_from_before_warnings_peeks_without_them(tmp_path: Path) -> No
     assert peek.exit_code == 0, peek.output
     assert peek.stderr == f"{out}: 4 rows, 3 captioned, 1 failed (undecodable 1); finished output\n"
     assert json.loads(peek.stdout)["path"] == "/v/d.mp4" and not json.loads(peek.stdout).get("warnings")
+
+
+def test_peek_lists_the_last_failed_rows_alone(tmp_path: Path) -> None:
+    """What `--quiet` points a cron job to: the failed rows and their errors, however many captioned rows follow."""
+    rows = [row("/v/a.mp4", error="cut at 10 %", kind="undecodable"), row("/v/b.mp4"),
+            row("/v/c.mp4", error="timed out", kind="timeout"), row("/v/d.mp4"), row("/v/e.mp4")]
+    out = write_results(tmp_path / "r.parquet", rows)
+    peek = runner.invoke(app, ["peek", str(out), "--failed", "--last", "5"])
+    assert peek.exit_code == 0, peek.output
+    assert peek.stderr == f"{out}: 5 rows, 3 captioned, 2 failed (undecodable 1, timeout 1); finished output\n"
+    assert peek.stdout.splitlines() == ["undecodable  /v/a.mp4  cut at 10 %", "timeout      /v/c.mp4  timed out"]
+    last = runner.invoke(app, ["peek", str(out), "--failed", "--last", "1", "--json"])
+    assert [json.loads(line)["path"] for line in last.stdout.splitlines()] == ["/v/c.mp4"]

@@ -29,8 +29,8 @@ def caption(*args: str, env: dict[str, str] | None = None):
 
 def where_failures_are(out: Path) -> str:
     """The line `--quiet` ends with when `out` holds failed rows."""
-    return (f"tarsier: the failed rows' errors are in {out} (tarsier peek {out} counts them by kind; "
-            f"tarsier report {out} -o report.html groups them, with examples)\n")
+    return (f"tarsier: the failed rows' errors are in {out} (tarsier peek {out} --failed --last 100 lists them; "
+            f"tarsier report {out} -o report.html groups them by kind, with examples)\n")
 
 
 def quiet_with_one_failure(out: Path, rows: int, path: Path) -> str:
