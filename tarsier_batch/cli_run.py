@@ -4,6 +4,7 @@ is shown and becomes the exit code, and what Ctrl-C and SIGTERM do meanwhile."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from collections import Counter
@@ -73,10 +74,20 @@ def present(outcome: RunOutcome, console: Console, quiet: bool, log: LineLog) ->
             console.print(f"tarsier: {in_flags(outcome.message)}", highlight=False, markup=False)
     else:   # quiet: what failed or was captioned from damaged files, in a few lines
         assert outcome.stats is not None
-        for line in quiet_report(outcome.stats, outcome.summary, outcome.output):
+        lines = quiet_report(outcome.stats, outcome.summary)
+        if lines and outcome.output is not None and (outcome.stats.failed or outcome.stats.failed_earlier):
+            lines.append(where_failures_are(outcome.output))
+        for line in lines:
             console.print(f"tarsier: {in_flags(line)}", highlight=False, markup=False)
     log(in_flags(outcome.message))
     return EXIT_CODES[outcome.status]
+
+
+def where_failures_are(output: str) -> str:
+    """The commands that list the failed rows of `output` and group them, for `--quiet`'s last line."""
+    quoted = shlex.quote(output)
+    return (f"the failed rows' errors are in {output} (tarsier peek {quoted} --failed --last 100 lists them; "
+            f"tarsier report {quoted} -o report.html groups them by kind, with examples)")
 
 
 @contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -316,11 +315,10 @@ def by_kind(counts: dict[str, int]) -> str:
     return ", ".join(f"{kind} {count}" for kind, count in sorted(counts.items(), key=lambda pair: (-pair[1], pair[0])))
 
 
-def quiet_report(stats: RunStats, rows: list[tuple[str, str]], output: str | None) -> list[str]:
+def quiet_report(stats: RunStats, rows: list[tuple[str, str]]) -> list[str]:
     """What `--quiet` prints of a finished run: nothing when every row is clean; else the summary's counts of
-    failures and warnings (this run's and the failures earlier runs left), the first QUIET_FAILURES_NAMED failed items
-    with their errors, and where the rest are, so that a cron job's mail says what went wrong and where to look.
-    `output` is where the rows went (None: stdout)."""
+    failures and warnings (this run's and the failures earlier runs left) and the first QUIET_FAILURES_NAMED failed
+    items with their errors, so that a cron job's mail says what went wrong (the command adds where to look)."""
     if not (stats.failed or stats.warned or stats.failed_inputs or stats.failed_earlier):
         return []
     kept = {"captioned", "failed", "with warnings", "failed inputs", "output"} | \
@@ -330,10 +328,6 @@ def quiet_report(stats: RunStats, rows: list[tuple[str, str]], output: str | Non
     unnamed = stats.failed - len(stats.first_failures)
     if unnamed:
         lines.append(f"... and {unnamed} more failed")
-    if output is not None and (stats.failed or stats.failed_earlier):
-        quoted = shlex.quote(output)
-        lines.append(f"the failed rows' errors are in {output} (tarsier peek {quoted} --failed --last 100 lists "
-                     f"them; tarsier report {quoted} -o report.html groups them by kind, with examples)")
     return lines
 
 
