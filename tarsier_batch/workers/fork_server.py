@@ -1,8 +1,10 @@
-"""The process-wide fork server that every child process of ours starts from.
+"""The process-wide fork server that decoding workers (and `tarsier inspect`'s children) start from, and what a
+worker process does first.
 
 Children are forked from this small server, never from the caller: forking a caller that holds
 a model (gigabytes of private memory, torch's threads) can fail with ENOMEM where memory is not
-overcommitted, and forking a threaded process is unsafe. The server is started once, quiet.
+overcommitted, and forking a threaded process is unsafe. The server is started once, quiet. The workers that
+read videos' lengths for `--segments` are fresh interpreters instead (`probe`): they need none of its preload.
 """
 
 from __future__ import annotations

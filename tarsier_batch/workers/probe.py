@@ -39,8 +39,8 @@ T = TypeVar("T")
 def video_facts(items: list[MediaItem], segmenting: Segmenting, workers: int, timeout_s: float | None,
                 meanwhile: Callable[[], object] | None = None) -> list[VideoFacts | None]:
     """Each item's `VideoFacts` as `segmenting` needs them, None where they cannot be read. `meanwhile` runs in
-    this process while the workers read (a run loads its model then): the first worker's start alone, the
-    decoding modules imported, is seconds."""
+    this process while the workers read (a run loads its model then): a worker's start alone, a fresh interpreter
+    importing the command's module and the decoders, is about half a second."""
     scenes = segmenting.mode == "scenes"
     known: dict[int, VideoFacts] = {}
     if scenes:
