@@ -164,7 +164,7 @@ def test_peek_lists_the_last_failed_rows_alone(tmp_path: Path) -> None:
     out = write_results(tmp_path / "r.parquet", rows)
     peek = runner.invoke(app, ["peek", str(out), "--failed", "--last", "5"])
     assert peek.exit_code == 0, peek.output
-    assert peek.stderr == f"{out}: 5 rows, 3 captioned, 2 failed (undecodable 1, timeout 1); finished output\n"
+    assert peek.stderr == f"{out}: 5 rows, 3 captioned, 2 failed (timeout 1, undecodable 1); finished output\n"
     assert peek.stdout.splitlines() == ["undecodable  /v/a.mp4  cut at 10 %", "timeout      /v/c.mp4  timed out"]
     last = runner.invoke(app, ["peek", str(out), "--failed", "--last", "1", "--json"])
     assert [json.loads(line)["path"] for line in last.stdout.splitlines()] == ["/v/c.mp4"]

@@ -21,7 +21,8 @@ def counts_line(results: Results, name: str) -> str:
         return f"{name}: {run.note}"
     statuses = Counter(status_of(row) for row in results.rows)
     captioned = statuses.pop("captioned", 0)
-    failed = ", ".join(f"{kind} {count:,}" for kind, count in statuses.most_common())
+    failed = ", ".join(f"{kind} {count:,}" for kind, count in sorted(statuses.items(),
+                                                                     key=lambda pair: (-pair[1], pair[0])))
     warned = sum(bool(row.get("warnings")) for row in results.rows)
     kinds = ", ".join(f"{kind} {count:,}" for kind, count in warning_kinds(results.rows))
     state = (f"{results.unfinished.note} in {results.unfinished.parts} part files" if results.unfinished
