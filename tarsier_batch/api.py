@@ -35,6 +35,7 @@ from .inputs.sources import MediaItem
 from .media import FrameCount, decoder_versions, frames_in_words
 from .model import preflight
 from .model.checkpoints import resolve_model
+from .model.collector import collection_paused
 from .model.devices import default_max_rows, kv_cache_bytes, resolve_device, resolve_dtype
 from .model.preflight import MemoryEstimate
 from .outputs.results import Answer, CaptionResult
@@ -60,50 +61,51 @@ class Captioner:
     def __init__(self, settings: CaptionSettings, items: int | None = None):
         """`items`: how many items this Captioner will caption, when known (the memory check then counts only the
         rows they can fill)."""
-        self.settings = settings
-        self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
-        refuse_for_family(settings)   # before a weight is downloaded or read
-        self.resolved = resolve_model(settings.model)
-        # Every running row decodes one position per step, so the step budget also caps the rows.
-        self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
-        self.workers = settings.workers or default_workers(accelerated=self.device.type != "cpu")
-        self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
-        if settings.isolate_decoding:
-            start_decoding_server(self.resolved.path)   # its imports overlap the model's load
-        self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
-        # The most frames a clip gives plans memory and the KV check; `frame_count` is what each clip gives.
-        self.frames = settings.most_frames(self.model.processor.default_frames)
-        self.frame_count = settings.frame_count(self.model.processor.default_frames)
-        bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
-        kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
-        if kv_tokens < 1:
-            raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
-        pruning = settings.pruning if settings.prune_method == "fastv" else None   # temporal: the workers prune
-        layers = self.model.kv_geometry.num_layers
-        if pruning is not None and pruning["layer"] >= layers:
-            raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "
-                                f"give 1 <= K < {layers}")
-        self.engine_config = EngineConfig(
-            max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
-            prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
-            # On the CPU the "device" is host memory already: offloading would only add copies.
-            offload_kv=settings.offload_kv and self.device.type != "cpu", prefix_cache=settings.prefix_cache,
-            prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
-            compile=settings.compile_step, cuda_graphs=settings.cuda_graphs,
-            fused_attention=settings.fused_attention)
-        needed = self.model.processor.min_vision_positions(self.frames)
-        page = self.engine_config.kv_page_slots
-        # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
-        # decode its frames, then fail.
-        holds = int(kv_tokens) // page * page
-        if -(-(needed + 1) // page) * page > holds:
-            raise SettingsError(f"{{frames}} {self.frames} needs at least {needed} positions per item, more than "
-                                f"the KV cache holds ({holds}); use fewer {{frames}} or a larger "
-                                f"{{kv_cache_gb}}")
-        # Created once: the KV cache is allocated here, not per run.
-        self.engine = Engine(self.model, self.engine_config, settings.sampling)
-        self.settled = self._settled()
+        with collection_paused():   # while the model's code is imported and its weights read (model/collector.py)
+            self.settings = settings
+            self.device = resolve_device(settings.device)
+            self.dtype = resolve_dtype(settings.dtype, self.device)
+            refuse_for_family(settings)   # before a weight is downloaded or read
+            self.resolved = resolve_model(settings.model)
+            # Every running row decodes one position per step, so the step budget also caps the rows.
+            self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
+            self.workers = settings.workers or default_workers(accelerated=self.device.type != "cpu")
+            self.memory: MemoryEstimate | None = self._check_memory(items) if settings.preflight else None
+            if settings.isolate_decoding:
+                start_decoding_server(self.resolved.path)   # its imports overlap the model's load
+            self.model: CaptionModel = load_caption_model(self.resolved.path, self.dtype, self.device)
+            # The most frames a clip gives plans memory and the KV check; `frame_count` is what each clip gives.
+            self.frames = settings.most_frames(self.model.processor.default_frames)
+            self.frame_count = settings.frame_count(self.model.processor.default_frames)
+            bytes_per_token = self.model.kv_geometry.bytes_per_token(self.dtype)
+            kv_tokens = kv_cache_bytes(self.device, settings.kv_cache_gb, settings.max_batch_tokens) // bytes_per_token
+            if kv_tokens < 1:
+                raise SettingsError(f"no memory left on {self.device} for a KV cache; pass {{kv_cache_gb}}")
+            pruning = settings.pruning if settings.prune_method == "fastv" else None   # temporal: the workers prune
+            layers = self.model.kv_geometry.num_layers
+            if pruning is not None and pruning["layer"] >= layers:
+                raise SettingsError(f"{{prune_layer}} {pruning['layer']}: the model has {layers} layers; "
+                                    f"give 1 <= K < {layers}")
+            self.engine_config = EngineConfig(
+                max_rows=self.batch_size, max_batch_tokens=settings.max_batch_tokens,
+                prefill_chunk=settings.prefill_chunk, kv_cache_tokens=int(kv_tokens),
+                # On the CPU the "device" is host memory already: offloading would only add copies.
+                offload_kv=settings.offload_kv and self.device.type != "cpu", prefix_cache=settings.prefix_cache,
+                prune=PruneConfig(pruning["vision"], int(pruning["layer"])) if pruning is not None else None,
+                compile=settings.compile_step, cuda_graphs=settings.cuda_graphs,
+                fused_attention=settings.fused_attention)
+            needed = self.model.processor.min_vision_positions(self.frames)
+            page = self.engine_config.kv_page_slots
+            # Checked here, as the scheduler will (whole pages, one new token at least): otherwise every item would
+            # decode its frames, then fail.
+            holds = int(kv_tokens) // page * page
+            if -(-(needed + 1) // page) * page > holds:
+                raise SettingsError(f"{{frames}} {self.frames} needs at least {needed} positions per item, more than "
+                                    f"the KV cache holds ({holds}); use fewer {{frames}} or a larger "
+                                    f"{{kv_cache_gb}}")
+            # Created once: the KV cache is allocated here, not per run.
+            self.engine = Engine(self.model, self.engine_config, settings.sampling)
+            self.settled = self._settled()
 
     def _check_memory(self, items: int | None) -> MemoryEstimate | None:
         """Refuse (`NotEnoughMemory`) a model and settings that will not fit, before a weight is read. None when the

@@ -66,17 +66,20 @@ def test_quieting_the_library_logs_quiets_a_transformers_imported_already() -> N
 
 
 @pytest.mark.long
-def test_a_caption_run_loads_torch_with_its_waiting_cpu_threads_asleep(tmp_path: Path) -> None:
+def test_a_caption_run_loads_torch_with_its_waiting_cpu_threads_asleep_and_the_collector_paused(
+        tmp_path: Path) -> None:
     """OpenMP reads its wait policy when torch loads it: set any later, spinning threads would hold the core a
-    decoding worker needs. Recorded at the moment the run first imports torch."""
+    decoding worker needs. The cyclic collector would walk torch's objects again and again while they are made
+    (model/collector.py). Recorded at the moment the run first imports torch."""
     found = fresh_python(
-        "import json, os, sys\n"
+        "import gc, json, os, sys\n"
         "os.environ.pop('OMP_WAIT_POLICY', None)\n"
         "seen = {}\n"
         "class WatchTorch:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'torch' and 'policy' not in seen:\n"
         "            seen['policy'] = os.environ.get('OMP_WAIT_POLICY')\n"
+        "            seen['collecting'] = gc.isenabled()\n"
         "sys.meta_path.insert(0, WatchTorch())\n"
         "from tarsier_batch.cli import app\n"
         f"sys.argv = ['tarsier', 'caption', {str(REPO / 'sample_data' / 'still.png')!r}, '--model', 'demo',\n"
@@ -86,7 +89,7 @@ def test_a_caption_run_loads_torch_with_its_waiting_cpu_threads_asleep(tmp_path:
         "except SystemExit as stop:\n"
         "    seen['exit'] = stop.code\n"
         "print(json.dumps(seen))\n")
-    assert found == {"policy": "PASSIVE", "exit": 0}
+    assert found == {"policy": "PASSIVE", "collecting": False, "exit": 0}
 
 
 def test_a_wait_policy_the_user_chose_is_kept(monkeypatch) -> None:

@@ -33,6 +33,7 @@ from ..inputs.segments import SegmentsError
 from ..inputs.sources import Discovery, MediaItem, discover, row_id_of
 from ..media import MediaType, Span
 from ..model.checkpoints import ModelNotFoundError, local_checkpoint, needs_building, tiny_model_dir
+from ..model.collector import collection_paused
 from ..outputs.formats import OutputError, OutputTarget
 from ..outputs.lock import OutputLock
 from ..outputs.remote import RemoteOutput, UploadError, output_at
@@ -63,9 +64,10 @@ def load_captioner(settings: CaptionSettings, items: int | None = None) -> Backe
     """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
     if settings.isolate_decoding:
         start_decoding_for(settings)   # first: its imports overlap this process's (torch, the model's code), the load
-    from ..api import Captioner
+    with collection_paused():   # from torch's import on: the Captioner's own pause starts after it
+        from ..api import Captioner
 
-    return Captioner(settings, items)
+        return Captioner(settings, items)
 
 
 class CaptionRun:
