@@ -12,6 +12,7 @@ same load of a shared machine; one discarded run each first writes their bytecod
   itself if it comes first. Polled every 5 ms.
 - `exit_s`: to the process's exit; `cpu_s`: the command's user + system CPU time (its own and the children it
   waited for: the decoding fork server's too where the command stops and reaps it at its exit).
+- `import_torch_s` (once per turn): a fresh interpreter's `import torch`, the machine's speed that hour.
 - `server_preload_cpu_s`: measured apart, in a fresh interpreter, the CPU seconds of importing what the decoding
   fork server preloads before it forks its first worker (the modules the command has imported when it starts the
   server, the decoders, the families' processors).
@@ -139,6 +140,14 @@ def environment() -> dict:
                                                 for name in ("pandas", "triton", "ray")}}
 
 
+def import_torch_s(folder: Path) -> float:
+    """Seconds a fresh interpreter of this environment takes to import torch: the machine's speed at the hour of
+    the runs, to read rounds run at different hours side by side (a shared machine's speed moves by a third)."""
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], cwd=folder, env=user_environment(REPO), check=True)
+    return round(time.perf_counter() - started, 3)
+
+
 def summary(runs: list[dict]) -> dict:
     return {key: round(statistics.median(run[key] for run in runs), 3) for key in ("first_row_s", "exit_s", "cpu_s",
                                                                              "server_preload_cpu_s")}
@@ -154,12 +163,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as scratch:
         trees = {"before": export(before_commit, Path(scratch) / "before"), "after": REPO}
         runs: dict[str, list[dict]] = {side: [] for side in trees}
+        reference: list[float] = []
         for repeat in range(args.repeats + 1):
             for side, code in trees.items():
                 folder = Path(tempfile.mkdtemp(dir=scratch))
                 measured = {**quick_start(code, folder), "server_preload_cpu_s": server_preload_cpu_s(code, folder)}
                 if repeat:   # the first writes the bytecode caches
                     runs[side].append(measured)
+            if repeat:
+                reference.append(import_torch_s(Path(scratch)))
         offenders = {side: import_offenders(code, Path(tempfile.mkdtemp(dir=scratch))) for side, code in trees.items()}
     medians = {side: summary(side_runs) for side, side_runs in runs.items()}
     print(json.dumps({**measured_on(), "benchmark": "bench/bench_startup.py", "command": "tarsier " + " ".join(
@@ -167,6 +179,7 @@ def main() -> None:
         "repeats": args.repeats,
         "load_average_at_end": list(os.getloadavg()), "median": medians,
         "first_row_before_over_after": round(medians["before"]["first_row_s"] / medians["after"]["first_row_s"], 2),
+        "import_torch_s": {"median": statistics.median(reference), "runs": reference},
         "runs": runs, "imports": offenders}, indent=1))
 
 
