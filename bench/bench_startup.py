@@ -12,7 +12,7 @@ same load of a shared machine; one discarded run each first writes their bytecod
   itself if it comes first. Polled every 5 ms.
 - `exit_s`: to the process's exit; `cpu_s`: the command's user + system CPU time (its own and the children it
   waited for: the decoding fork server's too where the command stops and reaps it at its exit).
-- `import_torch_s` (once per turn): a fresh interpreter's `import torch`, the machine's speed that hour.
+- `import_torch_s` (once per turn): a fresh interpreter's `import torch`, the machine's speed at that time.
 - `server_preload_cpu_s`: measured apart, in a fresh interpreter, the CPU seconds of importing what the decoding
   fork server preloads before it forks its first worker (the modules the command has imported when it starts the
   server, the decoders, the families' processors).
@@ -141,8 +141,8 @@ def environment() -> dict:
 
 
 def import_torch_s(folder: Path) -> float:
-    """Seconds a fresh interpreter of this environment takes to import torch: the machine's speed at the hour of
-    the runs, to read rounds run at different hours side by side (a shared machine's speed moves by a third)."""
+    """Seconds a fresh interpreter of this environment takes to import torch: the machine's speed at the time of
+    the runs, to read rounds run at different times side by side (a shared machine's speed moves by a third)."""
     started = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import torch"], cwd=folder, env=user_environment(REPO), check=True)
     return round(time.perf_counter() - started, 3)
