@@ -41,11 +41,15 @@ class _Recorded(NamedTuple):
 
 
 class StepGraphs:
-    """`function` (tensors in, one tensor out, no host synchronisation inside) replayed as a CUDA graph per
-    distinct set of input sizes."""
+    """A step function (tensors in, one tensor out, no host synchronisation inside) replayed as a CUDA graph per
+    distinct set of input sizes.
 
-    def __init__(self, function: Callable[..., torch.Tensor], device: torch.device):
-        self.function = function
+    The function comes with each call, the same one every time (a graph replays what the first call of its sizes
+    recorded), and is not kept: it is its owner's method, and keeping it would tie the owner to itself in a
+    reference cycle, which outlives a dropped engine, and the model's weights with it, until the cyclic
+    collector's next full collection."""
+
+    def __init__(self, device: torch.device):
         self.device = device
         self.graphs: dict[tuple, _Recorded] = {}
         self.outputs: dict[tuple, torch.Tensor] = {}   # (shape, dtype) -> the buffer graphs of that output share
@@ -54,13 +58,13 @@ class StepGraphs:
         # stream would also get cuBLAS a workspace of its own, kept for the process's life.
         self.stream = torch.cuda.Stream(device)
 
-    def __call__(self, *inputs: Any) -> torch.Tensor:
+    def __call__(self, function: Callable[..., torch.Tensor], *inputs: Any) -> torch.Tensor:
         leaves, spec = tree_flatten(inputs)
         key = (spec, tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves))
         with torch.cuda.device(self.device):
             recorded = self.graphs.get(key)
             if recorded is None:
-                recorded = self.graphs[key] = self._record(leaves, spec)
+                recorded = self.graphs[key] = self._record(function, leaves, spec)
             for static, leaf in zip(recorded.inputs, leaves):
                 if isinstance(static, torch.Tensor):
                     static.copy_(leaf, non_blocking=True)
@@ -74,7 +78,7 @@ class StepGraphs:
         self.outputs.clear()
         self.pool = None
 
-    def _record(self, leaves: list[Any], spec: Any) -> _Recorded:
+    def _record(self, function: Callable[..., torch.Tensor], leaves: list[Any], spec: Any) -> _Recorded:
         """Warm up once (compilation and lazy initialisation happen outside the recording; the step's KV writes
         are the same values to the same slots, again at the replay), then record. An error of the warm-up is
         the step's own and propagates as it is; one of the recording is a `CudaGraphError`."""
@@ -82,7 +86,7 @@ class StepGraphs:
         arguments = tree_unflatten(static, spec)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            warm = self.function(*arguments)
+            warm = function(*arguments)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         output = self.outputs.setdefault((warm.shape, warm.dtype), torch.empty_like(warm))
         del warm
@@ -90,7 +94,7 @@ class StepGraphs:
         try:
             # thread_local: only this thread's unsafe calls break the recording, not another thread's work.
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
-                output.copy_(self.function(*arguments))
+                output.copy_(function(*arguments))
         except Exception as error:
             cause = error.__context__ or error   # a failed recording's own error is often "a previous error"
             raise CudaGraphError(Worded("recording a decode step as a CUDA graph failed ({cause}); run with "

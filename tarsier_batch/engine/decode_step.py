@@ -20,7 +20,6 @@ Steps with prefill chunks (or rows whose prefill is offloaded) take the general 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -56,8 +55,7 @@ class DecodeStep:
         self.static_shapes = graphs if static_shapes is None else static_shapes
         # Which cache each layer uses, as booleans: fixed for the model, whatever the step.
         self.late_layers = tuple(layer not in pools[0].layers for layer in range(model.kv_geometry.num_layers))
-        self.graphs = StepGraphs(self.logits, model.device) if graphs else None
-        self._logits: Callable[..., torch.Tensor] = self.graphs or self.logits
+        self.graphs = StepGraphs(model.device) if graphs else None
 
     @staticmethod
     def accepts(step: list[ScheduledRow]) -> bool:
@@ -78,8 +76,9 @@ class DecodeStep:
             positions[index] = seq.prompt.next_position + generated
         components = rows[0].prompt.positions.shape[0]
         parts = tuple(self._cache_step(pool, part, step, padded) for part, pool in enumerate(self.pools))
-        return rows, self._logits(to_device(token_ids, device), to_device(positions, device).expand(components, -1),
-                                  parts)[:len(rows)]
+        inputs = (to_device(token_ids, device), to_device(positions, device).expand(components, -1), parts)
+        logits = self.logits(*inputs) if self.graphs is None else self.graphs(self.logits, *inputs)
+        return rows, logits[:len(rows)]
 
     def logits(self, token_ids: torch.Tensor, positions: torch.Tensor, parts: tuple[CacheStep, ...]) -> torch.Tensor:
         """The whole step, as a function of tensors: (rows,) ids at (components, rows) positions -> (rows, vocab)."""

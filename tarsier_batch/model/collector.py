@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector paused while a process imports and loads a model.
 
-Importing torch and transformers' model code makes some 300,000 objects that live as long as the process. The
+Importing torch and transformers' model code makes some 350,000 objects that live as long as the process. The
 collector runs by allocation counts, so it walks them again and again while they are being made: about 15 % of the
-time a model process spends before its first row (0.8 s of 5 s for the demo model on 2 cores). What the imports
+time a model process spends before its first row (0.6 s of 5 s for the demo model on 2 cores). What the imports
 and the load leave behind for it is small (about 10,000 objects, import-time closures and tuples; no tensor, for
-every built-in family: tests/test_startup.py), so it can wait for the collector's next full collection.
+every built-in family: tests/test_collector.py), so it can wait for the collector's next full collection.
 """
 
 from __future__ import annotations
