@@ -5,6 +5,10 @@ collector runs by allocation counts, so it walks them again and again while they
 time a model process spends before its first row (0.6 s of 5 s for the demo model on 2 cores). What the imports
 and the load leave behind for it is small (about 10,000 objects, import-time closures and tuples; no tensor, for
 every built-in family: tests/test_collector.py), so it can wait for the collector's next full collection.
+
+The same holds later for what the block made: a reference cycle among those objects is freed only by a full
+collection, which comes rarely. So the model and its engine keep none of their memory in a cycle: a dropped
+Captioner frees its weights and KV cache by reference counting alone (tested for every family).
 """
 
 from __future__ import annotations
