@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..families.catalog import family_of_config
+from ..families.loading import family_of_checkpoint
 from ..families.weights import weight_files
 from ..settings import CaptionSettings, SettingsError
 from .devices import CUDA_RESERVED_BYTES, kv_cache_bytes
@@ -173,10 +174,17 @@ def estimate(model_dir: Path, settings: CaptionSettings, dtype: torch.dtype, dev
     vision_positions_per_batch = min(prompt_positions, step_positions * 4)
     vision = vision_positions_per_batch * geometry.vision_hidden * _VISION_BYTES_PER_POSITION_UNIT
     vision += _deepstack_bytes(geometry, dtype, step_positions, vision_positions_per_batch)
+    process = 0
+    if device.type == "cpu":
+        # The model's code imported now rather than by the load: its modules (transformers' modeling and what they
+        # import: torch's compiler, its distributed tensors, sympy; ~90 MB) are then part of the resident memory
+        # the estimate starts from, as they will be at the peak.
+        family_of_checkpoint(model_dir).code("loader")
+        process = _resident_bytes()
     return MemoryEstimate(weights=weight_bytes(model_dir, dtype, device), kv_cache=kv,
                           activations=language + logits + vision + RUNTIME_BYTES,
                           pixels=pixel_bytes if device.type == "cpu" else 0,   # decoded pixels wait in host memory
-                          process=_resident_bytes() if device.type == "cpu" else 0)
+                          process=process)
 
 
 def _deepstack_bytes(geometry: _Geometry, dtype: torch.dtype, step_positions: int, vision_positions: int) -> int:
