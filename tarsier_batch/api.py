@@ -61,12 +61,13 @@ class Captioner:
     def __init__(self, settings: CaptionSettings, items: int | None = None):
         """`items`: how many items this Captioner will caption, when known (the memory check then counts only the
         rows they can fill)."""
-        with collection_paused():   # while the model's code is imported and its weights read (model/collector.py)
-            self.settings = settings
-            self.device = resolve_device(settings.device)
-            self.dtype = resolve_dtype(settings.dtype, self.device)
-            refuse_for_family(settings)   # before a weight is downloaded or read
-            self.resolved = resolve_model(settings.model)
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        refuse_for_family(settings)   # before a weight is downloaded or read
+        self.resolved = resolve_model(settings.model)   # a download, if any, with the collector running
+        # From here the model's code is imported and its weights read (model/collector.py).
+        with collection_paused():
             # Every running row decodes one position per step, so the step budget also caps the rows.
             self.batch_size = settings.batch_size or min(default_max_rows(self.device), settings.max_batch_tokens)
             self.workers = settings.workers or default_workers(accelerated=self.device.type != "cpu")
@@ -415,6 +416,11 @@ class EngineServer:
                         waiting[next(numbers)] = handed_in[1]
             for future in waiting.values():
                 future.set_exception(error)
+        finally:
+            # The error is kept (`_failure`, the futures) with its traceback, which holds this frame and `take`'s:
+            # their variables must not hold this service (and through it the Captioner), or the three make a
+            # reference cycle that keeps the model alive until a full collection. As concurrent.futures' workers do.
+            self = waiting = None  # type: ignore[assignment]
 
 
 class _Closed(RuntimeError):

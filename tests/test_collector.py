@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tarsier_batch import api
 from tarsier_batch.api import Captioner
 from tarsier_batch.families.catalog import model_families
 from tarsier_batch.families.tiny import make_tiny_model
@@ -98,15 +99,25 @@ def test_a_collector_turned_off_before_stays_off() -> None:
 
 
 @pytest.mark.parametrize("family", [family.key for family in model_families()])
-def test_loading_each_family_collects_nothing_and_leaves_no_tensor_in_garbage(
-        tmp_path: Path, family: str, collections: list[int]) -> None:
-    """A tensor that a load left in a reference cycle would stay in memory until the collector's next full
-    collection, paused as it is during the load: for a 7B model, gigabytes. Every family's load leaves none."""
+def test_each_family_loads_with_the_collector_paused_and_leaves_no_tensor_in_garbage(
+        tmp_path: Path, family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model's code is imported (its processor and network) and its weights read with the collector paused;
+    what the load made is in the oldest generation after it; a download would run with the collector on. A tensor
+    that the load left in a reference cycle would stay in memory until the collector's next full collection: for
+    a 7B model, gigabytes. Every family's load leaves none."""
     model_dir = make_tiny_model(tmp_path / family, "tiny", seed=0, family=family)
-    gc.collect()
-    collections.clear()
+    collecting: dict[str, bool] = {}
+
+    def watched(name: str, function):
+        def call(*args):
+            collecting[name] = gc.isenabled()
+            return function(*args)
+        monkeypatch.setattr(api, name, call)
+
+    for name in ("resolve_model", "load_processor", "load_caption_model"):
+        watched(name, getattr(api, name))
     captioner = Captioner(CaptionSettings(model=str(model_dir), device="cpu", isolate_decoding=False))
-    assert collections == []
+    assert collecting == {"resolve_model": True, "load_processor": False, "load_caption_model": False}
     assert gc.isenabled()
     assert any(found is captioner.model for found in gc.get_objects(generation=2))
     gc.set_debug(gc.DEBUG_SAVEALL)   # what a collection frees, kept in gc.garbage to be looked at
@@ -139,3 +150,34 @@ def test_a_captioner_dropped_after_captioning_frees_its_model_and_kv_cache_witho
         assert [name for name, ref in kept.items() if ref() is not None] == []
     finally:
         gc.enable()
+
+
+def test_a_captioner_dropped_after_serving_frees_its_model_without_the_collector(tiny_model_dir: Path) -> None:
+    """A closed service keeps its failure (the close) for later callers: its traceback holds the service's frames,
+    which must not hold the service, or the Captioner stays alive in a reference cycle."""
+    captioner = Captioner(CaptionSettings(model=str(tiny_model_dir), device="cpu", isolate_decoding=False))
+    server = captioner.serve()
+    server.close()
+    with pytest.raises(RuntimeError, match="stopped earlier"):
+        server.submit([])
+    kept = {"model": weakref.ref(captioner.model), "kv cache": weakref.ref(captioner.engine.pools[0].keys)}
+    gc.disable()
+    try:
+        del captioner, server
+        assert [name for name, ref in kept.items() if ref() is not None] == []
+    finally:
+        gc.enable()
+
+
+def test_objects_the_process_froze_itself_stay_frozen() -> None:
+    """A process that freezes what it holds before forking workers keeps them out of every collection: the pause
+    must not unfreeze them."""
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with collection_paused():
+            Cycle()
+        assert gc.get_freeze_count() == frozen
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()

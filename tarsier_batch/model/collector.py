@@ -29,10 +29,11 @@ def collection_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             # What the block made moves to the oldest generation at once (frozen, then back: unfrozen objects go
-            # there), without a walk: resumed, the collector walks it next in its next full collection, as it
-            # would have had the block run without a pause, and frees there what the block left behind. Resumed
-            # with it in the youngest generation instead, it would walk all of it twice before that (0.5 s for
-            # the demo model).
-            gc.freeze()
-            gc.unfreeze()
+            # there), without a walk: the collector walks it next in a full collection, and frees there what the
+            # block left behind. Resumed with it in the youngest generation instead, it would walk all of it twice
+            # first (0.5 s for the demo model). Not where the process froze objects itself (a server that forks
+            # workers does): unfreezing would release those too.
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
             gc.enable()

@@ -64,10 +64,9 @@ def load_captioner(settings: CaptionSettings, items: int | None = None) -> Backe
     """The model, loaded as `settings` say (the one place a run loads it), to caption `items` items."""
     if settings.isolate_decoding:
         start_decoding_for(settings)   # first: its imports overlap this process's (torch, the model's code), the load
-    with collection_paused():   # from torch's import on: the Captioner's own pause starts after it
+    with collection_paused():   # torch's import (the Captioner pauses the collector itself while it loads)
         from ..api import Captioner
-
-        return Captioner(settings, items)
+    return Captioner(settings, items)
 
 
 class CaptionRun:
