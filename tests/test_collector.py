@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,22 @@ class Cycle:
 
     def __init__(self) -> None:
         self.me = self
+
+
+def held_by(captioner: Captioner) -> dict[str, weakref.ref]:
+    """Weak references to what holds a Captioner's memory: its model, its engine, its KV cache."""
+    return {"model": weakref.ref(captioner.model), "engine": weakref.ref(captioner.engine),
+            "kv cache": weakref.ref(captioner.engine.pools[0].keys)}
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic collector off: what is freed inside is freed by reference counting alone."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @pytest.fixture
@@ -142,14 +159,10 @@ def test_a_captioner_dropped_after_captioning_frees_its_model_and_kv_cache_witho
     results = list(captioner.caption([MediaItem(str(SAMPLE / "still.png"), MediaType.IMAGE),
                                          MediaItem(str(SAMPLE / "ball_h264.mp4"), MediaType.VIDEO)]))
     assert [result.error for result in results] == [None, None]
-    kept = {"model": weakref.ref(captioner.model), "engine": weakref.ref(captioner.engine),
-            "kv cache": weakref.ref(captioner.engine.pools[0].keys)}
-    gc.disable()
-    try:
+    kept = held_by(captioner)
+    with collector_off():
         del captioner, results
         assert [name for name, ref in kept.items() if ref() is not None] == []
-    finally:
-        gc.enable()
 
 
 def test_a_captioner_dropped_after_serving_frees_its_model_without_the_collector(tiny_model_dir: Path) -> None:
@@ -160,13 +173,10 @@ def test_a_captioner_dropped_after_serving_frees_its_model_without_the_collector
     server.close()
     with pytest.raises(RuntimeError, match="stopped earlier"):
         server.submit([])
-    kept = {"model": weakref.ref(captioner.model), "kv cache": weakref.ref(captioner.engine.pools[0].keys)}
-    gc.disable()
-    try:
+    kept = held_by(captioner)
+    with collector_off():
         del captioner, server
         assert [name for name, ref in kept.items() if ref() is not None] == []
-    finally:
-        gc.enable()
 
 
 def test_objects_the_process_froze_itself_stay_frozen() -> None:
